@@ -1,0 +1,3 @@
+"""asyncrl: asynchronous RL post-training for LLMs."""
+
+__version__ = "0.1.0"

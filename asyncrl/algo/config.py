@@ -1,0 +1,63 @@
+"""Configuration of the RL objective: advantages, loss, off-policy correction, staleness, KL."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.configbase import Section
+
+
+class AlgoConfig(Section):
+    loss: Literal["ppo", "gspo"] = "ppo"
+    """Policy loss: `ppo` (token-level clipped, decoupled PPO) or `gspo` (sequence-level ratio)."""
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Group advantage: `grpo` (std-normalised), `drgrpo` (mean-centred only), `rloo`."""
+    max_staleness: int = Field(default=4, ge=0)
+    """η: a group is trained only if current version − min(token versions) ≤ η; admission keeps
+    at most (η + 1) × groups_per_step prompt groups released but not yet trained."""
+    clip_low: float = Field(default=0.2, ge=0)
+    """Lower clip ε of the ratio (1 − clip_low). GSPO wants ~3e-4."""
+    clip_high: float = Field(default=0.2, ge=0)
+    """Upper clip ε of the ratio (1 + clip_high); above clip_low is DAPO's clip-higher."""
+    dual_clip: float | None = Field(default=3.0, gt=1)
+    """Dual-clip bound c for negative advantages (PPO only); null disables it."""
+    aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How the token loss matrix becomes a scalar (GSPO always uses seq-mean-token-mean)."""
+    correction: Literal["truncate", "mask", "none"] = "truncate"
+    """Behaviour-policy correction: truncated IS weights, masking tokens outside [mask_low,
+    mask_high], or none (plain PPO against π_prox)."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """Whether IS weights are per token or one per sequence."""
+    weight_cap: float = 2.0
+    """Truncation cap of the behaviour importance weights (must be > 0)."""
+    mask_low: float = 0.5
+    """Masking mode: tokens whose weight is below this are dropped."""
+    mask_high: float = 2.0
+    """Masking mode: tokens whose weight is above this are dropped."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no learning signal; DAPO dynamic sampling)."""
+    overlong_buffer: int = Field(default=0, ge=0)
+    """DAPO soft overlong penalty: last this many tokens before max_new_tokens are penalised
+    linearly (0 disables)."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
+    """Penalty at max_new_tokens for the soft overlong punishment."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Coefficient of the KL to the frozen initial policy (0 disables; no reference is kept)."""
+    kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
+    """KL estimator."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Apply the KL as a loss term or as a per-token reward penalty."""
+    eps: float = 1e-6
+    """ε in the GRPO std normalisation."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        if self.weight_cap <= 0:
+            raise ValueError("algo.weight_cap must be > 0")
+        if not 0 <= self.mask_low < self.mask_high:
+            raise ValueError("algo.mask_low must be ≥ 0 and below algo.mask_high")
+        return self

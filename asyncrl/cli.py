@@ -1,0 +1,105 @@
+"""`asyncrl` command line. Parses first, imports the heavy parts late: `--help` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from asyncrl import __version__
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl",
+        description="Asynchronous RL post-training: rollout and trainer pools joined by Redis.",
+    )
+    parser.add_argument("--version", action="version", version=f"asyncrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    launch = sub.add_parser(
+        "launch",
+        help="run a role: trainer, rollout, or all (local mode)",
+        description="Run one role of a run. Overrides are dotted key=value pairs.",
+    )
+    launch.add_argument("--role", required=True, choices=["trainer", "rollout", "all"])
+    launch.add_argument("--config", help="YAML config file (defaults apply when omitted)")
+    launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. run.id=exp1")
+    launch.add_argument("--mode", choices=["async", "sync"], help="shorthand for run.mode=...")
+    launch.add_argument("--print-config", action="store_true", help="print the resolved config")
+    launch.add_argument("--fresh", action="store_true", help="all: discard the run dir's state")
+    launch.add_argument("--worker-id", help="rollout: stable id (default: host-pid)")
+    launch.add_argument(
+        "--progress",
+        choices=["live", "quiet", "json"],
+        default=None,
+        help="all: live table (default on a terminal), quiet, or one JSON line per step",
+    )
+    launch.add_argument("--launcher", choices=["local", "ray"], default="local")
+    launch.add_argument("--ray-address", help="ray: address of an existing cluster")
+
+    status = sub.add_parser("status", help="show a run: version, queues, workers, last step")
+    status.add_argument("--config", help="the run's config (for run.id and redis.url)")
+    status.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    status.add_argument("--json", action="store_true", help="stable JSON object (see README)")
+
+    plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> Config:
+    from asyncrl.config import load_config
+
+    overrides = list(args.overrides)
+    if getattr(args, "mode", None):
+        overrides.append(f"run.mode={args.mode}")
+    return load_config(args.config, overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    # Overrides may follow options (`--mode sync trainer.max_steps=5`), which a plain
+    # positional nargs="*" does not accept: collect stray key=value words here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [w for w in extra if "=" in w and not w.startswith("-")]
+    if len(stray) != len(extra) or (stray and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(w for w in extra if w not in stray)}")
+    if stray:
+        args.overrides = [*args.overrides, *stray]
+    from asyncrl.config import ConfigError
+
+    try:
+        if args.command == "launch":
+            cfg = _load(args)
+            if args.print_config:
+                from asyncrl.config import dump_yaml
+
+                sys.stdout.write(dump_yaml(cfg))
+                return 0
+            from asyncrl.launch.roles import launch
+
+            return launch(cfg, args)
+        if args.command == "status":
+            from asyncrl.launch.status import main as status_main
+
+            return status_main(_load(args), as_json=args.json)
+        if args.command == "plot":
+            from asyncrl.plot import main as plot_main
+
+            return plot_main(args.run_dir, args.out)
+    except ConfigError as exc:
+        print(f"asyncrl: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The run configuration: one typed tree assembled from the sections the components own.
+
+A config is a YAML file plus dotted `key=value` overrides. Everything is validated before any
+process starts; an error names the key and the allowed values (`ConfigError`, one line).
+Cross-field checks live in `Config._check`, nowhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from asyncrl.algo.config import AlgoConfig
+from asyncrl.configbase import Section
+from asyncrl.model import ModelConfig
+from asyncrl.queue import QueueConfig
+from asyncrl.redis_conn import RedisConfig, redact_url
+from asyncrl.rollout.config import (
+    ArithmeticTaskConfig,
+    EngineConfig,
+    SamplingParams,
+    TaskConfig,
+    TorchEngineConfig,
+)
+from asyncrl.trainer.config import TrainerConfig
+from asyncrl.weights.config import WeightsConfig
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line naming the key."""
+
+
+class RunConfig(Section):
+    id: str = Field(default="run", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run name; all Redis keys live under `asyncrl:{id}:`."""
+    dir: str = "runs/{run.id}"
+    """Run directory: resolved config, metrics.jsonl, checkpoints/, logs/, redis/ (local mode)."""
+    mode: Literal["async", "sync"] = "async"
+    """`sync`: rollouts wait for the newest weights and the trainer trains only on groups of
+    its current version (the baseline); `async`: neither side waits, staleness ≤ η."""
+    seed: int = 0
+    """Seed of the data order and of the samplers."""
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir.replace("{run.id}", self.id))
+
+
+class RolloutConfig(Section):
+    workers: int = Field(default=2, ge=0)
+    """Rollout processes that `--role all` starts (other deployments start them themselves)."""
+    n: int = Field(default=8, ge=1)
+    """Samples generated per prompt (the group size)."""
+    prompts_per_batch: int = Field(default=4, ge=1)
+    """Prompt groups a worker takes from the stream and generates as one batch."""
+    engine: EngineConfig = Field(default_factory=lambda: TorchEngineConfig())
+    """The generation engine."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """Sampling parameters; the trainer recomputes log-probs under the same processing."""
+    heartbeat_ttl_s: float = Field(default=10.0, gt=0)
+    """A worker whose heartbeat is older than this is dead; its prompts are re-claimed."""
+
+
+class MetricsConfig(Section):
+    host: str = "127.0.0.1"
+    """Bind address of /metrics and /healthz (loopback by default; 0.0.0.0 in containers)."""
+    port: int = Field(default=9400, ge=0, le=65535)
+    """Port of this process' /metrics; local mode gives child i the port + i. 0 disables."""
+    jsonl: bool = True
+    """Write {run.dir}/metrics.jsonl (trainer)."""
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Identity, directory and mode of the run."""
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    """Where the shared state lives."""
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    """Delivery rules of the streams."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The model trained and served."""
+    task: TaskConfig = Field(default_factory=lambda: ArithmeticTaskConfig())
+    """What the prompts are and how responses are scored."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """The rollout pool."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The trainer pool."""
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    """The objective."""
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    """How new weights reach the rollout engines."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """Prometheus endpoint and the JSONL log."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.rollout.sampling.temperature <= 0:
+            raise ValueError(
+                "rollout.sampling.temperature must be > 0 for training: behaviour log-probs of "
+                "greedy decoding are not defined"
+            )
+        if self.algo.loss == "gspo" and self.algo.aggregation != "seq-mean-token-mean":
+            raise ValueError("algo.aggregation must be seq-mean-token-mean when algo.loss=gspo")
+        if self.weights.store_dir is None:
+            self.weights.store_dir = self.run.path / "weights"
+        if self.model.build_tiny and self.task.type != "arithmetic":
+            raise ValueError("model.build_tiny needs task.type=arithmetic (its warm-up task)")
+        if self.algo.advantage in ("grpo", "drgrpo", "rloo") and self.rollout.n < 2:
+            raise ValueError("rollout.n must be ≥ 2: group advantages need several samples")
+        return self
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved config as plain data with secrets removed (`--print-config`, logs)."""
+        data = self.model_dump(mode="json")
+        if data["redis"]["url"]:
+            data["redis"]["url"] = redact_url(data["redis"]["url"])
+        return data
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected dotted key=value, e.g. run.id=exp1")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(data, key, value)
+    return data
+
+
+def _field_names(model: type[BaseModel] | None) -> list[str]:
+    return sorted(model.model_fields) if model is not None else []
+
+
+_MISSING = object()
+
+
+def _child(node: Any, elem: int | str) -> Any:
+    if isinstance(node, dict):
+        return node.get(elem, _MISSING)
+    if isinstance(node, list) and isinstance(elem, int) and 0 <= elem < len(node):
+        return node[elem]
+    return _MISSING
+
+
+def _dotted_loc(loc: tuple[int | str, ...], data: Any) -> str:
+    """The user's key path of a pydantic error location, without discriminator tags."""
+    parts: list[str] = []
+    node: Any = data
+    for elem in loc:
+        child = _child(node, elem)
+        if child is _MISSING and isinstance(node, dict) and node.get("type", elem) == elem:
+            # pydantic puts the `type` tag of a discriminated union in the location; the user
+            # never wrote it as a key, so it stays out of the message.
+            continue
+        node = child
+        parts.append(str(elem))
+    return ".".join(parts) or "<root>"
+
+
+def _section_at(path: list[str]) -> type[BaseModel] | None:
+    model: Any = Config
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    return model if isinstance(model, type) else None
+
+
+def _format_error(err: Any, data: dict[str, Any]) -> str:
+    key = _dotted_loc(tuple(err["loc"]), data)
+    if err["type"] == "extra_forbidden":
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        allowed = _field_names(_section_at(parent.split(".") if parent else []))
+        hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+        return f"{key}: unknown key{hint}"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if msg.startswith(key + " ") or msg.startswith(key.split(".")[0] + "."):
+        return msg
+    got = err.get("input")
+    shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+    return f"{key}: {msg}{shown}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read `path` (YAML), apply overrides, validate. Raises ConfigError with one clear line."""
+    data: Any = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections")
+    data = apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = [_format_error(e, data) for e in exc.errors()]
+        raise ConfigError("; ".join(lines)) from None
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.redacted(), sort_keys=False)

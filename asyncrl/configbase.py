@@ -1,0 +1,19 @@
+"""The base class every config section derives from.
+
+Sections are pydantic models owned by the component they configure; `asyncrl.config` assembles
+them into one tree. They must import without torch or any engine so that `asyncrl --help` and
+config validation stay fast.
+"""
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, assignments are validated, docs per field."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+        frozen=False,
+    )

@@ -1,0 +1,164 @@
+"""Local mode (`asyncrl launch --role all`): embedded Redis, one trainer, N rollout workers.
+
+Every process it starts is its own child in its own session (so Ctrl-C reaches only the launcher),
+stopped by its handle with SIGTERM on exit or Ctrl-C. The Redis
+data (AOF) and checkpoints stay in the run directory, so running the same command again resumes,
+and `asyncrl status` can inspect a finished run. A rollout worker that dies is restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+
+from asyncrl.config import Config
+from asyncrl.keys import Keys
+from asyncrl.launch.redis_server import RedisServer
+
+# What local mode writes into a run directory; `--fresh` removes exactly these.
+RUN_STATE = ("checkpoints", "redis", "weights", "logs", "metrics.jsonl", "config.yaml", "plots")
+
+
+def _strip_password(url: str) -> tuple[str, str | None]:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=user + host)), parts.password
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_local(cfg: Config, args: argparse.Namespace) -> int:
+    from asyncrl.launch.progress import Progress
+    from asyncrl.model import ensure_model
+    from asyncrl.redis_conn import connect
+
+    run_dir = cfg.run.path
+    if args.fresh:
+        for name in RUN_STATE:
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    mode: Literal["live", "quiet", "json"] = args.progress or (
+        "live" if sys.stdout.isatty() else "quiet"
+    )
+    say = (lambda msg: None) if mode == "json" else (lambda msg: print(msg, flush=True))
+
+    server: RedisServer | None = None
+    url = cfg.redis.url
+    if url is None:
+        server = RedisServer(data_dir=run_dir / "redis").start()
+        url = server.url
+        (run_dir / "redis" / "url").write_text(url)
+        say(f"embedded redis-server at {url} (data in {run_dir / 'redis'})")
+    env = dict(os.environ)
+    # Secrets travel to the children by environment, never in argv or the run directory.
+    url, password = _strip_password(url)
+    if password is not None:
+        env[cfg.redis.password_env] = password
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+
+    children: list[Child] = []
+    try:
+        say(f"model: {cfg.model.path}")
+        ensure_model(cfg)
+        resolved = cfg.model_copy(deep=True)
+        resolved.redis.url = url
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
+        base = [sys.executable, "-m", "asyncrl", "launch", "--config", str(config_path)]
+        port = cfg.metrics.port
+
+        def metrics_port(i: int) -> list[str]:
+            return [f"metrics.port={port + i}"] if port else []
+
+        trainer = Child(
+            "trainer",
+            [*base, "--role", "trainer", *metrics_port(0)],
+            run_dir / "logs" / "trainer.log",
+            env,
+        )
+        children.append(trainer)
+        for i in range(cfg.rollout.workers):
+            wid = f"rollout-{i}"
+            argv = [*base, "--role", "rollout", "--worker-id", wid, *metrics_port(1 + i)]
+            children.append(Child(wid, argv, run_dir / "logs" / f"{wid}.log", env))
+        for child in children:
+            child.start()
+        say(f"started trainer and {cfg.rollout.workers} rollout worker(s); logs in {run_dir}/logs")
+        client = connect(cfg.redis, url)
+        progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
+        try:
+            while (rc := trainer.poll()) is None:
+                progress.update()
+                for child in children[1:]:
+                    if child.poll() is not None and child.restarts < 10:
+                        say(f"{child.name} exited with {child.poll()}; restarting")
+                        child.restarts += 1
+                        child.start()
+                time.sleep(0.5)
+            progress.update()
+        finally:
+            progress.close()
+        if rc != 0:
+            say(f"trainer exited with {rc}; see {trainer.log_path}")
+        return rc
+    except KeyboardInterrupt:
+        say("interrupted: stopping (run the same command again to resume)")
+        return 130
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.wait(30.0)
+        if server is not None:
+            server.stop()
+            (run_dir / "redis" / "url").unlink(missing_ok=True)

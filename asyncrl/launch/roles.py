@@ -1,0 +1,44 @@
+"""`asyncrl launch`: run one role in this process, or a whole local run (`--role all`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from asyncrl.config import Config
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def launch(cfg: Config, args: argparse.Namespace) -> int:
+    if args.role == "all":
+        if args.launcher == "ray":
+            from asyncrl.launch.ray_launcher import run_ray
+
+            return run_ray(cfg, args)
+        from asyncrl.launch.local import run_local
+
+        return run_local(cfg, args)
+    if cfg.redis.url is None:
+        print(
+            f"asyncrl: config error: redis.url: required for --role {args.role} "
+            "(only --role all starts an embedded Redis)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.role == "trainer":
+        setup_logging("trainer")
+        from asyncrl.trainer.main import run_trainer
+
+        return run_trainer(cfg)
+    setup_logging(f"rollout[{args.worker_id or ''}]")
+    from asyncrl.rollout.worker import run_worker
+
+    return run_worker(cfg, args.worker_id)

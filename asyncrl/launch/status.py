@@ -1,0 +1,245 @@
+"""`asyncrl status [--json]`: where a run stands, read from Redis (and the run directory).
+
+The JSON object is stable; scripts may rely on it:
+
+    {
+      "run_id": "exp1",
+      "version": 13,                      # published policy version; null before the first
+      "streams": {
+        "prompts":      {"length": 12, "lag": 4, "pending": 8},
+        "trajectories": {"length": 3, "lag": 1, "pending": 2},
+        "dlq":          {"length": 0}
+      },
+      "counters": {"prompts_released": 40, "groups_published": 22, "groups_trained": 20,
+                   "groups_dropped_stale": 2, "groups_dead_lettered": 1},
+      "balanced": true,
+      "workers": {
+        "rollout": [{"id": "host-123", "age_s": 0.4, "version": 13}],
+        "trainer": [{"id": "trainer-0", "age_s": 0.2, "version": 13}]
+      },
+      "last_step": {"step": 20, "version": 13, "reward_mean": 0.51, ...}
+    }
+
+- `streams`: `length` is the stream's entry count (acked entries stay until trimmed), `lag` the
+  entries not yet delivered to the consumer group (`rollout` for prompts, `trainer` for
+  trajectories), `pending` those delivered but not acked (`asyncrl.queue.stream_stats`). A
+  stream that does not exist yet reads as zeros; one without its consumer group has delivered
+  nothing, so all its entries are lag.
+- `counters`: the run-accounting hash (DESIGN §9); missing fields are 0.
+- `balanced`: prompts_released == groups_trained + groups_dropped_stale + groups_dead_lettered +
+  lag + pending of both streams. It holds at any quiet moment; while workers are mid-transaction
+  it may be false for an instant.
+- `workers`: live heartbeats by role, sorted by id; `age_s` is seconds since the worker's last
+  heartbeat, `version` the policy version it reported (null if it reported none).
+- `last_step`: the trainer's latest step figures: the `last_step` key, else the last step line of
+  `{run.dir}/metrics.jsonl`, else null.
+
+When no Redis is reachable (a finished local run, a wrong URL), the object keeps its keys with
+`version`, `streams`, `counters`, `balanced` and `workers` null, `last_step` comes from the run
+directory, the reason goes to stderr and the exit status is 1.
+
+Without `redis.url`, status looks for the local-mode Redis: `asyncrl launch --role all` keeps
+its URL in `{run.dir}/redis/url` while it runs. The URL is only ever shown redacted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl import heartbeat
+from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from asyncrl.metrics import is_eval_record, read_jsonl
+from asyncrl.queue import stream_stats
+
+if TYPE_CHECKING:
+    import redis
+
+    from asyncrl.config import Config
+
+ROLES = ("rollout", "trainer")
+
+# status reads only the end of the log: the last step line is within it, whatever the run length.
+_LOG_TAIL_BYTES = 1 << 20
+
+
+def stream_depths(client: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
+    """The `streams` part of the status object."""
+    return {
+        "prompts": stream_stats(client, keys.prompts, PROMPTS_GROUP),
+        "trajectories": stream_stats(client, keys.trajectories, TRAJECTORIES_GROUP),
+        "dlq": {"length": int(client.xlen(keys.dlq))},
+    }
+
+
+def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
+    raw = client.hgetall(keys.counters)
+    values = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
+    return {name: values.get(name, 0) for name in COUNTERS}
+
+
+def is_balanced(counters: dict[str, int], streams: dict[str, dict[str, int]]) -> bool:
+    queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
+    accounted = (
+        counters["groups_trained"]
+        + counters["groups_dropped_stale"]
+        + counters["groups_dead_lettered"]
+        + queued
+    )
+    return counters["prompts_released"] == accounted
+
+
+def live_workers(client: redis.Redis, keys: Keys) -> dict[str, list[dict[str, Any]]]:
+    """The `workers` part: every unexpired heartbeat, by role, sorted by id."""
+    return {
+        role: [
+            {"id": w["id"], "age_s": w["age_s"], "version": w.get("version")}
+            for w in heartbeat.live_workers(client, keys, role)
+        ]
+        for role in ROLES
+    }
+
+
+def last_step_in_log(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    steps = [r for r in read_jsonl(path, tail_bytes=_LOG_TAIL_BYTES) if not is_eval_record(r)]
+    return steps[-1] if steps else None
+
+
+def _last_step(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, Any] | None:
+    raw = client.get(keys.last_step)
+    if raw is not None:
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            return value
+    return last_step_in_log(run_dir)
+
+
+def collect_status(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, Any]:
+    """The status object documented above, from a reachable Redis."""
+    version = client.get(keys.version)
+    streams = stream_depths(client, keys)
+    counters = read_counters(client, keys)
+    return {
+        "run_id": keys.run_id,
+        "version": int(version) if version is not None else None,
+        "streams": streams,
+        "counters": counters,
+        "balanced": is_balanced(counters, streams),
+        "workers": live_workers(client, keys),
+        "last_step": _last_step(client, keys, run_dir),
+    }
+
+
+def offline_status(run_id: str, run_dir: Path) -> dict[str, Any]:
+    """The status object when Redis cannot be reached: what the run directory holds."""
+    return {
+        "run_id": run_id,
+        "version": None,
+        "streams": None,
+        "counters": None,
+        "balanced": None,
+        "workers": None,
+        "last_step": last_step_in_log(run_dir),
+    }
+
+
+def local_redis_url(run_dir: Path) -> str | None:
+    """The URL a running `asyncrl launch --role all` left in the run directory, if any."""
+    try:
+        return (run_dir / "redis" / "url").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def _age(seconds: float | None) -> str:
+    return "age ?" if seconds is None else f"{seconds:.1f}s ago"
+
+
+def _joined(items: dict[str, Any]) -> str:
+    return " · ".join(f"{k} {_fmt(v)}" for k, v in items.items())
+
+
+def _rows(status: dict[str, Any], redis_line: str) -> list[tuple[str, str]]:
+    rows = [("run", status["run_id"]), ("redis", redis_line)]
+    streams, counters = status["streams"], status["counters"]
+    if streams is not None:
+        queues = [f"{name} {_joined(streams[name])}" for name in ("prompts", "trajectories")]
+        balance = "balanced" if status["balanced"] else "NOT balanced"
+        rows += [
+            ("version", _fmt(status["version"])),
+            ("queues", " | ".join([*queues, f"dlq length {streams['dlq']['length']}"])),
+            ("counters", f"{_joined(counters)} ({balance})"),
+        ]
+        for role in ROLES:
+            live = status["workers"][role]
+            beats = [f"{w['id']} v{_fmt(w['version'])} {_age(w['age_s'])}" for w in live]
+            rows.append((role, " | ".join([f"{len(live)} live", *beats])))
+    if status["last_step"] is not None:
+        rows.append(("last step", _joined(status["last_step"])))
+    return rows
+
+
+def _print(rows: list[tuple[str, str]]) -> None:
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for label, text in rows:
+            table.add_row(label, text)
+        Console().print(table)
+    else:
+        for label, text in rows:
+            print(f"{label:<10} {text}")
+
+
+def _from_redis(
+    cfg: Config, url: str | None, keys: Keys, run_dir: Path
+) -> tuple[dict[str, Any] | None, str]:
+    """(status, line for the `redis` row) or (None, why Redis could not be read)."""
+    import redis
+
+    from asyncrl.redis_conn import connect, redact_url
+
+    if url is None:
+        return None, f"redis.url is not set and no local run is running in {run_dir}"
+    try:
+        client = connect(cfg.redis, url)
+        try:
+            return collect_status(client, keys, run_dir), f"{redact_url(url)} (up)"
+        finally:
+            client.close()
+    except (redis.RedisError, OSError) as exc:
+        return None, f"Redis at {redact_url(url)} is not reachable: {exc}"
+
+
+def main(cfg: Config, as_json: bool) -> int:
+    """Prints the status; 0 when Redis was reached, 1 when only the run directory was read."""
+    run_dir = cfg.run.path
+    url = cfg.redis.url or local_redis_url(run_dir)
+    status, redis_line = _from_redis(cfg, url, Keys(cfg.run.id), run_dir)
+    if status is None:
+        print(f"asyncrl status: {redis_line}; showing what {run_dir} holds", file=sys.stderr)
+        status = offline_status(cfg.run.id, run_dir)
+        redis_line = "not reachable"
+    if as_json:
+        print(json.dumps(status, indent=2))
+    else:
+        _print(_rows(status, redis_line))
+    return 0 if status["streams"] is not None else 1

@@ -1,0 +1,43 @@
+"""Which model a run trains, and building the offline quickstart model when it is absent."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncrl.configbase import Section
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+
+
+class ModelConfig(Section):
+    path: str = "runs/models/tiny-add"
+    """Local Hugging Face model directory (config.json, safetensors, tokenizer). The trainer
+    starts from it and rollout engines load it; no hub downloads."""
+    build_tiny: bool = False
+    """Build the offline tiny quickstart model (Qwen2 architecture, warmed on the arithmetic
+    task) at `path` if it is absent. Needs `task.type: arithmetic`."""
+
+
+def is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
+    """The model directory, built first when configured to; a rollout worker passes `wait_s` to
+    wait for a trainer that is building it instead of building it twice."""
+    path = Path(cfg.model.path)
+    deadline = time.monotonic() + wait_s
+    while not is_complete(path) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if is_complete(path):
+        return path
+    if not cfg.model.build_tiny:
+        raise SystemExit(f"model.path={path} holds no Hugging Face model (config.json + weights)")
+    from asyncrl.rollout.tiny_model import build_tiny_model
+
+    digits = getattr(cfg.task, "digits", 2)
+    build_tiny_model(path, digits=digits, seed=cfg.run.seed)
+    return path

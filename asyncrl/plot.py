@@ -1,0 +1,140 @@
+"""`asyncrl plot RUN_DIR`: PNG curves from a run's metrics.jsonl.
+
+Writes, into `--out` (default `RUN_DIR/plots`):
+- `reward.png`: reward_mean and eval_accuracy vs step and vs wall_seconds;
+- `staleness.png`: staleness mean and max vs step;
+- `correction.png`: behaviour_weight_mean and clip_fraction vs step;
+- `throughput.png`: trainer tokens/s vs step.
+
+Missing keys are tolerated; a figure with no data at all is skipped. Matplotlib is imported
+only here, and used through `Figure` (Agg), never pyplot: no display, no global state.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.metrics import is_eval_record, read_jsonl, tokens_per_second
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+Record = dict[str, Any]
+Series = tuple[str, list[float], list[float]]
+Panel = tuple[list[Series], str, str]  # series, x label, y label
+
+
+def _latest_per_step(records: list[Record]) -> list[Record]:
+    # A trainer resumed from an older checkpoint rewrites the steps after it; the later lines
+    # are the surviving lineage.
+    by_step = {r["step"]: r for r in records if isinstance(r.get("step"), int | float)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _series(
+    label: str, records: list[Record], x: str, y: str | Callable[[Record], float | None]
+) -> Series:
+    xs, ys = [], []
+    for record in records:
+        xv = record.get(x)
+        yv = y(record) if callable(y) else record.get(y)
+        if isinstance(xv, int | float) and isinstance(yv, int | float) and math.isfinite(yv):
+            xs.append(float(xv))
+            ys.append(float(yv))
+    return label, xs, ys
+
+
+def _draw(ax: Axes, series: list[Series], xlabel: str, ylabel: str) -> bool:
+    drawn = False
+    for label, xs, ys in series:
+        if xs:
+            ax.plot(xs, ys, label=label, marker="." if len(xs) < 50 else None)
+            drawn = True
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend()
+    return drawn
+
+
+def _figures(steps: list[Record], evals: list[Record]) -> dict[str, list[Panel]]:
+    """Figure name → its panels, side by side."""
+    by_wall = sorted(steps, key=lambda r: r.get("wall_seconds") or 0.0)
+    evals_by_wall = sorted(evals, key=lambda r: r.get("wall_seconds") or 0.0)
+    return {
+        "reward": [
+            (
+                [
+                    _series("reward_mean", steps, "step", "reward_mean"),
+                    _series("eval_accuracy", evals, "step", "eval_accuracy"),
+                ],
+                "step",
+                "reward / accuracy",
+            ),
+            (
+                [
+                    _series("reward_mean", by_wall, "wall_seconds", "reward_mean"),
+                    _series("eval_accuracy", evals_by_wall, "wall_seconds", "eval_accuracy"),
+                ],
+                "wall seconds",
+                "reward / accuracy",
+            ),
+        ],
+        "staleness": [
+            (
+                [
+                    _series("staleness_mean", steps, "step", "staleness_mean"),
+                    _series("staleness_max", steps, "step", "staleness_max"),
+                ],
+                "step",
+                "staleness (versions)",
+            )
+        ],
+        "correction": [
+            (
+                [_series("behaviour_weight_mean", steps, "step", "behaviour_weight_mean")],
+                "step",
+                "behaviour weight",
+            ),
+            ([_series("clip_fraction", steps, "step", "clip_fraction")], "step", "clip fraction"),
+        ],
+        "throughput": [
+            ([_series("tokens/s", steps, "step", tokens_per_second)], "step", "tokens / s")
+        ],
+    }
+
+
+def main(run_dir: str | Path, out: str | Path | None = None) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        print(
+            f"asyncrl plot: {path} does not exist (is {run_dir} a run directory?)", file=sys.stderr
+        )
+        return 2
+    records = read_jsonl(path)
+    if not records:
+        print(f"asyncrl plot: {path} holds no records yet", file=sys.stderr)
+        return 2
+    from matplotlib.figure import Figure
+
+    steps = _latest_per_step([r for r in records if not is_eval_record(r)])
+    evals = _latest_per_step([r for r in records if is_eval_record(r)])
+    out_dir = Path(out) if out is not None else Path(run_dir) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, panels in _figures(steps, evals).items():
+        fig = Figure(figsize=(5.5 * len(panels), 4), layout="constrained")
+        axes = fig.subplots(1, len(panels), squeeze=False)[0]
+        drawn = [_draw(ax, *panel) for ax, panel in zip(axes, panels, strict=True)]
+        if not any(drawn):
+            print(f"skipped {name}.png: no data")
+            continue
+        fig.suptitle(f"{Path(run_dir).name}: {name}")
+        target = out_dir / f"{name}.png"
+        fig.savefig(target, dpi=100)
+        print(target)
+    return 0

@@ -1,0 +1,541 @@
+"""Wire format of the `prompts` and `trajectories` streams (msgpack, schema version 1).
+
+Every message is a msgpack map with string keys, so any msgpack library in any language can read
+it. Arrays travel as msgpack `bin` holding raw little-endian values (int32, float32 or uint8) and
+are decoded with `np.frombuffer`: the decoded arrays are read-only views of the bytes that msgpack
+unpacked, and keep dtype `<i4`/`<f4` (native on little-endian hosts; still correct, only slower,
+on big-endian ones).
+
+Reading is the trust boundary: `decode_group` and `decode_prompt` reject anything oversize,
+malformed or semantically wrong with a `ValidationError` (and nothing else), so one bad stream entry
+is dead-lettered instead of taking down a worker. A decoded object has always passed validation.
+Keys that schema 1 does not know are ignored, so optional fields can be added without a new schema.
+
+This module imports only numpy and msgpack: rollout workers, the queue and `asyncrl status` use it
+without loading torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+Finish = Literal["stop", "length", "abort"]
+FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
+
+# Reasons are short and stable: they become the `reason` label of the dropped/dead-letter metrics
+# and the reason field of `dlq` entries.
+Reason = Literal[
+    "schema",
+    "malformed",
+    "too_large",
+    "length_mismatch",
+    "logprob_not_finite",
+    "logprob_positive",
+    "versions_decreasing",
+    "version_ahead",
+    "version_negative",
+    "reward_not_finite",
+    "finish",
+    "loss_mask",
+]
+
+# Meta maps must be flat: with scalar values only, a message nests at most four levels deep.
+MetaValue = None | bool | int | float | str
+_META_TYPES = frozenset({type(None), bool, int, float, str})
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+_U8 = np.dtype("u1")
+
+# Upper bound on map sizes apart from meta: a group or sample map has about ten keys; the slack
+# leaves room for optional keys added later within schema 1.
+_MAX_STRUCT_KEYS = 32
+
+
+class ValidationError(ValueError):
+    """A message that must not be used; `reason` is one of `Reason`, the message is for humans."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        # Both go into args so the exception survives pickling across process pools.
+        super().__init__(reason, message)
+        self.reason: Reason = reason
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds a reader enforces before trusting a message."""
+
+    # Encoded size; checked before unpacking, so an oversize entry costs nothing to reject.
+    max_message_bytes: int = 64 * 2**20
+    # Samples in one trajectory group, and `n` of a prompt group.
+    max_samples: int = 1024
+    # Response tokens of one sample.
+    max_response_tokens: int = 131072
+    # Prompt tokens of one group.
+    max_prompt_tokens: int = 131072
+    # Keys in one `meta` map.
+    max_meta_keys: int = 64
+    # Approximate size of one `meta` map: string lengths plus 8 per non-string value.
+    max_meta_bytes: int = 16384
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"Limits.{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# The wire types are slotted but not frozen: a frozen __init__ costs about 2 µs more per object,
+# a large share of decoding a group. eq=False because array fields have no single truth value.
+@dataclass(slots=True, eq=False)
+class Sample:
+    """One generated response of a group."""
+
+    # Generated token ids, int32.
+    response_ids: np.ndarray
+    # Behaviour log-prob of each response token under the distribution actually sampled from
+    # (after temperature/top-p), float32, finite and <= 0.
+    logprobs: np.ndarray
+    # Policy version whose weights produced each token's logits, int32, non-decreasing (an engine
+    # that swaps weights mid-sequence gives later tokens the newer version).
+    versions: np.ndarray
+    # Scalar reward from the verifier; finite.
+    reward: float
+    # Why generation ended: "stop" (EOS/stop string), "length" (token budget), "abort" (cut short).
+    finish: Finish
+    # Small flat map of scalars for diagnostics (verifier details, turn count); not trained on.
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+    # uint8, 1 for tokens the policy generated and is trained on, 0 for observation tokens an
+    # environment inserted in multi-turn episodes (those carry logprob 0 and still a version).
+    # None means every response token is trained on; it is then absent from the wire.
+    loss_mask: np.ndarray | None = None
+
+
+@dataclass(slots=True, eq=False)
+class TrajectoryGroup:
+    """All samples generated for one prompt: one entry of the `trajectories` stream."""
+
+    # Run id; a reader may reject groups of another run.
+    run: str
+    # Id of the `prompts` stream entry this group answers (what the trainer acks upstream).
+    group_id: str
+    # Dataset id of the prompt, stable across restarts and re-releases.
+    prompt_id: str
+    # Trainer version when the prompt was released. Tokens may carry newer versions (weights
+    # swapped after release), never older ones in practice, but only versions >= 0 are enforced.
+    release_version: int
+    # Id of the rollout worker that generated the group.
+    worker: str
+    # Unix seconds when the worker took the prompt, and when the last sample finished.
+    created_at: float
+    finished_at: float
+    # Prompt token ids, int32, shared by all samples.
+    prompt_ids: np.ndarray
+    # The n responses, in generation order; may be empty (e.g. every request failed).
+    samples: list[Sample]
+    # Wire schema version; readers reject any other.
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def min_version(self) -> int:
+        """Oldest version among all response tokens, which is what staleness is measured from.
+
+        A group without response tokens has nothing stale in it; it reports `release_version`, so
+        it ages like any other group released at the same time.
+        """
+        mins = [int(s.versions.min()) for s in self.samples if len(s.versions)]
+        return min(mins) if mins else self.release_version
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens over all samples (prompt tokens not counted)."""
+        return sum(len(s.response_ids) for s in self.samples)
+
+
+@dataclass(slots=True, eq=False)
+class PromptGroup:
+    """One entry of the `prompts` stream: a prompt to sample `n` responses for."""
+
+    # Run id.
+    run: str
+    # Dataset id of the prompt, stable across restarts and re-releases.
+    prompt_id: str
+    # Prompt text as the dataset gives it (chat template not applied); may be empty if
+    # `prompt_ids` is given.
+    prompt: str
+    # Prompt token ids, int32; empty means the worker tokenizes `prompt` itself.
+    prompt_ids: np.ndarray
+    # Reference answer handed to the verifier; empty when the task has none.
+    answer: str
+    # Task name, selecting the verifier/environment.
+    task: str
+    # Number of samples to generate, 1..max_samples.
+    n: int
+    # Trainer version when the prompt was released, >= 0.
+    release_version: int
+    # Small flat map of scalars the verifier or environment may need.
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+    # Wire schema version; readers reject any other.
+    schema: int = SCHEMA_VERSION
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def _bin(array: Any, dtype: np.dtype) -> memoryview:
+    # A memoryview lets msgpack copy the array straight into its buffer; casting here is also
+    # where big-endian hosts convert to little-endian.
+    return np.ascontiguousarray(array, dtype=dtype).data
+
+
+def _encode_sample(s: Sample) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "response_ids": _bin(s.response_ids, _I32),
+        "logprobs": _bin(s.logprobs, _F32),
+        "versions": _bin(s.versions, _I32),
+        "reward": float(s.reward),
+        "finish": s.finish,
+        "meta": s.meta,
+    }
+    if s.loss_mask is not None:
+        out["loss_mask"] = _bin(s.loss_mask, _U8)
+    return out
+
+
+def encode_group(g: TrajectoryGroup) -> bytes:
+    """Pack a group, casting arrays to their wire dtypes. Does not validate: see validate_group."""
+    return msgpack.packb(
+        {
+            "schema": g.schema,
+            "run": g.run,
+            "group_id": g.group_id,
+            "prompt_id": g.prompt_id,
+            "release_version": int(g.release_version),
+            "worker": g.worker,
+            "created_at": float(g.created_at),
+            "finished_at": float(g.finished_at),
+            "prompt_ids": _bin(g.prompt_ids, _I32),
+            "samples": [_encode_sample(s) for s in g.samples],
+        }
+    )
+
+
+def stream_fields(g: TrajectoryGroup) -> dict[bytes | str, bytes]:
+    """Fields of the `trajectories` stream entry: the message in `data`, plus `schema` and
+    `min_version` as ASCII so a reader can route or drop stale groups without decoding."""
+    return {
+        "data": encode_group(g),
+        "schema": str(g.schema).encode(),
+        "min_version": str(g.min_version).encode(),
+    }
+
+
+def encode_prompt(p: PromptGroup) -> bytes:
+    """Pack a prompt group (the `data` field of a `prompts` entry). Does not validate."""
+    return msgpack.packb(
+        {
+            "schema": p.schema,
+            "run": p.run,
+            "prompt_id": p.prompt_id,
+            "prompt": p.prompt,
+            "prompt_ids": _bin(p.prompt_ids, _I32),
+            "answer": p.answer,
+            "task": p.task,
+            "n": int(p.n),
+            "release_version": int(p.release_version),
+            "meta": p.meta,
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValidationError("malformed", f"msgpack ext type {code} is not allowed")
+
+
+def _unpack(data: bytes | bytearray | memoryview, limits: Limits) -> dict[str, Any]:
+    """Unpack a top-level map whose `schema` is known, rejecting oversize input before unpacking."""
+    try:
+        size = memoryview(data).nbytes
+    except TypeError:
+        raise ValidationError("malformed", f"expected bytes, got {type(data).__name__}") from None
+    if size > limits.max_message_bytes:
+        raise ValidationError(
+            "too_large", f"message of {size} bytes exceeds {limits.max_message_bytes}"
+        )
+    max_tokens = max(limits.max_response_tokens, limits.max_prompt_tokens)
+    try:
+        # Length caps bound every allocation by the limits rather than by the claimed lengths.
+        # Nesting is bounded by msgpack itself: StackError beyond depth 1024 in the C unpacker, or
+        # on RecursionError in the pure-Python fallback; caught below like any other failure.
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_bin_len=4 * max_tokens,
+            max_str_len=limits.max_message_bytes,
+            max_array_len=limits.max_samples,
+            max_map_len=max(limits.max_meta_keys, _MAX_STRUCT_KEYS),
+        )
+    except ValidationError:
+        raise
+    except Exception as e:  # any failure inside msgpack means the bytes are unusable
+        # msgpack names a broken length cap only in its message ("N exceeds max_bin_len(M)").
+        reason: Reason = "too_large" if "exceeds max_" in str(e) else "malformed"
+        raise ValidationError(reason, f"cannot unpack: {type(e).__name__}: {e}") from e
+    if type(obj) is not dict:
+        raise ValidationError("malformed", f"top level is {type(obj).__name__}, expected a map")
+    schema = obj.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:
+        raise ValidationError("schema", f"unknown schema {schema!r}, expected {SCHEMA_VERSION}")
+    return obj
+
+
+_MISSING = object()
+
+
+def _take(d: dict[str, Any], key: str, types: tuple[type, ...], where: str) -> Any:
+    # Exact type match: msgpack yields exact types, and bool must not pass as int.
+    value = d.get(key, _MISSING)
+    if type(value) not in types:
+        got = "missing" if value is _MISSING else type(value).__name__
+        want = "/".join(t.__name__ for t in types)
+        raise ValidationError("malformed", f"{where}{key}: expected {want}, got {got}")
+    return value
+
+
+def _float(d: dict[str, Any], key: str, where: str) -> float:
+    # Other encoders may write a whole number as a msgpack int.
+    return float(_take(d, key, (float, int), where))
+
+
+def _array(d: dict[str, Any], key: str, dtype: np.dtype, where: str) -> np.ndarray:
+    raw = _take(d, key, (bytes,), where)
+    if len(raw) % dtype.itemsize:
+        raise ValidationError(
+            "malformed", f"{where}{key}: {len(raw)} bytes is not a multiple of {dtype.itemsize}"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _decode_sample(d: Any, where: str) -> Sample:
+    if type(d) is not dict:
+        raise ValidationError(
+            "malformed", f"{where.rstrip('.')}: expected a map, got {type(d).__name__}"
+        )
+    loss_mask = _array(d, "loss_mask", _U8, where) if "loss_mask" in d else None
+    return Sample(
+        response_ids=_array(d, "response_ids", _I32, where),
+        logprobs=_array(d, "logprobs", _F32, where),
+        versions=_array(d, "versions", _I32, where),
+        reward=_float(d, "reward", where),
+        finish=_take(d, "finish", (str,), where),
+        meta=_take(d, "meta", (dict,), where) if "meta" in d else {},
+        loss_mask=loss_mask,
+    )
+
+
+def decode_group(
+    data: bytes | bytearray | memoryview,
+    limits: Limits | None = None,
+    *,
+    current_version: int | None = None,
+) -> TrajectoryGroup:
+    """Unpack and fully validate a group (see `validate_group`; `current_version` is passed on).
+
+    Raises `ValidationError`, and only that, for any input that is not a valid group.
+    """
+    limits = limits or DEFAULT_LIMITS
+    d = _unpack(data, limits)
+    samples = _take(d, "samples", (list,), "")
+    g = TrajectoryGroup(
+        run=_take(d, "run", (str,), ""),
+        group_id=_take(d, "group_id", (str,), ""),
+        prompt_id=_take(d, "prompt_id", (str,), ""),
+        release_version=_take(d, "release_version", (int,), ""),
+        worker=_take(d, "worker", (str,), ""),
+        created_at=_float(d, "created_at", ""),
+        finished_at=_float(d, "finished_at", ""),
+        prompt_ids=_array(d, "prompt_ids", _I32, ""),
+        samples=[_decode_sample(s, f"samples[{i}].") for i, s in enumerate(samples)],
+        schema=d["schema"],
+    )
+    validate_group(g, current_version=current_version, limits=limits)
+    return g
+
+
+def decode_prompt(
+    data: bytes | bytearray | memoryview, limits: Limits | None = None
+) -> PromptGroup:
+    """Unpack and validate a prompt group; raises `ValidationError` and only that."""
+    limits = limits or DEFAULT_LIMITS
+    d = _unpack(data, limits)
+    p = PromptGroup(
+        run=_take(d, "run", (str,), ""),
+        prompt_id=_take(d, "prompt_id", (str,), ""),
+        prompt=_take(d, "prompt", (str,), ""),
+        prompt_ids=_array(d, "prompt_ids", _I32, ""),
+        answer=_take(d, "answer", (str,), ""),
+        task=_take(d, "task", (str,), ""),
+        n=_take(d, "n", (int,), ""),
+        release_version=_take(d, "release_version", (int,), ""),
+        meta=_take(d, "meta", (dict,), "") if "meta" in d else {},
+        schema=d["schema"],
+    )
+    validate_prompt(p, limits=limits)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_meta(meta: Any, limits: Limits, where: str) -> None:
+    if type(meta) is not dict:
+        raise ValidationError("malformed", f"{where}meta: expected a map")
+    if len(meta) > limits.max_meta_keys:
+        raise ValidationError(
+            "too_large", f"{where}meta: {len(meta)} keys exceeds {limits.max_meta_keys}"
+        )
+    size = 0
+    for key, value in meta.items():
+        if type(key) is not str or type(value) not in _META_TYPES:
+            raise ValidationError(
+                "malformed", f"{where}meta[{key!r}]: keys must be str and values scalars"
+            )
+        size += len(key) + (len(value) if type(value) is str else 8)
+    if size > limits.max_meta_bytes:
+        raise ValidationError(
+            "too_large", f"{where}meta: about {size} bytes exceeds {limits.max_meta_bytes}"
+        )
+
+
+def validate_group(
+    g: TrajectoryGroup, *, current_version: int | None = None, limits: Limits | None = None
+) -> None:
+    """Raise `ValidationError` unless the group is safe to train on.
+
+    Checks: known schema; sample, prompt and response sizes within `limits`; response_ids,
+    logprobs, versions (and loss_mask) of equal length; logprobs finite and <= 0; versions >= 0,
+    non-decreasing within each sample and, when `current_version` is given, not ahead of it;
+    loss_mask 0/1; reward finite; finish known; meta flat and small. Token checks run once over
+    all samples concatenated, so the cost does not grow with the number of samples in Python.
+    """
+    limits = limits or DEFAULT_LIMITS
+    if g.schema != SCHEMA_VERSION:
+        raise ValidationError("schema", f"unknown schema {g.schema!r}, expected {SCHEMA_VERSION}")
+    if len(g.samples) > limits.max_samples:
+        raise ValidationError("too_large", f"{len(g.samples)} samples exceeds {limits.max_samples}")
+    if len(g.prompt_ids) > limits.max_prompt_tokens:
+        raise ValidationError(
+            "too_large", f"{len(g.prompt_ids)} prompt tokens exceeds {limits.max_prompt_tokens}"
+        )
+    if g.release_version < 0:
+        raise ValidationError("version_negative", f"release_version {g.release_version} < 0")
+
+    lengths = []
+    for i, s in enumerate(g.samples):
+        where = f"samples[{i}]."
+        n = len(s.response_ids)
+        if n > limits.max_response_tokens:
+            raise ValidationError(
+                "too_large", f"{where}response_ids: {n} tokens exceeds {limits.max_response_tokens}"
+            )
+        if (
+            len(s.logprobs) != n
+            or len(s.versions) != n
+            or (s.loss_mask is not None and len(s.loss_mask) != n)
+        ):
+            mask = "no" if s.loss_mask is None else len(s.loss_mask)
+            raise ValidationError(
+                "length_mismatch",
+                f"samples[{i}]: {n} response_ids, {len(s.logprobs)} logprobs, "
+                f"{len(s.versions)} versions, {mask} loss_mask",
+            )
+        if not math.isfinite(s.reward):
+            raise ValidationError("reward_not_finite", f"{where}reward is {s.reward}")
+        if s.finish not in FINISH_REASONS:
+            raise ValidationError(
+                "finish", f"{where}finish {s.finish!r} not in {sorted(FINISH_REASONS)}"
+            )
+        _check_meta(s.meta, limits, where)
+        lengths.append(n)
+    if not sum(lengths):
+        return
+
+    # ends[i] is where sample i stops in the concatenation; searchsorted maps a flat token index
+    # back to its sample for the error message.
+    ends = np.cumsum(lengths)
+
+    def sample_of(flat_index: int) -> int:
+        return int(np.searchsorted(ends, flat_index, side="right"))
+
+    logprobs = np.concatenate([s.logprobs for s in g.samples])
+    finite = np.isfinite(logprobs)
+    if not finite.all():
+        i = sample_of(int(np.argmin(finite)))
+        raise ValidationError("logprob_not_finite", f"samples[{i}].logprobs has NaN or inf")
+    if logprobs.max() > 0:
+        i = sample_of(int(np.argmax(logprobs > 0)))
+        raise ValidationError("logprob_positive", f"samples[{i}].logprobs has a value > 0")
+
+    versions = np.concatenate([s.versions for s in g.samples])
+    if versions.min() < 0:
+        i = sample_of(int(np.argmin(versions)))
+        raise ValidationError("version_negative", f"samples[{i}].versions has a value < 0")
+    if current_version is not None and versions.max() > current_version:
+        i = sample_of(int(np.argmax(versions)))
+        raise ValidationError(
+            "version_ahead",
+            f"samples[{i}].versions has {int(versions.max())} > current {current_version}",
+        )
+    steps = np.diff(versions)
+    # steps[k] compares tokens k and k+1; the steps that cross from one sample into the next
+    # (at ends[i] - 1) are not a decrease within a sample.
+    crossings = ends[:-1] - 1
+    steps[crossings[(crossings >= 0) & (crossings < len(steps))]] = 0
+    if steps.min(initial=0) < 0:
+        i = sample_of(int(np.argmin(steps)) + 1)
+        raise ValidationError("versions_decreasing", f"samples[{i}].versions decrease")
+
+    masks = [s.loss_mask for s in g.samples if s.loss_mask is not None and len(s.loss_mask)]
+    if masks and np.concatenate(masks).max() > 1:
+        raise ValidationError("loss_mask", "loss_mask values must be 0 or 1")
+
+
+def validate_prompt(p: PromptGroup, *, limits: Limits | None = None) -> None:
+    """Raise `ValidationError` unless the prompt group can be worked on."""
+    limits = limits or DEFAULT_LIMITS
+    if p.schema != SCHEMA_VERSION:
+        raise ValidationError("schema", f"unknown schema {p.schema!r}, expected {SCHEMA_VERSION}")
+    if p.n < 1:
+        raise ValidationError("malformed", f"n={p.n}, must be >= 1")
+    if p.n > limits.max_samples:
+        raise ValidationError("too_large", f"n={p.n} exceeds {limits.max_samples}")
+    if len(p.prompt_ids) > limits.max_prompt_tokens:
+        raise ValidationError(
+            "too_large", f"{len(p.prompt_ids)} prompt tokens exceeds {limits.max_prompt_tokens}"
+        )
+    if not p.prompt and not len(p.prompt_ids):
+        raise ValidationError("malformed", "neither prompt text nor prompt_ids given")
+    if p.release_version < 0:
+        raise ValidationError("version_negative", f"release_version {p.release_version} < 0")
+    _check_meta(p.meta, limits, "")

@@ -1,0 +1,745 @@
+"""The durable queue: Redis streams read through consumer groups (DESIGN §3, §9).
+
+Delivery is at least once; the effect of an entry is exactly once because everything a consumer
+does with an entry is committed by `Consumer.ack` in one server-side transaction that first checks
+that this consumer still owns the entry. The rules:
+
+- A consumer that (re)starts under the same name first gets the entries it still holds (its own
+  pending entries), then new ones.
+- Entries of a consumer whose heartbeat has expired are taken over once they have been idle for
+  `claim_idle_s` (XPENDING with IDLE, filtered by `is_alive`, then XCLAIM; never a blind
+  XAUTOCLAIM). Entries of a live consumer are never taken, however long it holds them: the
+  trainer keeps its entries unacked until a checkpoint that includes them is durable. After a
+  Redis outage a consumer waits `claim_idle_s` before claiming, so that live peers whose
+  heartbeats lapsed while Redis was down can beat again.
+- An entry delivered more than `max_deliveries` times, deleted while pending, or rejected by the
+  decoder goes to the dead-letter stream with a reason, and is acked, in one transaction.
+- A worker that stops without acking (SIGTERM, crash) leaves its entries pending: it gets them
+  back if it restarts under its name, otherwise another consumer takes them over once its
+  heartbeat has expired. There is no explicit release.
+- Streams are trimmed only below what every group has acked.
+- Every call survives Redis outages (reconnect with capped backoff) and a full Redis (producers
+  pause below `maxmemory`); neither raises. `should_stop` ends such a wait with `Stopped`.
+
+redis is imported lazily: the config tree imports `QueueConfig`, and `asyncrl --help` must not pay
+for redis-py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+
+from pydantic import Field
+
+from asyncrl.configbase import Section
+
+if TYPE_CHECKING:
+    import redis
+    from redis.commands.core import Script
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# What XADD accepts as an entry; what comes back from a client without decode_responses is
+# dict[bytes, bytes].
+EntryFields = Mapping[str | bytes, bytes | str | int | float]
+RawFields = dict[bytes, bytes]
+
+# The run-accounting counter of dead-lettered groups (one of `asyncrl.keys.COUNTERS`).
+DEAD_LETTERED = "groups_dead_lettered"
+
+_DLQ_META = (b"stream", b"id", b"reason", b"detail")
+_DETAIL_MAX = 1000
+_LOG_EVERY_S = 5.0
+_FULL_WAIT_MAX_S = 0.5  # backpressure polls faster than reconnects: memory frees in bursts
+_MEMORY_SAMPLE_S = 0.5
+_SCAN_PAGE = 500
+
+
+class QueueConfig(Section):
+    claim_idle_s: float = Field(default=30.0, gt=0)
+    """An entry pending this long on a consumer whose heartbeat has expired is taken over by
+    another consumer. Entries of live consumers are never taken, however long they are held."""
+    max_deliveries: int = Field(default=5, ge=1)
+    """An entry delivered more often than this (a crash loop, a poison input) is dead-lettered."""
+    claim_every_s: float = Field(default=5.0, gt=0)
+    """How often a consumer scans its group for entries of dead consumers."""
+    trim_every_s: float = Field(default=10.0, gt=0)
+    """How often a consumer trims the entries that every group has acked."""
+    memory_high_watermark: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of Redis `maxmemory` at which producers pause until consumers catch up."""
+    max_message_bytes: int = Field(default=64 * 2**20, ge=1)
+    """Largest entry (sum of its field sizes) a producer may add; a bigger one is a caller error."""
+
+
+class Stopped(Exception):
+    """`should_stop` turned true while a call was waiting for Redis (an outage or a full Redis)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery(Generic[T]):
+    """One stream entry handed to a consumer; it stays pending until acked."""
+
+    id: str
+    """Stream entry id, e.g. `1700000000000-0`; pass it to `Consumer.ack`."""
+    fields: RawFields
+    """The entry as stored."""
+    value: T
+    """`decode(fields)`, or `fields` when the consumer has no decoder."""
+    deliveries: int
+    """How often the entry has been delivered, this time included: above 1 it is a redelivery."""
+
+
+class RedisGuard:
+    """Runs a Redis call until it succeeds, waiting out outages and a full Redis.
+
+    Outages (connection refused or reset, timeouts, a server still loading its AOF) are retried
+    with exponential backoff capped at `reconnect_max_s`; `on_outage(True)` and `on_outage(False)`
+    mark the start and end of each, so metrics can show Redis being down, and `outages` counts
+    them. A full Redis (an OOM reply, or memory above the watermark of a `MemoryGauge`) pauses the
+    call the same way. Waits log at most every few seconds and poll `should_stop`, which ends them
+    with `Stopped`.
+    """
+
+    def __init__(
+        self,
+        *,
+        reconnect_max_s: float = 5.0,
+        should_stop: Callable[[], bool] | None = None,
+        on_outage: Callable[[bool], None] | None = None,
+    ) -> None:
+        from redis import exceptions as rx
+
+        self._transient: tuple[type[Exception], ...] = (rx.ConnectionError, rx.TimeoutError)
+        self._oom = rx.OutOfMemoryError
+        self._max_s = reconnect_max_s
+        self._should_stop = should_stop
+        self._on_outage = on_outage
+        self._next_log = 0.0  # shared by all calls: a producer pausing at every add logs rarely
+        self.outages = 0
+        self.down = False
+        """True while the current call is failing because Redis is unreachable."""
+
+    def call(
+        self,
+        fn: Callable[[], R],
+        what: str,
+        *,
+        memory: MemoryGauge | None = None,
+        on_retry: Callable[[bool], None] | None = None,
+    ) -> R:
+        """`fn()`, retried until it succeeds. Before each retry `on_retry(outage)` learns whether
+        the failed attempt was an outage (True: its outcome is unknown) or a full Redis (False)."""
+        delay = 0.05
+        started = time.monotonic()
+        while True:
+            if self._should_stop is not None and self._should_stop():
+                raise Stopped(what)
+            try:
+                if memory is None or not memory.full():
+                    result = fn()
+                    break
+                reason = f"Redis memory above {memory.watermark:.0%} of maxmemory"
+                outage = False
+            except self._oom:
+                reason, outage = "Redis is out of memory", False
+            except self._transient as exc:
+                reason, outage = f"Redis unreachable ({type(exc).__name__}: {exc})", True
+                if not self.down:
+                    self.down = True
+                    self.outages += 1
+                    if self._on_outage is not None:
+                        self._on_outage(True)
+            now = time.monotonic()
+            if now >= self._next_log:
+                verb = "retrying" if outage else "pausing"
+                log.warning("%s: %s; %s (%.0fs so far)", what, reason, verb, now - started)
+                self._next_log = now + _LOG_EVERY_S
+            if on_retry is not None:
+                on_retry(outage)
+            self._sleep(delay)
+            delay = min(delay * 2, self._max_s if outage else _FULL_WAIT_MAX_S)
+        if self.down:
+            self.down = False
+            log.warning("%s: Redis reachable again after %.1fs", what, time.monotonic() - started)
+            if self._on_outage is not None:
+                self._on_outage(False)
+        return result
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self._should_stop is not None and self._should_stop():
+                return
+            time.sleep(min(left, 0.1))
+
+
+class MemoryGauge:
+    """Whether Redis memory is above `watermark` × maxmemory.
+
+    INFO is sampled at most every 0.5 s, plus whenever the bytes this process has added since the
+    last sample would cross the watermark: a fast producer must not overshoot it between samples.
+    """
+
+    def __init__(self, client: redis.Redis, watermark: float) -> None:
+        self._client = client
+        self.watermark = watermark
+        self._used = 0
+        self._limit = 0.0  # 0: no maxmemory, never full
+        self._added = 0
+        self._next_sample = 0.0
+
+    def full(self) -> bool:
+        now = time.monotonic()
+        near = self._limit and self._used + self._added >= self._limit
+        if now >= self._next_sample or near:
+            info = self._client.info("memory")
+            self._used = int(info["used_memory"])
+            self._limit = self.watermark * int(info.get("maxmemory", 0))
+            self._added = 0
+            self._next_sample = now + _MEMORY_SAMPLE_S
+        return bool(self._limit) and self._used + self._added >= self._limit
+
+    def added(self, nbytes: int) -> None:
+        self._added += nbytes
+
+
+# Commit what a consumer did with entries, atomically, if and only if it still owns them.
+# KEYS: source stream, counters hash, then one stream per entry to add.
+# ARGV: group, consumer, n_ids, n_counters, n_adds, ids..., (field, increment)...,
+#       then per added entry: n_pairs, (name, value)...
+# Returns {1, added ids...} when applied, {0} if an id is no longer pending (already acked),
+# {-1} if another consumer owns it now. Adds come first: the first write is the only one Redis
+# may refuse for memory, so a full Redis rejects the whole transaction and leaves nothing
+# half-written, while a plain ack (whose XACK is never refused) still frees memory.
+_TRANSACT_LUA = """
+local stream, counters = KEYS[1], KEYS[2]
+local group, consumer = ARGV[1], ARGV[2]
+local n_ids, n_counters, n_adds = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+for i = 6, 5 + n_ids do
+  local id = ARGV[i]
+  if #redis.call('XPENDING', stream, group, id, id, 1, consumer) == 0 then
+    if #redis.call('XPENDING', stream, group, id, id, 1) == 0 then return {0} end
+    return {-1}
+  end
+end
+local reply = {1}
+local a = 6 + n_ids + 2 * n_counters
+for k = 1, n_adds do
+  local n = tonumber(ARGV[a])
+  reply[k + 1] = redis.call('XADD', KEYS[2 + k], '*', unpack(ARGV, a + 1, a + 2 * n))
+  a = a + 1 + 2 * n
+end
+for i = 6, 5 + n_ids, 1000 do
+  redis.call('XACK', stream, group, unpack(ARGV, i, math.min(i + 999, 5 + n_ids)))
+end
+for c = 6 + n_ids, 5 + n_ids + 2 * n_counters, 2 do
+  redis.call('HINCRBY', counters, ARGV[c], ARGV[c + 1])
+end
+return reply
+"""
+
+# Entries after `ARGV[1]`, counted server-side (Redis 6.2 has no `lag` in XINFO GROUPS).
+_COUNT_AFTER_LUA = """
+local n, start = 0, '(' .. ARGV[1]
+while true do
+  local batch = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', 1000)
+  if #batch == 0 then return n end
+  n = n + #batch
+  start = '(' .. batch[#batch][1]
+end
+"""
+
+
+def _transact(
+    script: Script,
+    *,
+    stream: str,
+    group: str = "",
+    consumer: str = "",
+    ids: list[str],
+    counters_key: str | None,
+    counters: Mapping[str, int],
+    adds: list[tuple[str, EntryFields]],
+) -> tuple[int, list[str]]:
+    keys = [stream, counters_key or stream, *(s for s, _ in adds)]
+    args: list[Any] = [group, consumer, len(ids), len(counters), len(adds), *ids]
+    for name, increment in counters.items():
+        args += [name, int(increment)]
+    for _, fields in adds:
+        args.append(len(fields))
+        for k, v in fields.items():
+            args += [k, v]
+    reply = script(keys=keys, args=args)
+    return int(reply[0]), [_str(x) for x in reply[1:]]
+
+
+def _entry_size(fields: EntryFields, limit: int) -> int:
+    size = sum(len(v) if isinstance(v, bytes | str) else 8 for v in fields.values())
+    if size > limit:
+        raise ValueError(f"stream entry of {size} bytes exceeds queue.max_message_bytes={limit}")
+    return size
+
+
+def _check_client(client: redis.Redis, block_ms: int | None = None) -> None:
+    kwargs = client.connection_pool.connection_kwargs
+    if kwargs.get("decode_responses"):
+        raise ValueError("the queue needs a client without decode_responses: payloads are bytes")
+    timeout = kwargs.get("socket_timeout")
+    if block_ms and timeout is not None and block_ms / 1000 >= timeout:
+        raise ValueError(f"block_ms={block_ms} must stay below the socket timeout ({timeout}s)")
+
+
+def _str(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _pending(
+    client: redis.Redis,
+    stream: str,
+    group: str,
+    start: str,
+    count: int,
+    *,
+    consumer: str | None = None,
+    idle_ms: int | None = None,
+) -> list[tuple[str, str, int]]:
+    """(id, owner, times delivered) of up to `count` pending entries from `start` on."""
+    page = cast(
+        list[dict[str, Any]],
+        client.xpending_range(
+            stream, group, start, "+", count, consumername=consumer, idle=idle_ms
+        ),
+    )
+    return [(_str(p["message_id"]), _str(p["consumer"]), int(p["times_delivered"])) for p in page]
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Producer:
+    """Adds entries to a stream. Never trims: unconsumed entries are the queue.
+
+    `add` is at least once: if the connection drops after Redis ran the XADD but before the reply
+    arrived, the retry adds a second entry. A duplicate is a separate entry with its own id, and
+    the counters were incremented with it in the same transaction, so run accounting stays
+    balanced.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        cfg: QueueConfig | None = None,
+        *,
+        reconnect_max_s: float = 5.0,
+        should_stop: Callable[[], bool] | None = None,
+        on_outage: Callable[[bool], None] | None = None,
+    ) -> None:
+        _check_client(client)
+        self._client = client
+        self.stream = stream
+        self._cfg = cfg or QueueConfig()
+        self._guard = RedisGuard(
+            reconnect_max_s=reconnect_max_s, should_stop=should_stop, on_outage=on_outage
+        )
+        self._memory = MemoryGauge(client, self._cfg.memory_high_watermark)
+        self._script = client.register_script(_TRANSACT_LUA)
+
+    @property
+    def outages(self) -> int:
+        """Redis outages this producer has waited through."""
+        return self._guard.outages
+
+    def add(
+        self,
+        fields: EntryFields,
+        *,
+        counters: Mapping[str, int] | None = None,
+        counters_key: str | None = None,
+    ) -> str:
+        """Append one entry (and increment `counters` in the same transaction); its id.
+
+        Blocks while Redis is unreachable or its memory is above the watermark.
+        """
+        size = _entry_size(fields, self._cfg.max_message_bytes)
+        if counters and counters_key is None:
+            raise ValueError("counters need a counters_key")
+        entry: dict[Any, Any] = dict(fields)
+
+        def once() -> str:
+            if not counters:
+                return _str(cast(bytes, self._client.xadd(self.stream, entry)))
+            _, added = _transact(
+                self._script,
+                stream=self.stream,
+                ids=[],
+                counters_key=counters_key,
+                counters=counters,
+                adds=[(self.stream, fields)],
+            )
+            return added[0]
+
+        entry_id = self._guard.call(once, f"add to {self.stream}", memory=self._memory)
+        self._memory.added(size)
+        return entry_id
+
+
+# (entry id, fields or None when the entry was deleted while pending, times delivered)
+_Raw = tuple[str, RawFields | None, int]
+
+
+class Consumer(Generic[T]):
+    """One named member of a consumer group. Not thread-safe: one reading thread per consumer.
+
+    `is_alive(name)` says whether another consumer's heartbeat is current (see
+    `asyncrl.heartbeat.is_alive`); consumer names are worker ids. `decode` turns fields into the
+    value handed out; an exception it raises with a `reason` attribute, or any ValueError,
+    dead-letters the entry instead of failing the read.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        group: str,
+        name: str,
+        cfg: QueueConfig | None = None,
+        *,
+        dlq: str,
+        counters_key: str,
+        is_alive: Callable[[str], bool],
+        decode: Callable[[RawFields], T] | None = None,
+        reconnect_max_s: float = 5.0,
+        should_stop: Callable[[], bool] | None = None,
+        on_outage: Callable[[bool], None] | None = None,
+    ) -> None:
+        _check_client(client)
+        self._client = client
+        self.stream = stream
+        self.group = group
+        self.name = name
+        self._cfg = cfg or QueueConfig()
+        self._dlq = dlq
+        self._counters_key = counters_key
+        self._is_alive = is_alive
+        self._decode = decode
+        self._guard = RedisGuard(
+            reconnect_max_s=reconnect_max_s, should_stop=should_stop, on_outage=on_outage
+        )
+        self._memory = MemoryGauge(client, self._cfg.memory_high_watermark)
+        self._script = client.register_script(_TRANSACT_LUA)
+        self._group_ready = False
+        # Ids handed out and not yet acked. Scans of our own pending entries skip them, so an
+        # entry is never handed out twice by one process.
+        self._held: set[str] = set()
+        # Cursor over our own pending entries; None once they have all been handed out.
+        self._own_from: str | None = "-"
+        now = time.monotonic()
+        self._next_claim = now
+        self._next_trim = now + self._cfg.trim_every_s
+
+    @property
+    def outages(self) -> int:
+        """Redis outages this consumer has waited through."""
+        return self._guard.outages
+
+    def read(self, count: int = 1, block_ms: int = 1000) -> list[Delivery[T]]:
+        """Up to `count` entries: own pending ones first, then dead consumers' (every
+        `claim_every_s`), then new ones, waiting up to `block_ms` for those. Dead-lettered entries
+        are not returned. Blocks while Redis is unreachable."""
+        _check_client(self._client, block_ms)
+        try:
+            return self._guard.call(
+                lambda: self._read_once(count, block_ms),
+                f"read from {self.stream}",
+                on_retry=self._after_failure,
+            )
+        except Exception:
+            # Say a decoder bug raised: the entries this read took are pending on us but were not
+            # handed out. A caller that carries on gets them again (and a poison entry reaches
+            # max_deliveries) instead of leaving them stranded until a restart.
+            self._own_from = "-"
+            raise
+
+    def ack(
+        self,
+        ids: Iterable[str],
+        *,
+        counters: Mapping[str, int] | None = None,
+        also_add: list[tuple[str, EntryFields]] | None = None,
+    ) -> bool:
+        """Ack `ids`, add the `also_add` entries and increment `counters`: all or nothing, in one
+        transaction that runs only while every id is still pending for this consumer.
+
+        True when applied — by this call, or by an attempt whose reply was lost in an outage (the
+        retry then finds the ids acked and does not apply it again). False when an id was already
+        acked, or is now owned by another consumer that took it over while this one's heartbeat
+        had lapsed; nothing is applied then. Blocks while Redis is unreachable, and while its
+        memory is above the watermark if there is something to add.
+        """
+        ids = list(ids)
+        adds = also_add or []
+        size = sum(_entry_size(fields, self._cfg.max_message_bytes) for _, fields in adds)
+        outcome_unknown = False
+
+        def on_retry(outage: bool) -> None:
+            nonlocal outcome_unknown
+            outcome_unknown |= outage
+
+        status, _ = self._guard.call(
+            lambda: self._transact(ids, counters or {}, adds),
+            f"ack on {self.stream}",
+            memory=self._memory if adds else None,
+            on_retry=on_retry,
+        )
+        self._held.difference_update(ids)
+        self._memory.added(size)
+        if status == 1 or (status == 0 and outcome_unknown):
+            return True
+        log.warning(
+            "%s: ack of %d entries on %s not applied: %s",
+            self.name,
+            len(ids),
+            self.stream,
+            "already acked" if status == 0 else "taken over by another consumer",
+        )
+        return False
+
+    def _transact(
+        self, ids: list[str], counters: Mapping[str, int], adds: list[tuple[str, EntryFields]]
+    ) -> tuple[int, list[str]]:
+        return _transact(
+            self._script,
+            stream=self.stream,
+            group=self.group,
+            consumer=self.name,
+            ids=ids,
+            counters_key=self._counters_key,
+            counters=counters,
+            adds=adds,
+        )
+
+    def _after_failure(self, outage: bool) -> None:
+        # Entries read by the failed attempt (a reply lost in transit, or dropped because a
+        # dead-letter write failed) sit in our pending list without having been handed out.
+        self._own_from = "-"
+        if outage:
+            # Peers' heartbeats may have lapsed while Redis was down although they are alive:
+            # give them time to beat again before judging them dead.
+            self._next_claim = max(self._next_claim, time.monotonic() + self._cfg.claim_idle_s)
+
+    def _read_once(self, count: int, block_ms: int) -> list[Delivery[T]]:
+        from redis import exceptions as rx
+
+        try:
+            if not self._group_ready:
+                self._create_group()
+            now = time.monotonic()
+            if now >= self._next_trim:
+                trim_acked(self._client, self.stream)
+                self._next_trim = now + self._cfg.trim_every_s
+            raw: list[_Raw] = []
+            if self._own_from is not None:
+                raw = self._own_pending(count)
+            if not raw and now >= self._next_claim:
+                raw = self._claim_dead(count)
+            if not raw:
+                raw = self._read_new(count, block_ms)
+        except rx.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The group or the stream vanished (deleted, or Redis lost its data): recreate.
+            log.warning(
+                "%s: group %s on %s is gone; recreating it", self.name, self.group, self.stream
+            )
+            self._group_ready = False
+            return []
+        return self._deliver(raw)
+
+    def _create_group(self) -> None:
+        from redis import exceptions as rx
+
+        try:
+            # From id 0 with MKSTREAM: a consumer may start before any producer, and entries a
+            # producer added before the group existed are still delivered.
+            self._client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except rx.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _own_pending(self, count: int) -> list[_Raw]:
+        while self._own_from is not None:
+            page = _pending(
+                self._client, self.stream, self.group, self._own_from, count, consumer=self.name
+            )
+            self._own_from = "(" + page[-1][0] if len(page) == count else None
+            mine = {i: n for i, _, n in page if i not in self._held}
+            if mine:
+                # Claiming our own entries re-reads them and counts the delivery, so a consumer
+                # that crashes on an entry at every restart ends up dead-lettering it.
+                return self._claim(mine, 0)
+        return []
+
+    def _claim_dead(self, count: int) -> list[_Raw]:
+        idle_ms = int(self._cfg.claim_idle_s * 1000)
+        found: dict[str, int] = {}
+        owners: dict[str, int] = {}
+        start = "-"
+        while len(found) < count:
+            page = _pending(
+                self._client, self.stream, self.group, start, _SCAN_PAGE, idle_ms=idle_ms
+            )
+            for entry_id, owner, n in page:
+                if owner != self.name and not self._is_alive(owner):
+                    found[entry_id] = n
+                    owners[owner] = owners.get(owner, 0) + 1
+                    if len(found) == count:
+                        break
+            if len(page) < _SCAN_PAGE:
+                break
+            start = "(" + page[-1][0]
+        # A full batch may leave more behind: scan again on the next read.
+        now = time.monotonic()
+        self._next_claim = now if len(found) == count else now + self._cfg.claim_every_s
+        if not found:
+            return []
+        claimed = self._claim(found, idle_ms)
+        log.warning(
+            "%s: took over %d entries on %s from dead consumers %s",
+            self.name,
+            len(claimed),
+            self.stream,
+            dict(sorted(owners.items())),
+        )
+        return claimed
+
+    def _claim(self, prev: dict[str, int], min_idle_ms: int) -> list[_Raw]:
+        ids = list(prev)
+        # min_idle_ms makes the claim lose any race: an entry another consumer has just claimed
+        # or re-read is no longer idle.
+        reply = cast(
+            list[tuple[bytes | None, RawFields | None]],
+            self._client.xclaim(self.stream, self.group, self.name, min_idle_ms, list(ids)),
+        )
+        if len(reply) == len(ids):
+            # Every id was claimed, so replies line up with ids; a nil is an entry deleted while
+            # pending (Redis 6.2 keeps those in the pending list).
+            return [(i, f or None, prev[i] + 1) for i, (_, f) in zip(ids, reply, strict=True)]
+        return [(_str(i), f, prev[_str(i)] + 1) for i, f in reply if i is not None and f]
+
+    def _read_new(self, count: int, block_ms: int) -> list[_Raw]:
+        reply = cast(
+            list[tuple[bytes, list[tuple[bytes, RawFields]]]],
+            self._client.xreadgroup(
+                self.group, self.name, {self.stream: ">"}, count=count, block=block_ms or None
+            ),
+        )
+        if not reply:
+            return []
+        return [(_str(i), fields, 1) for i, fields in reply[0][1]]
+
+    def _deliver(self, raw: list[_Raw]) -> list[Delivery[T]]:
+        out: list[Delivery[T]] = []
+        for entry_id, fields, deliveries in raw:
+            if deliveries > self._cfg.max_deliveries:
+                self._dead_letter(entry_id, fields, "max_deliveries", f"delivered {deliveries}×")
+                continue
+            if fields is None:
+                self._dead_letter(entry_id, None, "deleted", "entry deleted while pending")
+                continue
+            try:
+                value: Any = fields if self._decode is None else self._decode(fields)
+            except Exception as exc:
+                reason = getattr(exc, "reason", None)
+                if reason is None and not isinstance(exc, ValueError):
+                    raise
+                self._dead_letter(entry_id, fields, str(reason or "decode_error"), str(exc))
+                continue
+            out.append(Delivery(entry_id, fields, value, deliveries))
+        self._held.update(d.id for d in out)
+        return out
+
+    def _dead_letter(
+        self, entry_id: str, fields: RawFields | None, reason: str, detail: str
+    ) -> None:
+        entry: dict[str | bytes, bytes | str | int | float] = {
+            b"stream": self.stream,
+            b"id": entry_id,
+            b"reason": reason,
+            b"detail": detail[:_DETAIL_MAX],
+        }
+        # The original fields travel unchanged, except any named like the metadata above.
+        for k, v in (fields or {}).items():
+            entry[b"orig." + k if k in _DLQ_META else k] = v
+        status, _ = self._transact([entry_id], {DEAD_LETTERED: 1}, [(self._dlq, entry)])
+        if status == 1:
+            log.warning(
+                "%s: dead-lettered %s of %s: %s (%s)",
+                self.name,
+                entry_id,
+                self.stream,
+                reason,
+                detail[:200],
+            )
+
+
+def trim_acked(client: redis.Redis, stream: str) -> int:
+    """Delete the entries every group of `stream` is done with; the number deleted.
+
+    The floor is, over all groups, the oldest pending id, or the entry after the last delivered
+    one where nothing is pending. Pending and undelivered entries are never deleted, and a stream
+    without groups is left alone (its entries await their first consumer).
+    """
+    from redis import exceptions as rx
+
+    try:
+        groups = client.xinfo_groups(stream)
+    except rx.ResponseError:
+        return 0  # no such stream
+    floor: tuple[int, int] | None = None
+    for g in groups:
+        oldest = None
+        if g["pending"]:
+            oldest = client.xpending(stream, g["name"])["min"]
+        if oldest is not None:
+            need = _id_key(_str(oldest))
+        else:
+            ms, seq = _id_key(_str(g["last-delivered-id"]))
+            need = (ms, seq + 1)
+        floor = need if floor is None else min(floor, need)
+    if floor is None:
+        return 0
+    # Exact rather than `~`: XLEN stays true for `asyncrl status`, and a trim every few seconds
+    # costs next to nothing either way.
+    return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
+
+
+def stream_stats(client: redis.Redis, stream: str, group: str) -> dict[str, int]:
+    """`length` of the stream, `lag` (entries the group has not been handed yet) and `pending`
+    (handed out, not acked) — the figures `asyncrl status` shows per stream."""
+    from redis import exceptions as rx
+
+    try:
+        groups = client.xinfo_groups(stream)
+    except rx.ResponseError:
+        return {"length": 0, "lag": 0, "pending": 0}
+    length = int(client.xlen(stream))
+    info = next((g for g in groups if _str(g["name"]) == group), None)
+    if info is None:
+        # The group will be created at id 0: everything in the stream is still ahead of it.
+        return {"length": length, "lag": length, "pending": 0}
+    lag = info.get("lag")  # Redis ≥ 7; None there when deletions make it unknowable
+    if lag is None:
+        last = _str(info["last-delivered-id"])
+        lag = client.eval(_COUNT_AFTER_LUA, 1, stream, last)
+    return {"length": length, "lag": int(lag), "pending": int(info["pending"])}

@@ -1,0 +1,252 @@
+"""Tasks: where prompts come from and how responses are scored; chosen by config `type`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, assert_never, overload
+
+import numpy as np
+
+from asyncrl.rollout.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
+from asyncrl.rollout.rewards import build_reward
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt with its reference answer."""
+
+    prompt_id: str
+    """Stable id, unique within the task (same file or seed: same id)."""
+
+    prompt: str
+    """The prompt text as the task states it, before any chat template."""
+
+    prompt_ids: list[int]
+    """The token ids the engine conditions on (chat template and special tokens applied)."""
+
+    answer: str
+    """Reference answer handed to the reward."""
+
+
+class Task(Protocol):
+    """A source of prompts and a scorer of responses.
+
+    The train split is addressed by a data cursor (seed, epoch, position):
+    `task.train_items(seed, epoch)[position]` is the same item in every process and after every
+    restart, so a checkpoint stores three integers, not a sampler state. Each epoch is a fresh
+    seeded permutation of the same items; the eval split is fixed and disjoint from train.
+    """
+
+    def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
+        """The train split in the order of epoch `epoch` under `seed` (both ≥ 0)."""
+        ...
+
+    def eval_items(self) -> Sequence[PromptItem]:
+        """The held-out split, in a fixed order."""
+        ...
+
+    def score(self, item: PromptItem, response_text: str) -> float:
+        """Reward of a decoded response (special tokens removed)."""
+        ...
+
+
+class _Items(Sequence[PromptItem]):
+    """Items built on access: position i is `make(order[i])`. Tokenising lazily keeps a large
+    split cheap to hold and to re-permute every epoch."""
+
+    def __init__(self, make: Callable[[int], PromptItem], order: np.ndarray) -> None:
+        self._make = make
+        self._order = order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @overload
+    def __getitem__(self, index: int) -> PromptItem: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[PromptItem]: ...
+    def __getitem__(self, index: int | slice) -> PromptItem | list[PromptItem]:
+        if isinstance(index, slice):
+            return [self._make(int(i)) for i in self._order[index]]
+        return self._make(int(self._order[index]))
+
+
+def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class ArithmeticTask:
+    """`a+b=` with operands of exactly `digits` digits; the answer is the decimal sum.
+
+    The pair space (e.g. 90 × 90 for 2 digits) is sampled once without replacement under
+    `cfg.seed`: the first `eval_size` pairs are the eval split, the next `train_size` the train
+    split, so the two never share a pair.
+    """
+
+    def __init__(self, cfg: ArithmeticTaskConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._reward = build_reward(cfg.reward)
+        self._low = 0 if cfg.digits == 1 else 10 ** (cfg.digits - 1)
+        self._span = 10**cfg.digits - self._low
+        pairs = self._span**2
+        if cfg.eval_size >= pairs:
+            raise ValueError(
+                f"task.eval_size={cfg.eval_size} leaves no train pairs: "
+                f"{cfg.digits}-digit operands make {pairs} pairs"
+            )
+        drawn = np.random.default_rng(cfg.seed).choice(
+            pairs, min(pairs, cfg.eval_size + cfg.train_size), replace=False
+        )
+        self._eval, self._train = drawn[: cfg.eval_size], drawn[cfg.eval_size :]
+
+    def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
+        return _Items(self._item, self._train[_epoch_order(len(self._train), seed, epoch)])
+
+    def eval_items(self) -> Sequence[PromptItem]:
+        return _Items(self._item, self._eval)
+
+    def score(self, item: PromptItem, response_text: str) -> float:
+        return self._reward(response_text, item.answer)
+
+    def _item(self, pair: int) -> PromptItem:
+        a, b = (self._low + x for x in divmod(pair, self._span))
+        prompt = f"{a}+{b}="
+        ids = self._tokenizer(prompt)["input_ids"]
+        return PromptItem(prompt_id=f"{a}+{b}", prompt=prompt, prompt_ids=ids, answer=str(a + b))
+
+
+class DatasetError(ValueError):
+    """A dataset file or row that cannot be used; the message names the file and the row."""
+
+
+@dataclass(frozen=True)
+class _Row:
+    prompt_id: str
+    prompt: str
+    answer: str
+
+
+class DatasetTask:
+    """Prompts and answers from JSONL or Parquet files.
+
+    Rows are validated when the task is built, so a bad file fails at start-up, not hours into
+    a run. `skipped` counts the rows dropped per split under `skip_bad_rows`.
+    """
+
+    def __init__(self, cfg: DatasetTaskConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._cfg = cfg
+        self._tokenizer = tokenizer
+        self._reward = build_reward(cfg.reward)
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        self._chat = has_template if cfg.chat_template is None else cfg.chat_template
+        self.skipped: dict[str, int] = {}
+        self._train = self._load("train", cfg.train_file)
+        self._eval = [] if cfg.eval_file is None else self._load("eval", cfg.eval_file)
+
+    def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
+        rows = self._train
+        return _Items(lambda i: self._item(rows[i]), _epoch_order(len(rows), seed, epoch))
+
+    def eval_items(self) -> Sequence[PromptItem]:
+        rows = self._eval
+        return _Items(lambda i: self._item(rows[i]), np.arange(len(rows)))
+
+    def score(self, item: PromptItem, response_text: str) -> float:
+        return self._reward(response_text, item.answer)
+
+    def _item(self, row: _Row) -> PromptItem:
+        if self._chat:
+            turn = [{"role": "user", "content": row.prompt}]
+            text = self._tokenizer.apply_chat_template(
+                turn, tokenize=False, add_generation_prompt=True
+            )
+            ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self._tokenizer(row.prompt)["input_ids"]
+        return PromptItem(row.prompt_id, row.prompt, ids, row.answer)
+
+    def _load(self, split: str, file: str) -> list[_Row]:
+        path = Path(file)
+        fields = (self._cfg.prompt_field, self._cfg.answer_field)
+        rows: list[_Row] = []
+        bad: list[str] = []
+        for number, where, record in _records(path, fields):
+            values = _check(record, fields)
+            if isinstance(values, str):
+                if not self._cfg.skip_bad_rows:
+                    raise DatasetError(f"{path}: {where}: {values}")
+                bad.append(f"{where}: {values}")
+            else:
+                rows.append(_Row(f"{split}:{number}", *values))
+        self.skipped[split] = len(bad)
+        if bad:
+            log.warning("%s: skipped %d bad rows (first: %s)", path, len(bad), bad[0])
+        if not rows:
+            raise DatasetError(f"{path}: no usable rows ({len(bad)} bad)")
+        return rows
+
+
+@dataclass(frozen=True)
+class _Unparsable:
+    reason: str
+
+
+def _records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, str, object]]:
+    """(number, location, record) for each row: "line N" in JSONL (from 1, blank lines
+    skipped), "row N" in Parquet (from 0)."""
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, f"line {number}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield number, f"line {number}", _Unparsable(f"invalid JSON ({e.msg})")
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        present = set(pq.read_schema(path).names)
+        table = pq.read_table(path, columns=[f for f in fields if f in present])
+        for number, record in enumerate(table.to_pylist()):
+            yield number, f"row {number}", record
+    else:
+        raise DatasetError(f"{path}: unsupported file type; use .jsonl or .parquet")
+
+
+def _check(record: object, fields: tuple[str, str]) -> tuple[str, str] | str:
+    """The (prompt, answer) strings of a record, or why it is unusable."""
+    if isinstance(record, _Unparsable):
+        return record.reason
+    if not isinstance(record, dict):
+        return f"expected an object, got {type(record).__name__}"
+    values = []
+    for field in fields:
+        value = record.get(field)
+        if value is None:
+            return f"missing field {field!r}"
+        if not isinstance(value, str):
+            return f"field {field!r} is {type(value).__name__}, expected a string"
+        if not value.strip():
+            return f"field {field!r} is empty"
+        values.append(value)
+    return values[0], values[1]
+
+
+def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
+    match cfg:
+        case ArithmeticTaskConfig():
+            return ArithmeticTask(cfg, tokenizer)
+        case DatasetTaskConfig():
+            return DatasetTask(cfg, tokenizer)
+        case _:
+            assert_never(cfg)

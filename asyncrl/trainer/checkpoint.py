@@ -1,0 +1,96 @@
+"""Atomic trainer checkpoints: a Hugging Face model directory plus optimizer, RNG and run state.
+
+Layout: `{run_dir}/checkpoints/step_{step:08d}/` holds `config.json`, `model.safetensors`, the
+tokenizer files (so the folder loads with `from_pretrained`), `optimizer.pt`, `rng.pt` and
+`trainer_state.json`. A checkpoint is written to `step_N.tmp`, every file fsynced, then renamed:
+a folder without the `.tmp` suffix is complete. Only then may trajectory entries of its steps be
+acked (DESIGN §9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_PREFIX = "step_"
+
+
+@dataclass
+class TrainerState:
+    step: int
+    """Optimizer steps done."""
+    version: int
+    """Policy version these weights were published as."""
+    cursor: dict[str, int]
+    """Data cursor (epoch, position, seed) of the prompts released up to this checkpoint."""
+    wall_seconds: float
+    """Training wall time accumulated over the run's lifetimes."""
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    *,
+    tokenizer_dir: Path | None,
+    keep: int,
+) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{state.step:08d}"
+    tmp = root / f"{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            if f.is_file() and ("token" in f.name or f.name == "special_tokens_map.json"):
+                shutil.copy2(f, tmp / f.name)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    # The data order is derived from the cursor, not from RNG state, so torch's RNG is all the
+    # randomness a resumed step needs (dropout, if a model has it).
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state)))
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_tree(root)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and not p.name.endswith(".tmp")]
+    return sorted(done, key=lambda p: int(p.name.removeprefix(_PREFIX)))
+
+
+def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Restore optimizer and RNG from `path` (the model is loaded from the same folder by the
+    caller) and return the run state."""
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))

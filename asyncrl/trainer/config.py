@@ -1,0 +1,50 @@
+"""Configuration of the trainer role: optimisation, batching, checkpoints, evaluation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.configbase import Section
+
+
+class TrainerConfig(Section):
+    max_steps: int = Field(default=200, ge=1)
+    """Optimizer steps to run; the trainer stops (after a final checkpoint) when reached."""
+    groups_per_step: int = Field(default=16, ge=1)
+    """Prompt groups (each of `rollout.n` samples) consumed per optimizer step, over all ranks."""
+    lr: float = Field(default=1e-3, gt=0)
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Max global gradient norm."""
+    micro_batch_tokens: int = Field(default=16384, ge=1)
+    """Token budget of one micro-batch (prompt + response); packing is best-fit decreasing."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    fsdp: bool = False
+    """Shard parameters with FSDP2 (`fully_shard`) across trainer ranks."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Device of the trainer; auto picks cuda, then npu, then cpu."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the trained model."""
+    checkpoint_every: int = Field(default=10, ge=1)
+    """Write a checkpoint every this many steps; trajectory entries are acked only then."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Checkpoints kept on disk (older ones are deleted after a newer one is durable)."""
+    eval_every: int = Field(default=10, ge=0)
+    """Evaluate on the held-out split every this many steps (0 disables)."""
+    eval_size: int = Field(default=500, ge=1)
+    """Held-out prompts per evaluation."""
+    eval_temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature of the evaluation (0 = greedy)."""
+    wait_timeout_s: float = Field(default=600.0, gt=0)
+    """Give up (exit non-zero) if no trajectory arrives for this long."""
+    seed: int = 0
+    """Seed of the trainer's RNG and of the data cursor's shuffling."""
+    resume: bool = True
+    """Resume from the latest checkpoint in run.dir when there is one."""

@@ -1,0 +1,205 @@
+"""One optimizer step of the decoupled objective over this rank's rows.
+
+With one optimizer step per batch, π_prox (the policy at the start of the step) equals the
+current policy, so `old_logp = sg(logp)` from the same forward pass is exactly the "recomputed
+once, no grad" proximal log-prob of DESIGN §6, without a second forward. The PPO ratio is then 1
+and the update is the truncated-IS policy gradient weighted by behaviour_weights(π_prox, π_behav).
+
+Normalisers (token count, non-empty rows, response horizon) are summed over micro-batches and
+all-reduced over ranks before any loss is computed, and gradients are summed (not averaged) over
+ranks, so N ranks give the update of one rank on the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from asyncrl.algo.config import AlgoConfig
+from asyncrl.algo.correction import behaviour_mask_weights, behaviour_weights
+from asyncrl.algo.losses import aggregate, gspo_loss, kl_penalty, ppo_loss
+from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
+from asyncrl.trainer.batch import MicroBatch, Row, collate
+from asyncrl.trainer.packing import pack_microbatches
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    tokens: int
+    clip_fraction: float
+    behaviour_weight_mean: float
+    behaviour_weight_capped_fraction: float
+    logprob_abs_diff_lag0: float | None
+    lag0_tokens: int
+
+
+def token_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, sampling: SamplingParams
+) -> torch.Tensor:
+    """Log-prob of each target token under the sampling distribution, [B, L-1]."""
+    logits = model(input_ids=mb.input_ids).logits[:, :-1]
+    logp = sampling_logprobs(logits, sampling)
+    out = logp.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+    # Off-response positions may hold -inf under top-k/top-p; they are masked, keep them finite.
+    return torch.where(mb.mask > 0, out, torch.zeros_like(out))
+
+
+def _all_reduce(
+    values: list[float], world: dist.ProcessGroup | None, op: Any = None
+) -> list[float]:
+    if world is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=world)
+    return t.tolist()
+
+
+def _all_reduce_grads(params: list[torch.nn.Parameter], world: dist.ProcessGroup) -> None:
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=world)
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: list[Row],
+    *,
+    algo: AlgoConfig,
+    sampling: SamplingParams,
+    micro_batch_tokens: int,
+    grad_clip: float,
+    current_version: int,
+    ref_model: torch.nn.Module | None = None,
+    world: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> StepStats:
+    """Forward/backward over packed micro-batches of `rows`, all-reduce, clip, step."""
+    model.train()
+    local_tokens = float(sum(r.loss_mask.sum() for r in rows))
+    local_seqs = float(sum(1 for r in rows if r.loss_mask.any()))
+    bins = [b for b in pack_microbatches([r.length for r in rows], micro_batch_tokens)[0] if b]
+    horizon_local = max((r.length - r.n_prompt for r in rows), default=1)
+    g_tokens, g_seqs = _all_reduce([local_tokens, local_seqs], world)
+    # Every rank runs the same number of micro-batches; missing ones are fully masked dummies.
+    n_bins, horizon = (
+        int(v)
+        for v in _all_reduce([float(len(bins)), float(horizon_local)], world, dist.ReduceOp.MAX)
+    )
+    sums = dict(loss=0.0, clip=0.0, w=0.0, capped=0.0, diff=0.0, lag0=0.0)
+    for i in range(n_bins):
+        idx = bins[i] if i < len(bins) else []
+        mb_rows = [rows[j] for j in idx] or [_DUMMY_ROW]
+        mb = collate(mb_rows, device)
+        if not idx:
+            mb.mask.zero_()
+        logp = token_logprobs(model, mb, sampling)
+        prox = logp.detach()
+        weights = _correction(prox, mb, algo)
+        if algo.loss == "gspo":
+            loss, stats = gspo_loss(
+                logp,
+                prox,
+                mb.advantages,
+                mb.mask,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                weights=weights,
+                global_seqs=g_seqs,
+            )
+        else:
+            loss, stats = ppo_loss(
+                logp,
+                prox,
+                mb.advantages,
+                mb.mask,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                dual_clip=algo.dual_clip,
+                agg=algo.aggregation,
+                weights=weights,
+                global_tokens=g_tokens,
+                global_seqs=g_seqs,
+                horizon=horizon,
+            )
+        if ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
+            with torch.no_grad():
+                ref_logp = token_logprobs(ref_model, mb, sampling)
+            kl = kl_penalty(logp, ref_logp, algo.kl_kind)
+            loss = loss + algo.kl_coef * aggregate(
+                kl,
+                mb.mask,
+                algo.aggregation,
+                global_tokens=g_tokens,
+                global_seqs=g_seqs,
+                horizon=horizon,
+            )
+        loss.backward()
+        n_tok = float(mb.mask.sum())
+        w = weights if weights is not None else mb.mask
+        lag0 = (mb.versions == current_version).float() * mb.mask
+        sums["loss"] += float(loss.detach())
+        sums["clip"] += float(stats["clip_fraction"]) * n_tok
+        sums["w"] += float((w * mb.mask).sum())
+        sums["capped"] += float(((w >= algo.weight_cap) & (mb.mask > 0)).sum())
+        sums["diff"] += float(((prox - mb.behav_logp).abs() * lag0).sum())
+        sums["lag0"] += float(lag0.sum())
+    keys = list(sums)
+    totals = dict(zip(keys, _all_reduce([sums[k] for k in keys], world), strict=True))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if world is not None:
+        _all_reduce_grads(params, world)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tokens = max(g_tokens, 1.0)
+    return StepStats(
+        loss=totals["loss"],
+        grad_norm=grad_norm,
+        tokens=int(g_tokens),
+        clip_fraction=totals["clip"] / tokens,
+        behaviour_weight_mean=totals["w"] / tokens,
+        behaviour_weight_capped_fraction=totals["capped"] / tokens,
+        logprob_abs_diff_lag0=totals["diff"] / totals["lag0"] if totals["lag0"] else None,
+        lag0_tokens=int(totals["lag0"]),
+    )
+
+
+def _correction(prox: torch.Tensor, mb: MicroBatch, algo: AlgoConfig) -> torch.Tensor | None:
+    if algo.correction == "none":
+        return None
+    if algo.correction == "mask":
+        return behaviour_mask_weights(
+            prox,
+            mb.behav_logp,
+            mb.mask,
+            level=algo.correction_level,
+            lo=algo.mask_low,
+            hi=algo.mask_high,
+        )
+    return behaviour_weights(
+        prox, mb.behav_logp, mb.mask, level=algo.correction_level, cap=algo.weight_cap
+    )
+
+
+# A one-token placeholder for a rank with fewer micro-batches; its mask is zeroed.
+_DUMMY_ROW = Row(
+    input_ids=np.zeros(2, np.int64),
+    n_prompt=1,
+    behav_logp=np.zeros(1, np.float32),
+    versions=np.zeros(1, np.int32),
+    loss_mask=np.zeros(1, np.float32),
+    advantage=0.0,
+    reward=0.0,
+)

@@ -1,0 +1,406 @@
+"""The weight-sync seam: a publisher on trainer rank 0, a subscriber in each rollout worker.
+
+Both ends are small Protocols so that the trainer and the rollout engine never see a transport;
+`build_publisher` / `build_subscriber` pick one from `WeightsConfig.type`. The choices common to
+all transports live here, in two base classes:
+
+- Publishing never waits on the network. `publish()` copies the parameters into a staging buffer
+  (the only time the trainer blocks, returned in seconds; on an accelerator the copies are only
+  queued on the trainer's stream) and a background thread sends. There
+  are two buffers: the sender owns one (the version being sent, or the last one sent — kept to
+  catch up workers that join while the trainer is busy), `publish()` fills the other. A version
+  staged while another is in flight waits; a newer one staged before it left replaces it, so
+  after a slow send only the newest version goes (coalescing).
+- Receiving happens on the subscriber's own thread; `on_weights(tensors, version)` is called
+  there with tensors the subscriber never touches again (the engine may keep them). It should
+  stage and return: the sender waits for every subscriber, so a slow callback slows them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from asyncrl.weights.buckets import FlatBuffer, Layout
+from asyncrl.weights.device import copies_done
+
+if TYPE_CHECKING:
+    import redis
+
+    from asyncrl.keys import Keys
+    from asyncrl.weights.config import WeightsConfig
+
+log = logging.getLogger(__name__)
+
+Params = torch.nn.Module | Iterable[tuple[str, torch.Tensor]]
+"""What is published: a module (its `named_parameters()`, full tensors — gather FSDP shards
+first) or (name, tensor) pairs such as `state_dict().items()`."""
+
+OnWeights = Callable[[dict[str, torch.Tensor], int], None]
+"""Receives (name → tensor, version); the engine's `stage_weights` has this signature."""
+
+POLL_S = 0.2
+"""Idle loops look at Redis this often; the pub/sub doorbell makes most wake-ups immediate."""
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """What one delivery of one version cost (a coalesced version has none)."""
+
+    version: int
+    blocking_s: float
+    """Trainer time spent in `publish()` (metric `weight_publish_blocking_seconds`); 0 for a
+    resend of a version already staged, e.g. to a worker that joined."""
+    sync_s: float
+    """From the start of the send to its end, group forming included (`weight_sync_seconds`)."""
+    bytes_sent: int
+    """Payload bytes of the version; 0 when it reached no one (`weight_sync_bytes`)."""
+    receivers: int | None
+    """Subscribers that received it; None where the transport cannot know (store)."""
+    ok: bool
+    started: float
+    """`time.monotonic()` at the start of the send, for overlap measurements."""
+    ended: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "weight_publish_blocking_seconds": self.blocking_s,
+            "weight_sync_seconds": self.sync_s,
+            "weight_sync_bytes": float(self.bytes_sent),
+        }
+
+
+@dataclass
+class PublisherStats:
+    published: int = 0
+    """Versions handed to `publish()`."""
+    sent: int = 0
+    """Deliveries that succeeded (resends included)."""
+    coalesced: int = 0
+    """Versions replaced by a newer one before their send began."""
+    failed: int = 0
+    """Deliveries that failed; the version is resent or superseded."""
+    rebuilds: int = 0
+    """Groups formed after the first one (membership changed or a send failed)."""
+    last: SyncRecord | None = None
+
+
+class WeightPublisher(Protocol):
+    """Trainer rank 0's end. Thread-safe; `publish` is meant to be called after each step."""
+
+    def publish(self, params: Params, version: int) -> float:
+        """Stage `params` as `version` (strictly increasing); returns the seconds it blocked."""
+        ...
+
+    def stats(self) -> PublisherStats: ...
+
+    @property
+    def rebuilds(self) -> int: ...
+
+    def close(self) -> None:
+        """Send what is staged (bounded by the sync timeout), then release everything."""
+        ...
+
+
+class WeightSubscriber(Protocol):
+    """A rollout worker's end: receives on its own thread and hands weights to `on_weights`."""
+
+    @property
+    def version(self) -> int | None:
+        """Version of the last weights handed over; None before the first."""
+        ...
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> int:
+        """Block until weights ≥ `min_version` were handed over; TimeoutError after `timeout_s`.
+        A new worker calls `wait_for_version(0, ...)` so that it generates with the latest."""
+        ...
+
+    def close(self) -> None:
+        """Leave cleanly: the publisher drops this worker before its next send."""
+        ...
+
+
+def build_publisher(
+    cfg: WeightsConfig,
+    client: redis.Redis,
+    keys: Keys,
+    *,
+    device: torch.device | str,
+    on_record: Callable[[SyncRecord], None] | None = None,
+) -> WeightPublisher:
+    if cfg.type == "broadcast":
+        from asyncrl.weights.broadcast import BroadcastPublisher
+
+        return BroadcastPublisher(cfg, client, keys, torch.device(device), on_record)
+    from asyncrl.weights.store import StorePublisher
+
+    return StorePublisher(cfg, client, keys, torch.device(device), on_record)
+
+
+def build_subscriber(
+    cfg: WeightsConfig,
+    client: redis.Redis,
+    keys: Keys,
+    worker_id: str,
+    *,
+    device: torch.device | str,
+    on_weights: OnWeights,
+) -> WeightSubscriber:
+    if cfg.type == "broadcast":
+        from asyncrl.weights.broadcast import BroadcastSubscriber
+
+        return BroadcastSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
+    from asyncrl.weights.store import StoreSubscriber
+
+    return StoreSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
+
+
+def text(value: bytes | str) -> str:
+    """Redis replies as str, whether or not the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def read_hash(client: redis.Redis, key: str) -> dict[str, str]:
+    return {text(k): text(v) for k, v in client.hgetall(key).items()}
+
+
+def announce(client: redis.Redis, keys: Keys, **fields: str) -> None:
+    """Set fields of the `weights` hash and ring the doorbell, in one transaction."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.weights, mapping=fields)  # type: ignore[arg-type]
+    pipe.publish(keys.weights, ",".join(fields))
+    pipe.execute()
+
+
+class Doorbell:
+    """Wakes a loop as soon as the `weights` hash changes (PUBLISH on the channel of the same
+    name). Messages are only hints — the hash is the truth and is re-read after every wake-up —
+    so the timeout turns a lost message (e.g. across a reconnect) into a poll."""
+
+    def __init__(self, client: redis.Redis, channel: str) -> None:
+        self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(channel)
+
+    def wait(self, timeout_s: float) -> None:
+        if self._pubsub.get_message(timeout=timeout_s) is not None:
+            while self._pubsub.get_message(timeout=0) is not None:
+                pass
+
+    def close(self) -> None:
+        self._pubsub.close()
+
+
+def _named(params: Params) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, torch.nn.Module):
+        return list(params.named_parameters())
+    return list(params)
+
+
+class BackgroundPublisher(ABC):
+    """Double-buffered staging and a sender thread; subclasses say how a buffer is delivered."""
+
+    def __init__(
+        self,
+        staging_device: torch.device,
+        on_record: Callable[[SyncRecord], None] | None,
+        close_timeout_s: float,
+    ) -> None:
+        self._staging_device = staging_device
+        self._on_record = on_record
+        self._close_timeout_s = close_timeout_s
+        self._cond = threading.Condition()
+        self._back: FlatBuffer | None = None  # publish() fills it
+        self._front: FlatBuffer | None = None  # the sender's: being sent, or last sent
+        self._spare: FlatBuffer | None = None  # replaces the front of an older layout
+        self._staged: tuple[int, float] | None = None  # (version, blocking_s) waiting in _back
+        self._staged_copies: torch.Event | None = None  # completes when _back is filled
+        self._front_version: int | None = None
+        self._last_version: int | None = None
+        self._closing = False
+        self._stats = PublisherStats()
+        self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    @abstractmethod
+    def _send(self, buffer: FlatBuffer, version: int) -> tuple[int, int | None]:
+        """Deliver `buffer` as `version`; return (bytes sent, receivers). Raise on failure."""
+
+    def _wants_resend(self) -> bool:
+        """Polled while idle: should the front (last sent) version go out again?"""
+        return False
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Release transport resources; runs on the sender thread after its last send."""
+
+    def publish(self, params: Params, version: int) -> float:
+        start = time.perf_counter()
+        named = _named(params)
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("publish() after close()")
+            if self._last_version is not None and version <= self._last_version:
+                raise ValueError(f"version {version} is not above {self._last_version}")
+            layout = Layout.of(named)
+            if self._back is None or self._back.layout != layout:
+                # A new layout (the first publish, too) gets both buffers at once: left to the
+                # next publish, the second one's first-touch page faults would cost more than
+                # its copy.
+                self._back = FlatBuffer(layout, self._staging_device)
+                self._spare = FlatBuffer(layout, self._staging_device)
+            self._back.pack(named)
+            # On an accelerator the copies are only queued, behind the optimizer step and ahead
+            # of the next one: the trainer goes on, the sender waits for this event.
+            self._staged_copies = copies_done(self._staging_device)
+            blocking_s = time.perf_counter() - start
+            if self._staged is not None:
+                self._stats.coalesced += 1
+            self._staged = (version, blocking_s)
+            self._last_version = version
+            self._stats.published += 1
+            self._cond.notify_all()
+        return blocking_s
+
+    def stats(self) -> PublisherStats:
+        with self._cond:
+            return dataclasses.replace(self._stats)
+
+    @property
+    def rebuilds(self) -> int:
+        return self._stats.rebuilds
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(self._close_timeout_s)
+        if self._thread.is_alive():
+            log.error("weight publisher: sender still busy after %.0fs", self._close_timeout_s)
+
+    def _next_job(self) -> tuple[int, float] | None:
+        """Swap in the newest staged version; None when there is none (or when closing)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._staged is not None or self._closing, POLL_S)
+            if self._staged is None:
+                return None
+            front, self._back = self._back, self._front
+            assert front is not None  # a staged version lives in it
+            if self._back is None or self._back.layout != front.layout:
+                self._back, self._spare = self._spare, None
+            self._front = front
+            job, self._staged = self._staged, None
+            self._front_version = job[0]
+            copies, self._staged_copies = self._staged_copies, None
+        if copies is not None:
+            copies.synchronize()
+        return job
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._next_job()
+                if job is not None:
+                    self._deliver(*job)
+                elif self._closing:
+                    break
+                elif self._front_version is not None and self._wants_resend():
+                    self._deliver(self._front_version, 0.0)
+            except Exception:
+                # The thread must outlive Redis hiccups and bugs alike: log, pause, go on.
+                log.exception("weight publisher: sender loop error")
+                time.sleep(POLL_S)
+        try:
+            self._shutdown()
+        except Exception:
+            log.exception("weight publisher: shutdown failed")
+
+    def _deliver(self, version: int, blocking_s: float) -> None:
+        assert self._front is not None
+        started = time.monotonic()
+        try:
+            bytes_sent, receivers = self._send(self._front, version)
+            ok = True
+        except RuntimeError as exc:  # c10d and I/O failures: expected, handled by a resend
+            log.warning("weight publisher: delivery of version %d failed: %s", version, exc)
+            bytes_sent, receivers, ok = 0, 0, False
+        except Exception:
+            log.exception("weight publisher: delivery of version %d failed", version)
+            bytes_sent, receivers, ok = 0, 0, False
+        ended = time.monotonic()
+        record = SyncRecord(
+            version, blocking_s, ended - started, bytes_sent, receivers, ok, started, ended
+        )
+        with self._cond:
+            if ok:
+                self._stats.sent += 1
+            else:
+                self._stats.failed += 1
+            self._stats.last = record
+        if self._on_record is not None:
+            self._on_record(record)
+
+
+class BackgroundSubscriber(ABC):
+    """A receive thread that hands weights over, tracks the version and answers waiters."""
+
+    def __init__(self, on_weights: OnWeights, close_timeout_s: float) -> None:
+        self._on_weights = on_weights
+        self._close_timeout_s = close_timeout_s
+        self._cond = threading.Condition()
+        self._version: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    @abstractmethod
+    def _step(self) -> None:
+        """Wait briefly for news and act on it; called in a loop until close()."""
+
+    @abstractmethod
+    def _leave(self) -> None:
+        """Release transport resources after the loop ended."""
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> int:
+        def reached() -> bool:
+            return self._version is not None and self._version >= min_version
+
+        with self._cond:
+            if not self._cond.wait_for(reached, timeout_s):
+                raise TimeoutError(f"no weights of version ≥ {min_version} within {timeout_s}s")
+            assert self._version is not None
+            return self._version
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self._close_timeout_s)
+        self._leave()
+
+    def _hand_over(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self._on_weights(tensors, version)
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:
+                log.exception("weight subscriber: receive loop error")
+                self._stop.wait(POLL_S)

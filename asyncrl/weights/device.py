@@ -1,0 +1,103 @@
+"""Device → collective backend, and how a weight-sync group is made, released and waited on.
+
+cpu → gloo, cuda → nccl, npu → hccl. `torch_npu` is imported here and only on the hccl path:
+importing it patches torch, and it exists only on Ascend machines.
+
+Groups are built directly on a store with an explicit rank, size and timeout — never through
+`init_process_group` — so they live beside the trainer's default group and never touch it. With
+nccl, the watchdog's reaction to a timed-out op follows `TORCH_NCCL_ASYNC_ERROR_HANDLING`; its
+default (3) ends the process, so a trainer that must outlive a hung subscriber runs with 2
+(abort the communicator, raise, keep the process).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class Group(Protocol):
+    """What weight sync uses of a c10d backend object (the type stubs give `Backend` no
+    collectives, though every backend has them)."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def abort(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        return BACKEND_OF_DEVICE[device.type]
+    except KeyError:
+        raise ValueError(
+            f"weights.backend=auto knows no backend for device type {device.type!r}; "
+            "set weights.backend to gloo, nccl or hccl"
+        ) from None
+
+
+def comm_device(backend: str, device: torch.device) -> torch.device:
+    """Where the flat buffers live: host memory for gloo, the accelerator for nccl and hccl."""
+    return torch.device("cpu") if backend == "gloo" else device
+
+
+def new_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    device: torch.device,
+) -> Group:
+    """A process group over `store` (give each group its own PrefixStore) for weight sync only."""
+    if backend == "gloo":
+        return cast(Group, dist.ProcessGroupGloo(store, rank, size, timeout))
+    if backend == "nccl":
+        from torch._C._distributed_c10d import ProcessGroupNCCL
+
+        torch.cuda.set_device(device)
+        nccl_opts = ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return cast(Group, ProcessGroupNCCL(store, rank, size, nccl_opts))
+    if backend == "hccl":
+        import torch_npu
+
+        torch_npu.npu.set_device(device)
+        hccl = torch_npu._C._distributed_c10d.ProcessGroupHCCL
+        hccl_opts = hccl.Options()
+        hccl_opts._timeout = timeout
+        return cast(Group, hccl(store, rank, size, hccl_opts))
+    raise ValueError(f"weights.backend={backend!r} is not one of gloo, nccl, hccl")
+
+
+def release_group(group: Group, *, broken: bool) -> None:
+    """Free a group's communicators: abort a broken one (its pending ops will never complete),
+    shut a healthy one down. Either way its peers' next op on it fails instead of hanging."""
+    if broken:
+        group.abort()
+    else:
+        group.shutdown()
+
+
+def synchronize(device: torch.device) -> None:
+    """Block until the work queued on `device` is done (no-op on CPU)."""
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
+
+
+def copies_done(device: torch.device) -> torch.Event | None:
+    """An event that completes once the work queued so far on `device`'s current stream has;
+    None on CPU, where copies are done when they return."""
+    if device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record()
+    return event

@@ -1,0 +1,160 @@
+"""Weight sync through a shared directory of safetensors files (DESIGN §7).
+
+Version v goes to `{store_dir}/v{v:012d}.safetensors`: written under a temporary name in the same
+directory, fsynced, renamed over (atomic on POSIX), the directory fsynced, and only then announced
+in the `weights` hash (`store_version`, `store_path`; `transport` = "store") with a doorbell
+PUBLISH. A reader thus finds a complete file or none: a partial one carries a name nobody
+announces, and a publisher that starts removes those a crashed one left. The file's metadata holds
+`version` and `checksum` (see `buckets`), both verified before anything is handed over; a file
+that fails to parse or to verify is skipped and logged. The last `keep_last` versions are kept —
+a reader that loses the race to a deletion takes the newer file announced since.
+
+Files are plain safetensors state dicts, readable by any tool (e.g. an inference server's
+load-from-disk). A new worker loads the newest one first, so the store also serves as bootstrap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from asyncrl.weights.base import (
+    POLL_S,
+    BackgroundPublisher,
+    BackgroundSubscriber,
+    Doorbell,
+    OnWeights,
+    SyncRecord,
+    announce,
+    text,
+)
+from asyncrl.weights.buckets import FlatBuffer, checksum, checksum_tensors
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import redis
+
+    from asyncrl.keys import Keys
+    from asyncrl.weights.config import WeightsConfig
+
+log = logging.getLogger(__name__)
+
+_VERSION_FILE = re.compile(r"v\d{12}\.safetensors")  # zero-padded: name order is version order
+
+
+def version_path(store_dir: Path, version: int) -> Path:
+    return store_dir / f"v{version:012d}.safetensors"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StorePublisher(BackgroundPublisher):
+    def __init__(
+        self,
+        cfg: WeightsConfig,
+        client: redis.Redis,
+        keys: Keys,
+        device: torch.device,
+        on_record: Callable[[SyncRecord], None] | None,
+    ) -> None:
+        if cfg.store_dir is None:
+            raise ValueError("weights.store_dir is unset: resolve it ({run.dir}/weights) first")
+        # Staged in host memory: that is where the file is written from.
+        super().__init__(torch.device("cpu"), on_record, close_timeout_s=3 * cfg.sync_timeout_s)
+        self._client, self._keys = client, keys
+        self._dir, self._keep = cfg.store_dir, cfg.keep_last
+        self._dir.mkdir(parents=True, exist_ok=True)
+        for partial in self._dir.glob(".v*.safetensors.tmp"):
+            partial.unlink()
+        announce(client, keys, transport="store")
+        self._start()
+
+    def _send(self, buffer: FlatBuffer, version: int) -> tuple[int, int | None]:
+        path = version_path(self._dir, version)
+        tmp = path.with_name(f".{path.name}.tmp")
+        meta = {"version": str(version), "checksum": str(checksum(buffer.flat))}
+        try:
+            save_file(buffer.tensors, tmp, metadata=meta)
+            _fsync(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync(self._dir)
+        announce(self._client, self._keys, store_version=str(version), store_path=str(path))
+        for old in sorted(p for p in self._dir.iterdir() if _VERSION_FILE.fullmatch(p.name))[
+            : -self._keep
+        ]:
+            old.unlink(missing_ok=True)
+        return path.stat().st_size, None
+
+    def _shutdown(self) -> None:
+        """Nothing is held between writes."""
+
+
+class StoreSubscriber(BackgroundSubscriber):
+    def __init__(
+        self,
+        cfg: WeightsConfig,
+        client: redis.Redis,
+        keys: Keys,
+        worker_id: str,
+        device: torch.device,
+        on_weights: OnWeights,
+    ) -> None:
+        super().__init__(on_weights, close_timeout_s=3 * cfg.sync_timeout_s)
+        self._client, self._keys, self._id = client, keys, worker_id
+        self._device = device
+        self._dir = cfg.store_dir
+        self._doorbell = Doorbell(client, keys.weights)
+        self._rejected: int | None = None  # a bad file is not retried until a newer one comes
+        self._start()
+
+    def _step(self) -> None:
+        self._doorbell.wait(POLL_S)
+        raw_version, raw_path = self._client.hmget(
+            self._keys.weights, ["store_version", "store_path"]
+        )
+        if raw_version is None or raw_path is None:
+            return
+        version, path = int(text(raw_version)), Path(text(raw_path))
+        if version == self._rejected or (self._version is not None and version <= self._version):
+            return
+        if self._dir is not None:
+            path = self._dir / path.name
+        try:
+            tensors = self._load(path, version)
+        except FileNotFoundError:
+            return  # pruned while we were away; a newer version has been announced
+        except (SafetensorError, ValueError, OSError) as exc:
+            log.warning("%s: weights version %d at %s rejected: %s", self._id, version, path, exc)
+            self._rejected = version
+            return
+        self._hand_over(tensors, version)
+
+    def _load(self, path: Path, version: int) -> dict[str, torch.Tensor]:
+        with safe_open(path, framework="pt", device=str(self._device)) as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        if meta.get("version") != str(version):
+            raise ValueError(f"file holds version {meta.get('version')}")
+        if meta.get("checksum") != str(checksum_tensors(tensors.values())):
+            raise ValueError("checksum mismatch")
+        return tensors
+
+    def _leave(self) -> None:
+        self._doorbell.close()

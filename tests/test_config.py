@@ -1,0 +1,115 @@
+"""Config: every shipped YAML parses; bad input gives one clear line naming the key, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.cli import main
+from asyncrl.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shipped_run_configs() -> list[Path]:
+    return sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", _shipped_run_configs(), ids=lambda p: p.name)
+def test_every_shipped_config_parses(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.run.id
+
+
+def test_every_yaml_under_deploy_parses() -> None:
+    """Deploy files are YAML too; the run configs they embed are checked in test_deploy."""
+    for path in sorted((ROOT / "deploy").rglob("*.y*ml")) if (ROOT / "deploy").exists() else []:
+        docs = list(yaml.safe_load_all(path.read_text()))
+        assert docs, path
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    cfg = load_config(None, ["trainer.max_steps=7", "algo.max_staleness=0", "run.id=exp1"])
+    assert cfg.trainer.max_steps == 7
+    assert cfg.algo.max_staleness == 0
+    assert cfg.run.path == Path("runs/exp1")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "hint"),
+    [
+        (["algo.weight_cap=0"], "algo.weight_cap", "> 0"),
+        (["algo.max_staleness=-1"], "algo.max_staleness", "greater than or equal to 0"),
+        (["algo.loss=reinforce"], "algo.loss", "'ppo' or 'gspo'"),
+        (["trainer.lr=abc"], "trainer.lr", "number"),
+        (["trainer.bogus=1"], "trainer.bogus", "allowed keys"),
+        (["weights.type=carrier-pigeon"], "weights.type", "'broadcast' or 'store'"),
+        (["task.type=chess"], "task", "arithmetic"),
+        (["rollout.sampling.temperature=0"], "rollout.sampling.temperature", "> 0"),
+        (["algo.loss=gspo"], "algo.aggregation", "seq-mean-token-mean"),
+        (["redis.url=http://x"], "redis.url", "redis://"),
+        (["nokey"], "nokey", "key=value"),
+    ],
+)
+def test_bad_config_names_the_key(overrides: list[str], key: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    message = str(err.value)
+    assert key in message
+    assert hint in message
+    assert "\n" not in message
+
+
+def test_bad_yaml_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", "--role", "trainer", "algo.max_staleness=-3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "algo.max_staleness" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_print_config_redacts_password(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        ["launch", "--role", "trainer", "--print-config", "redis.url=redis://:s3cret@host:6379/0"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "s3cret" not in out
+    printed = yaml.safe_load(out)
+    assert printed["redis"]["url"] == "redis://:***@host:6379/0"
+
+
+def test_help_is_fast_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys; from asyncrl.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'redis', 'numpy') if m in sys.modules]\n"
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_config_import_pulls_no_torch() -> None:
+    code = "import sys, asyncrl.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False"

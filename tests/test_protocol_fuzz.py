@@ -1,0 +1,204 @@
+"""Whatever bytes arrive on a stream, decoding yields a valid object or a ValidationError."""
+
+import contextlib
+from typing import Any
+
+import msgpack
+import msgpack.fallback
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncrl import protocol
+from asyncrl.protocol import (
+    Limits,
+    PromptGroup,
+    Sample,
+    TrajectoryGroup,
+    ValidationError,
+    decode_group,
+    decode_prompt,
+    encode_group,
+    encode_prompt,
+    validate_group,
+)
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _valid_group() -> TrajectoryGroup:
+    samples = [
+        Sample(
+            response_ids=np.array([5, 6, 7], np.int32),
+            logprobs=np.array([-0.1, -2.0, -0.5], np.float32),
+            versions=np.array([1, 1, 2], np.int32),
+            reward=0.5,
+            finish="length",
+            meta={"k": "v"},
+            loss_mask=np.array([1, 0, 1], np.uint8) if i else None,
+        )
+        for i in range(2)
+    ]
+    return TrajectoryGroup(
+        run="r",
+        group_id="1-0",
+        prompt_id="p",
+        release_version=1,
+        worker="w",
+        created_at=1.0,
+        finished_at=2.0,
+        prompt_ids=np.array([1, 2], np.int32),
+        samples=samples,
+    )
+
+
+VALID = encode_group(_valid_group())
+VALID_PROMPT = encode_prompt(
+    PromptGroup(
+        run="r",
+        prompt_id="p",
+        prompt="hi",
+        prompt_ids=np.array([1], np.int32),
+        answer="a",
+        task="t",
+        n=2,
+        release_version=0,
+    )
+)
+
+
+def decodes_or_rejects(data: bytes, limits: Limits | None = None) -> None:
+    """The property under test: a decoded group is valid, anything else is a ValidationError."""
+    try:
+        g = decode_group(data, limits)
+    except ValidationError:
+        pass
+    else:
+        validate_group(g, limits=limits)
+    with contextlib.suppress(ValidationError):
+        decode_prompt(data, limits)
+
+
+@FUZZ
+@given(st.binary(max_size=1024))
+def test_random_bytes(data: bytes) -> None:
+    decodes_or_rejects(data)
+
+
+_edit = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, len(VALID) - 1), st.integers(1, 255)),
+    st.tuples(st.just("insert"), st.integers(0, len(VALID)), st.integers(0, 255)),
+    st.tuples(st.just("delete"), st.integers(0, len(VALID) - 1), st.just(0)),
+    st.tuples(st.just("truncate"), st.integers(0, len(VALID) - 1), st.just(0)),
+)
+
+
+def _mutate(base: bytes, edits: list[tuple[str, int, int]]) -> bytes:
+    data = bytearray(base)
+    for op, pos, value in edits:
+        pos = min(pos, len(data))
+        if op == "flip" and pos < len(data):
+            data[pos] ^= value
+        elif op == "insert":
+            data.insert(pos, value)
+        elif op == "delete" and pos < len(data):
+            del data[pos]
+        elif op == "truncate":
+            del data[pos:]
+    return bytes(data)
+
+
+@FUZZ
+@given(st.lists(_edit, min_size=1, max_size=4))
+def test_mutated_valid_group(edits: list[tuple[str, int, int]]) -> None:
+    decodes_or_rejects(_mutate(VALID, edits))
+
+
+@FUZZ
+@given(st.lists(_edit, min_size=1, max_size=4))
+def test_mutated_valid_prompt(edits: list[tuple[str, int, int]]) -> None:
+    decodes_or_rejects(_mutate(VALID_PROMPT, edits))
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=16)
+)
+_objects = st.recursive(
+    _scalars,
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.text(max_size=12) | st.binary(max_size=4), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@FUZZ
+@given(_objects)
+def test_random_msgpack_objects(obj: Any) -> None:
+    decodes_or_rejects(msgpack.packb(obj))
+
+
+_GROUP_PATHS = [
+    ("run",),
+    ("release_version",),
+    ("created_at",),
+    ("prompt_ids",),
+    ("samples",),
+    ("samples", 0),
+    ("samples", 1, "response_ids"),
+    ("samples", 1, "logprobs"),
+    ("samples", 1, "versions"),
+    ("samples", 1, "loss_mask"),
+    ("samples", 0, "reward"),
+    ("samples", 0, "finish"),
+    ("samples", 0, "meta"),
+    ("samples", 0, "meta", "k"),
+]
+
+
+@FUZZ
+@given(
+    st.sampled_from(_GROUP_PATHS),
+    # Raw bytes of any length, or whole float32/int32 values that reach the semantic checks.
+    st.binary(max_size=24) | st.binary(max_size=24).map(lambda b: b[: len(b) // 4 * 4]) | _objects,
+)
+def test_one_field_of_a_valid_group_replaced(path: tuple[Any, ...], value: Any) -> None:
+    # Random objects alone rarely get past the schema check; this reaches the field checks.
+    wire = msgpack.unpackb(VALID)
+    target = wire
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    decodes_or_rejects(msgpack.packb(wire))
+
+
+@pytest.mark.parametrize("unpackb", [msgpack.unpackb, msgpack.fallback.unpackb])
+@pytest.mark.parametrize("opener", [b"\x91", b"\x81\xa1k", b"\xdc\x00\x01"])
+def test_deep_nesting_is_rejected(
+    monkeypatch: pytest.MonkeyPatch, unpackb: Any, opener: bytes
+) -> None:
+    # The C unpacker has a fixed stack; the pure-Python fallback recurses, so both are checked.
+    monkeypatch.setattr(protocol.msgpack, "unpackb", unpackb)
+    data = opener * 100_000 + b"\xc0"
+    with pytest.raises(ValidationError) as info:
+        decode_group(data)
+    assert info.value.reason == "malformed"
+
+
+def test_oversize_input_is_rejected_before_unpacking(monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_unpack(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("unpackb called on an oversize message")
+
+    monkeypatch.setattr(protocol.msgpack, "unpackb", must_not_unpack)
+    limits = Limits(max_message_bytes=1024)
+    for decode in (decode_group, decode_prompt):
+        with pytest.raises(ValidationError) as info:
+            decode(b"\x00" * 1025, limits)
+        assert info.value.reason == "too_large"

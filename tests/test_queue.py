@@ -1,0 +1,414 @@
+"""The durable queue against a real redis-server: delivery, claims, dead-lettering, acks, trimming,
+outages and backpressure."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.queue import (
+    Consumer,
+    Producer,
+    QueueConfig,
+    RawFields,
+    Stopped,
+    stream_stats,
+    trim_acked,
+)
+
+STREAM, GROUP, DLQ, COUNTERS = "q:s", "g", "q:dlq", "q:counters"
+
+
+def consumer(
+    client: redis.Redis,
+    name: str,
+    *,
+    group: str = GROUP,
+    alive: Callable[[str], bool] = lambda _: True,
+    decode: Callable[[RawFields], Any] | None = None,
+    **cfg: Any,
+) -> Consumer[Any]:
+    return Consumer(
+        client,
+        STREAM,
+        group,
+        name,
+        QueueConfig(**cfg),
+        dlq=DLQ,
+        counters_key=COUNTERS,
+        is_alive=alive,
+        decode=decode,
+        reconnect_max_s=0.2,
+    )
+
+
+def add(client: redis.Redis, n: int, start: int = 0) -> list[str]:
+    producer = Producer(client, STREAM)
+    return [producer.add({"n": str(i)}) for i in range(start, start + n)]
+
+
+def counter(client: redis.Redis, name: str) -> int:
+    return int(client.hget(COUNTERS, name) or 0)
+
+
+def pending_ids(client: redis.Redis, group: str = GROUP) -> list[str]:
+    return [p["message_id"].decode() for p in client.xpending_range(STREAM, group, "-", "+", 1000)]
+
+
+def test_round_trip_and_ack(redis_client: redis.Redis) -> None:
+    ids = add(redis_client, 3)
+    c = consumer(redis_client, "c1")
+    got = c.read(count=10, block_ms=100)
+    assert [d.id for d in got] == ids
+    assert [d.value[b"n"] for d in got] == [b"0", b"1", b"2"]
+    assert all(d.deliveries == 1 for d in got)
+    assert pending_ids(redis_client) == ids
+
+    assert c.ack(ids[:2], counters={"groups_trained": 2}) is True
+    assert pending_ids(redis_client) == ids[2:]
+    assert counter(redis_client, "groups_trained") == 2
+    # A second ack of the same ids is refused and changes nothing.
+    assert c.ack(ids[:2], counters={"groups_trained": 2}) is False
+    assert counter(redis_client, "groups_trained") == 2
+    assert c.read(count=10, block_ms=50) == []
+
+
+def test_restarted_consumer_gets_its_own_pending_entries_first(redis_client: redis.Redis) -> None:
+    ids = add(redis_client, 3)
+    first = consumer(redis_client, "worker-1")
+    assert [d.id for d in first.read(count=2, block_ms=100)] == ids[:2]
+    later = add(redis_client, 2, start=3)
+
+    restarted = consumer(redis_client, "worker-1")
+    again = restarted.read(count=10, block_ms=100)
+    assert [d.id for d in again] == ids[:2]
+    assert [d.deliveries for d in again] == [2, 2]
+    assert [d.value[b"n"] for d in again] == [b"0", b"1"]
+    assert [d.id for d in restarted.read(count=10, block_ms=100)] == [ids[2], *later]
+    # Entries handed out by this object are not handed out again while it holds them.
+    assert restarted.read(count=10, block_ms=50) == []
+
+
+def test_producer_before_group_exists(redis_client: redis.Redis) -> None:
+    ids = add(redis_client, 2)
+    assert redis_client.xinfo_groups(STREAM) == []
+    assert [d.id for d in consumer(redis_client, "c").read(count=10, block_ms=100)] == ids
+
+
+def test_consumer_before_stream_exists(redis_client: redis.Redis) -> None:
+    c = consumer(redis_client, "c")
+    assert c.read(count=10, block_ms=50) == []
+    assert redis_client.exists(STREAM)
+    ids = add(redis_client, 1)
+    assert [d.id for d in c.read(count=10, block_ms=100)] == ids
+
+
+class ToyError(ValueError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}: entry rejected")
+        self.reason = reason
+
+
+def toy_decode(fields: RawFields) -> int:
+    if b"bad" in fields:
+        raise ToyError(fields[b"bad"].decode())
+    if b"junk" in fields:
+        raise ValueError("not a number")
+    if b"bug" in fields:
+        raise KeyError("a bug in the decoder")
+    return int(fields[b"n"])
+
+
+def test_decode_failure_dead_letters_entry_and_delivers_the_rest(redis_client: redis.Redis) -> None:
+    p = Producer(redis_client, STREAM)
+    good1 = p.add({"n": "1"})
+    bad = p.add({"bad": "length_mismatch", "id": "clash"})
+    good2 = p.add({"n": "2"})
+    junk = p.add({"junk": "x"})
+    c = consumer(redis_client, "c", decode=toy_decode)
+
+    got = c.read(count=10, block_ms=100)
+    assert [(d.id, d.value) for d in got] == [(good1, 1), (good2, 2)]
+    assert pending_ids(redis_client) == [good1, good2]
+    assert counter(redis_client, "groups_dead_lettered") == 2
+
+    dead = {e[b"id"].decode(): e for _, e in redis_client.xrange(DLQ)}
+    assert set(dead) == {bad, junk}
+    assert dead[bad][b"reason"] == b"length_mismatch"
+    assert dead[bad][b"stream"] == STREAM.encode()
+    assert b"entry rejected" in dead[bad][b"detail"]
+    assert dead[bad][b"bad"] == b"length_mismatch"
+    assert dead[bad][b"orig.id"] == b"clash"  # an original field named like the metadata
+    assert dead[junk][b"reason"] == b"decode_error"
+
+    # A decoder bug is not mistaken for bad input: it surfaces, and the entry stays pending.
+    bug = p.add({"bug": "1"})
+    with pytest.raises(KeyError):
+        c.read(count=10, block_ms=100)
+    assert bug in pending_ids(redis_client)
+    # A caller that carries on gets it again, until max_deliveries dead-letters it.
+    for _ in range(QueueConfig().max_deliveries - 1):
+        with pytest.raises(KeyError):
+            c.read(count=10, block_ms=100)
+    assert c.read(count=10, block_ms=50) == []
+    assert redis_client.xrange(DLQ)[-1][1][b"reason"] == b"max_deliveries"
+
+
+def test_entry_delivered_too_often_is_dead_lettered(redis_client: redis.Redis) -> None:
+    (entry,) = add(redis_client, 1)
+    for deliveries in (1, 2):
+        (d,) = consumer(redis_client, "crashy", max_deliveries=2).read(count=1, block_ms=100)
+        assert d.deliveries == deliveries
+    # Third delivery (a third crash-restart): dead-lettered instead of handed out.
+    assert consumer(redis_client, "crashy", max_deliveries=2).read(count=1, block_ms=50) == []
+    ((_, dead),) = redis_client.xrange(DLQ)
+    assert dead[b"reason"] == b"max_deliveries"
+    assert dead[b"id"] == entry.encode()
+    assert dead[b"n"] == b"0"
+    assert pending_ids(redis_client) == []
+    assert counter(redis_client, "groups_dead_lettered") == 1
+
+
+def test_only_dead_consumers_entries_are_claimed(redis_client: redis.Redis) -> None:
+    ids = add(redis_client, 2)
+    alive = {"a", "b"}
+    a = consumer(redis_client, "a")
+    assert len(a.read(count=2, block_ms=100)) == 2
+    b = consumer(redis_client, "b", alive=alive.__contains__, claim_idle_s=0.2, claim_every_s=0.01)
+
+    time.sleep(
+        0.3
+    )  # idle beyond claim_idle_s, but "a" is alive: a trainer holding for a checkpoint
+    assert b.read(count=10, block_ms=50) == []
+    assert {p["consumer"] for p in redis_client.xpending_range(STREAM, GROUP, "-", "+", 10)} == {
+        b"a"
+    }
+
+    alive.discard("a")
+    taken = b.read(count=10, block_ms=50)
+    assert [d.id for d in taken] == ids
+    assert [d.deliveries for d in taken] == [2, 2]
+    # The presumed-dead owner cannot commit any more: its ack is refused and adds nothing.
+    assert a.ack(ids, counters={"groups_published": 2}, also_add=[("q:out", {"x": "1"})]) is False
+    assert counter(redis_client, "groups_published") == 0
+    assert redis_client.xlen("q:out") == 0
+    assert b.ack(ids, counters={"groups_published": 2}, also_add=[("q:out", {"x": "1"})]) is True
+    assert counter(redis_client, "groups_published") == 2
+    assert redis_client.xlen("q:out") == 1
+
+
+def test_ack_with_also_add_and_counters_is_one_transaction(redis_client: redis.Redis) -> None:
+    ids = add(redis_client, 2)
+    c = consumer(redis_client, "worker")
+    c.read(count=2, block_ms=100)
+    adds: list[tuple[str, Any]] = [("q:traj", {"data": b"\x00" * 10}), ("q:traj", {"data": b"x"})]
+    assert c.ack(ids, counters={"groups_published": 2, "tokens": 7}, also_add=adds) is True
+    assert [e[b"data"] for _, e in redis_client.xrange("q:traj")] == [b"\x00" * 10, b"x"]
+    assert counter(redis_client, "groups_published") == 2
+    assert counter(redis_client, "tokens") == 7
+    assert pending_ids(redis_client) == []
+
+
+class DropReplyOnce(redis.Redis):
+    """Loses the reply of the first script call, after (or before) Redis ran it."""
+
+    ran_first: bool = True
+    dropped = False
+
+    def evalsha(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dropped:
+            return super().evalsha(*args, **kwargs)
+        if self.ran_first:
+            super().evalsha(*args, **kwargs)  # a NOSCRIPT error here is not the drop yet
+        self.dropped = True
+        raise redis.ConnectionError("connection reset by peer")
+
+
+@pytest.mark.parametrize("ran_first", [True, False])
+def test_ack_retry_after_lost_reply_applies_once(
+    redis_server: RedisServer, redis_client: redis.Redis, ran_first: bool
+) -> None:
+    ids = add(redis_client, 1)
+    flaky = DropReplyOnce.from_url(redis_server.url)
+    flaky.ran_first = ran_first
+    outages: list[bool] = []
+    c = Consumer(
+        flaky,
+        STREAM,
+        GROUP,
+        "w",
+        dlq=DLQ,
+        counters_key=COUNTERS,
+        is_alive=bool,
+        reconnect_max_s=0.1,
+        on_outage=outages.append,
+    )
+    c.read(count=1, block_ms=100)
+
+    assert c.ack(ids, counters={"groups_published": 1}, also_add=[("q:traj", {"g": "1"})]) is True
+    assert flaky.dropped
+    assert counter(redis_client, "groups_published") == 1
+    assert redis_client.xlen("q:traj") == 1
+    assert pending_ids(redis_client) == []
+    assert outages == [True, False] and c.outages == 1
+    flaky.close()
+
+
+def test_trim_never_deletes_pending_or_undelivered(redis_client: redis.Redis) -> None:
+    ids = add(redis_client, 10)
+    assert trim_acked(redis_client, STREAM) == 0  # no group yet: everything awaits a consumer
+    g1 = consumer(redis_client, "c1", group="g1")
+    g2 = consumer(redis_client, "c2", group="g2")
+    g1.read(count=6, block_ms=100)
+    g1.ack(ids[:3])  # g1: 3..5 pending, 6..9 undelivered
+    g2.read(count=2, block_ms=100)
+    g2.ack(ids[:2])  # g2: nothing pending, 2..9 undelivered
+
+    assert trim_acked(redis_client, STREAM) == 2
+    assert [i.decode() for i, _ in redis_client.xrange(STREAM)] == ids[2:]
+    assert trim_acked(redis_client, STREAM) == 0
+
+    g2.ack([d.id for d in g2.read(count=10, block_ms=100)])
+    g1.ack(ids[3:6])
+    trim_acked(redis_client, STREAM)
+    assert [i.decode() for i, _ in redis_client.xrange(STREAM)] == ids[6:]  # g1 has not read them
+    g1.ack([d.id for d in g1.read(count=10, block_ms=100)])
+    trim_acked(redis_client, STREAM)
+    assert redis_client.xlen(STREAM) == 0
+
+
+def test_stream_stats(redis_client: redis.Redis) -> None:
+    assert stream_stats(redis_client, STREAM, GROUP) == {"length": 0, "lag": 0, "pending": 0}
+    ids = add(redis_client, 5)
+    c = consumer(redis_client, "c", group="other")
+    c.read(count=1, block_ms=100)
+    # The group does not exist yet: all entries are ahead of it.
+    assert stream_stats(redis_client, STREAM, GROUP) == {"length": 5, "lag": 5, "pending": 0}
+    c = consumer(redis_client, "c")
+    c.read(count=2, block_ms=100)
+    c.ack(ids[:1])
+    assert stream_stats(redis_client, STREAM, GROUP) == {"length": 5, "lag": 3, "pending": 1}
+
+
+def test_consumer_and_producer_survive_redis_restart(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    producer = Producer(client, STREAM, reconnect_max_s=0.1)
+    outages: list[bool] = []
+    c = Consumer(
+        client,
+        STREAM,
+        GROUP,
+        "c",
+        dlq=DLQ,
+        counters_key=COUNTERS,
+        is_alive=bool,
+        reconnect_max_s=0.1,
+        on_outage=outages.append,
+    )
+    delivered: list[str] = []
+    values: list[bytes] = []
+    acked = 0
+    stop = threading.Event()
+
+    def loop() -> None:
+        nonlocal acked
+        while not stop.is_set():
+            for d in c.read(count=5, block_ms=100):
+                delivered.append(d.id)
+                values.append(d.value[b"n"])
+                acked += c.ack([d.id], counters={"groups_trained": 1})
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        add_ids = [producer.add({"n": str(i)}) for i in range(20)]
+        redis_server.stop()  # graceful: the AOF is flushed
+        restart = threading.Timer(0.6, redis_server.start)
+        restart.start()
+        t0 = time.monotonic()
+        add_ids.append(producer.add({"n": "20"}))  # blocks until Redis is back
+        assert time.monotonic() - t0 > 0.4
+        restart.join()
+        add_ids += [producer.add({"n": str(i)}) for i in range(21, 40)]
+        deadline = time.monotonic() + 15
+        while len(set(values)) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert sorted(set(values), key=int) == [str(i).encode() for i in range(40)]
+    assert len(delivered) == len(set(delivered))  # no entry handed out twice
+    assert set(add_ids) <= set(delivered)
+    assert counter(client, "groups_trained") == acked == len(delivered)
+    assert pending_ids(client) == []
+    assert outages[:2] == [True, False] and c.outages >= 1 and producer.outages == 1
+    client.close()
+
+
+def fill_until_oom(client: redis.Redis, key: str, size: int) -> None:
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        for _ in range(10_000):
+            client.xadd(key, {"d": b"x" * size})
+
+
+def test_producer_pauses_under_memory_pressure_instead_of_raising(tmp_path: Path) -> None:
+    with RedisServer(data_dir=tmp_path, appendonly=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        c = consumer(client, "c", trim_every_s=0.05)
+        c.read(count=1, block_ms=10)  # creates the group, so trimming can follow the acks
+        producer = Producer(client, STREAM, QueueConfig(memory_high_watermark=0.8))
+        added: list[str] = []
+        errors: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                for i in range(120):  # 6 MB: well over maxmemory
+                    added.append(producer.add({"n": str(i), "d": b"x" * 50_000}))
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=produce, daemon=True)
+        thread.start()
+        stalled_at = -1
+        for _ in range(100):  # until the producer stops making progress
+            before = len(added)
+            time.sleep(0.3)
+            if len(added) == before:
+                stalled_at = before
+                break
+        assert 0 < stalled_at < 120 and not errors and thread.is_alive()
+
+        consumed = 0
+        deadline = time.monotonic() + 20
+        while thread.is_alive() and time.monotonic() < deadline:
+            got = c.read(count=20, block_ms=50)
+            c.ack([d.id for d in got])
+            consumed += len(got)
+        thread.join(1)
+        assert not errors and len(added) == 120
+        while got := c.read(count=50, block_ms=50):
+            c.ack([d.id for d in got])
+            consumed += len(got)
+        assert consumed == 120
+
+        # A full Redis still takes plain acks: that is what lets consumers free it.
+        entry = producer.add({"n": "last"})
+        assert [d.id for d in c.read(count=1, block_ms=100)] == [entry]
+        fill_until_oom(client, "q:ballast", 50_000)
+        assert c.ack([entry], counters={"groups_trained": 1}) is True
+        assert counter(client, "groups_trained") == 1
+
+        # While it is full, should_stop ends a producer's wait with Stopped.
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        with pytest.raises(Stopped):
+            Producer(client, STREAM, should_stop=stop.is_set).add({"n": "x"})
+        assert stop.is_set()
+        client.close()

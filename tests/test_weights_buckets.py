@@ -1,0 +1,134 @@
+"""Flat bucket packing: layout, round trip over buckets, checksum; and the config's contract."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import pydantic
+import pytest
+import torch
+
+from asyncrl.weights.buckets import (
+    ALIGN,
+    FlatBuffer,
+    Header,
+    Layout,
+    bucket_ranges,
+    checksum,
+    checksum_tensors,
+)
+from asyncrl.weights.config import WeightsConfig
+
+
+def mixed() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "z.fp32": torch.randn(37, 5, generator=g),
+        "a.bf16": torch.randn(3, 7, generator=g).bfloat16(),  # 42 bytes: padding follows
+        "m.int64": torch.randint(-(2**62), 2**62, (11,), generator=g),
+        "b.bool": torch.rand(9, generator=g) > 0.5,
+        "c.scalar": torch.tensor(3.25),
+        "d.empty": torch.empty(0, 4),
+        "e.fp16": torch.randn(5, generator=g).half(),
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def test_layout_order_is_by_name_and_offsets_are_aligned() -> None:
+    tensors = mixed()
+    layout = Layout.of(tensors.items())
+    assert [s.name for s in layout.specs] == sorted(tensors)
+    assert Layout.of(reversed(list(tensors.items()))) == layout  # input order does not matter
+    assert all(s.offset % ALIGN == 0 for s in layout.specs)
+    assert layout.total_bytes % ALIGN == 0
+    assert Layout.from_bytes(layout.to_bytes()) == layout
+
+
+def test_round_trip_over_buckets_with_mixed_dtypes() -> None:
+    tensors = mixed()
+    sent = FlatBuffer(Layout.of(tensors.items()), torch.device("cpu"))
+    sent.pack(tensors.items())
+    # What a receiver does: layout from its JSON, buckets copied one by one into a fresh buffer.
+    layout = Layout.from_bytes(sent.layout.to_bytes())
+    flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    ranges = bucket_ranges(layout.total_bytes, bucket_bytes=100)  # cuts through tensors
+    assert ranges[0][0] == 0 and ranges[-1][1] == layout.total_bytes
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    for start, end in ranges:
+        flat[start:end] = sent.flat[start:end]
+    received = layout.views(flat)
+    assert list(received) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert same_bits(received[name], tensor), name
+    assert checksum(flat) == checksum(sent.flat)
+
+
+def test_checksum_detects_any_flipped_byte() -> None:
+    buffer = FlatBuffer(Layout.of(mixed().items()), torch.device("cpu"))
+    buffer.pack(mixed().items())
+    reference = checksum(buffer.flat)
+    for spec in buffer.layout.specs:
+        for pos in {spec.offset, spec.offset + spec.nbytes - 1} if spec.nbytes else ():
+            for bit in (0, 7):
+                flipped = buffer.flat.clone()
+                flipped[pos] ^= 1 << bit
+                assert checksum(flipped) != reference, (spec.name, pos, bit)
+
+
+def test_checksum_of_loose_tensors_equals_that_of_the_packed_buffer() -> None:
+    tensors = mixed()
+    buffer = FlatBuffer(Layout.of(tensors.items()), torch.device("cpu"))
+    buffer.pack(tensors.items())
+    assert checksum_tensors(reversed(list(tensors.values()))) == checksum(buffer.flat)
+    # A view at an odd byte offset must give the same answer as a fresh tensor.
+    base = torch.arange(100, dtype=torch.uint8)
+    assert checksum_tensors([base[3:50]]) == checksum_tensors([base[3:50].clone()])
+
+
+def test_checksum_wraps_like_int64() -> None:
+    words = torch.tensor([2**62, 2**62, 2**62, 5], dtype=torch.int64)
+    expected = (3 * 2**62 + 5 + 2**63) % 2**64 - 2**63
+    assert checksum(words.view(torch.uint8)) == expected == checksum_tensors([words])
+
+
+def test_header_round_trip_and_foreign_data_rejected() -> None:
+    header = Header(version=7, total_bytes=1000, bucket_bytes=300, layout_bytes=42)
+    assert Header.from_tensor(header.to_tensor(torch.device("cpu"))) == header
+    assert header.n_buckets == 4
+    with pytest.raises(ValueError, match="header"):
+        Header.from_tensor(Header.empty(torch.device("cpu")))
+
+
+def test_duplicate_names_rejected() -> None:
+    with pytest.raises(ValueError, match="twice"):
+        Layout.of([("w", torch.zeros(2)), ("w", torch.zeros(2))])
+
+
+def test_config_defaults_and_unknown_keys() -> None:
+    cfg = WeightsConfig()
+    assert (cfg.type, cfg.bucket_mb, cfg.sync_timeout_s, cfg.keep_last) == ("broadcast", 64, 30, 3)
+    assert (cfg.store_dir, cfg.master_addr, cfg.master_port, cfg.backend) == (
+        None,
+        "127.0.0.1",
+        0,
+        "auto",
+    )
+    assert all(f.description for f in WeightsConfig.model_fields.values())
+    with pytest.raises(pydantic.ValidationError):
+        WeightsConfig(bucket_size=1)  # type: ignore[call-arg]
+    with pytest.raises(pydantic.ValidationError):
+        WeightsConfig(backend="mpi")  # type: ignore[arg-type]
+
+
+def test_config_imports_no_torch() -> None:
+    code = "import sys, asyncrl.weights; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

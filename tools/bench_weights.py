@@ -1,0 +1,176 @@
+"""Weight-sync throughput: asyncrl's broadcast against a raw torch.distributed broadcast.
+
+    .venv/bin/python tools/bench_weights.py [--mb 100] [--rounds 8] [--bucket-mb 64]
+
+Starts an embedded redis-server, the publisher in this process and two receivers (this script
+with --receiver), all on CPU with gloo. Each round first publishes a version of an N-MiB model
+through asyncrl — staging copy, Redis announcement, header, layout, buckets, checksum — and waits
+until both receivers hold it; then it broadcasts one flat uint8 tensor of the same size with
+`broadcast` over a raw gloo group of the same three processes, built the same way
+(`device.new_group` on the publisher's TCPStore, its own prefix). Both are timed on the sender,
+from start to completion. The first round (group forming, first-touch allocations) is a warm-up;
+the figures are medians of the others. The last line is JSON:
+{"mb", "asyncrl_mb_s", "raw_mb_s", "ratio", "send_s", "blocking_s"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import redis
+import torch
+import torch.distributed as dist
+
+from asyncrl.keys import Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.weights import SyncRecord, WeightsConfig, build_publisher, build_subscriber
+from asyncrl.weights.base import text
+from asyncrl.weights.device import Group, new_group
+
+RUN = "bench"
+KEYS = Keys(RUN)
+RECEIVERS = 2
+TIMEOUT = timedelta(seconds=60)
+
+
+def held_key(worker: str) -> str:
+    return f"{KEYS.prefix}bench:held:{worker}"
+
+
+def raw_group(client: redis.Redis, rank: int) -> Group:
+    """A plain gloo group of publisher + receivers on the publisher's TCPStore."""
+    while (master := client.hget(KEYS.weights, "master")) is None:
+        time.sleep(0.05)
+    host, port = text(master).rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT)
+    prefixed = dist.PrefixStore("bench/raw", store)
+    return new_group("gloo", prefixed, rank, RECEIVERS + 1, TIMEOUT, torch.device("cpu"))
+
+
+def raw_broadcast(group: Group, flat: torch.Tensor) -> float:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    start = time.perf_counter()
+    group.broadcast([flat], opts).wait()
+    return time.perf_counter() - start
+
+
+def make_model(mb: int) -> dict[str, torch.Tensor]:
+    """Like an LLM's parameters: 4-MiB matrices, alternately bf16 and fp32."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"layers.{i:03d}.weight": (
+            torch.randn(1024, 1024, generator=g)
+            if i % 2
+            else torch.randn(1024, 2048, generator=g).bfloat16()
+        )
+        for i in range(mb // 4)
+    }
+
+
+def receiver(args: argparse.Namespace) -> None:
+    client = redis.Redis.from_url(args.redis)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+
+    def on_weights(tensors: dict[str, torch.Tensor], version: int) -> None:
+        client.set(held_key(args.worker), version)
+
+    sub = build_subscriber(
+        WeightsConfig(), client, KEYS, args.worker, device="cpu", on_weights=on_weights
+    )
+    group = raw_group(client, args.rank)
+    flat = torch.empty(args.nbytes, dtype=torch.uint8)
+    for _ in range(args.rounds):
+        raw_broadcast(group, flat)
+    stopping.wait()
+    sub.close()
+
+
+def wait_held(client: redis.Redis, version: int) -> None:
+    for i in range(RECEIVERS):
+        while client.get(held_key(f"r{i}")) != str(version).encode():
+            time.sleep(0.002)
+
+
+def publisher(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    params = make_model(args.mb)
+    nbytes = sum(t.numel() * t.element_size() for t in params.values())
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(data_dir=Path(tmp)) as server:
+        client = redis.Redis.from_url(server.url)
+        records: queue.Queue[SyncRecord] = queue.Queue()
+        cfg = WeightsConfig(bucket_mb=args.bucket_mb, sync_timeout_s=60)
+        pub = build_publisher(cfg, client, KEYS, device="cpu", on_record=records.put)
+        rounds = args.rounds + 1
+        cmd = [sys.executable, __file__, "--receiver", "--redis", server.url]
+        cmd += ["--nbytes", str(nbytes), "--rounds", str(rounds)]
+        procs = [
+            subprocess.Popen([*cmd, "--worker", f"r{i}", "--rank", str(i + 1)])
+            for i in range(RECEIVERS)
+        ]
+        try:
+            group = raw_group(client, 0)
+            flat = torch.zeros(nbytes, dtype=torch.uint8)
+            while sum(text(f).startswith("join:") for f in client.hkeys(KEYS.weights)) < RECEIVERS:
+                time.sleep(0.05)
+            rows = []
+            for version in range(rounds):
+                blocking_s = pub.publish(params.items(), version)
+                record = records.get(timeout=120)
+                assert record.ok and record.receivers == RECEIVERS, record
+                wait_held(client, version)
+                raw_s = raw_broadcast(group, flat)
+                rows.append((record.sync_s, raw_s, blocking_s))
+                print(
+                    f"round {version}: asyncrl {record.sync_s:.3f}s  raw {raw_s:.3f}s  "
+                    f"blocking {blocking_s * 1000:.1f}ms" + ("  (warm-up)" if version == 0 else "")
+                )
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
+            pub.close()
+    send_s = statistics.median(r[0] for r in rows[1:])
+    raw_s = statistics.median(r[1] for r in rows[1:])
+    blocking_s = statistics.median(r[2] for r in rows[1:])
+    mb = nbytes / 2**20
+    result = {
+        "mb": round(mb, 1),
+        "asyncrl_mb_s": round(mb / send_s, 1),
+        "raw_mb_s": round(mb / raw_s, 1),
+        "ratio": round(raw_s / send_s, 3),
+        "send_s": round(send_s, 4),
+        "blocking_s": round(blocking_s, 4),
+    }
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=int, default=100, help="model size in MiB")
+    parser.add_argument("--rounds", type=int, default=12, help="timed rounds after a warm-up")
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--redis", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    receiver(args) if args.receiver else publisher(args)
+
+
+if __name__ == "__main__":
+    main()
