@@ -47,6 +47,19 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     status.add_argument("--json", action="store_true", help="stable JSON object (see README)")
 
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over SGLang's HTTP API with the builtin engine (CPU tests)",
+        description="The builtin torch engine behind SGLang's HTTP API: /generate, weight "
+        "updates, pause/continue. Binds to loopback unless told otherwise; it has no auth.",
+    )
+    serve.add_argument("--engine", choices=["torch"], default="torch")
+    serve.add_argument("--model", required=True, help="Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="output folder (default RUN_DIR/plots)")
@@ -89,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncrl.launch.status import main as status_main
 
             return status_main(_load(args), as_json=args.json)
+        if args.command == "serve":
+            from asyncrl.serve import main as serve_main
+
+            return serve_main(args)
         if args.command == "plot":
             from asyncrl.plot import main as plot_main
 

@@ -113,3 +113,21 @@ def test_config_import_pulls_no_torch() -> None:
     code = "import sys, asyncrl.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_lr_schedules_hand_worked() -> None:
+    cfg = load_config(None, ["trainer.lr=1.0", "trainer.max_steps=10", "trainer.lr_min_ratio=0.1"])
+    assert cfg.trainer.lr_at(0) == 1.0
+    assert cfg.trainer.lr_at(10) == 1.0
+    linear = load_config(
+        None, ["trainer.lr=1.0", "trainer.max_steps=10", "trainer.lr_decay=linear"]
+    )
+    assert linear.trainer.lr_at(5) == pytest.approx(0.55)
+    assert linear.trainer.lr_at(10) == pytest.approx(0.1)
+    cosine = load_config(
+        None, ["trainer.lr=1.0", "trainer.max_steps=10", "trainer.lr_decay=cosine"]
+    )
+    assert cosine.trainer.lr_at(0) == pytest.approx(1.0)
+    assert cosine.trainer.lr_at(5) == pytest.approx(0.55)
+    assert cosine.trainer.lr_at(10) == pytest.approx(0.1)
+    assert cosine.trainer.lr_at(2) > linear.trainer.lr_at(2)

@@ -110,11 +110,12 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
     try:
         say(f"model: {cfg.model.path}")
         ensure_model(cfg)
-        resolved = cfg.model_copy(deep=True)
-        resolved.redis.url = url
+        # The saved config keeps redis.url as given (unset = embedded), so `asyncrl status
+        # --config run_dir/config.yaml` finds the embedded Redis or its AOF later.
         config_path = run_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
+        config_path.write_text(yaml.safe_dump(cfg.redacted(), sort_keys=False))
         base = [sys.executable, "-m", "asyncrl", "launch", "--config", str(config_path)]
+        base.append(f"redis.url={url}")
         port = cfg.metrics.port
 
         def metrics_port(i: int) -> list[str]:

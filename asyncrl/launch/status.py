@@ -159,6 +159,12 @@ def local_redis_url(run_dir: Path) -> str | None:
         return None
 
 
+def _has_local_data(run_dir: Path) -> bool:
+    """Whether local mode left Redis data (AOF) in the run directory."""
+    data = run_dir / "redis"
+    return data.is_dir() and any(p.name.startswith("appendonly") for p in data.iterdir())
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -233,7 +239,14 @@ def main(cfg: Config, as_json: bool) -> int:
     """Prints the status; 0 when Redis was reached, 1 when only the run directory was read."""
     run_dir = cfg.run.path
     url = cfg.redis.url or local_redis_url(run_dir)
-    status, redis_line = _from_redis(cfg, url, Keys(cfg.run.id), run_dir)
+    if url is None and _has_local_data(run_dir):
+        # A finished or interrupted local run: read its AOF with a short-lived redis-server.
+        from asyncrl.launch.redis_server import RedisServer
+
+        with RedisServer(data_dir=run_dir / "redis") as server:
+            status, redis_line = _from_redis(cfg, server.url, Keys(cfg.run.id), run_dir)
+    else:
+        status, redis_line = _from_redis(cfg, url, Keys(cfg.run.id), run_dir)
     if status is None:
         print(f"asyncrl status: {redis_line}; showing what {run_dir} holds", file=sys.stderr)
         status = offline_status(cfg.run.id, run_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field
@@ -16,6 +17,10 @@ class TrainerConfig(Section):
     """Prompt groups (each of `rollout.n` samples) consumed per optimizer step, over all ranks."""
     lr: float = Field(default=1e-3, gt=0)
     """AdamW learning rate."""
+    lr_decay: Literal["none", "linear", "cosine"] = "none"
+    """Learning-rate decay from `lr` at step 0 to `lr × lr_min_ratio` at `max_steps`."""
+    lr_min_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final fraction of `lr` reached by the decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = Field(default=0.0, ge=0)
@@ -48,3 +53,15 @@ class TrainerConfig(Section):
     """Seed of the trainer's RNG and of the data cursor's shuffling."""
     resume: bool = True
     """Resume from the latest checkpoint in run.dir when there is one."""
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of the step that follows `step` completed steps (stateless, so a
+        resumed run needs no scheduler state)."""
+        progress = min(step / self.max_steps, 1.0)
+        if self.lr_decay == "linear":
+            scale = 1.0 - progress
+        elif self.lr_decay == "cosine":
+            scale = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            return self.lr
+        return self.lr * (self.lr_min_ratio + (1.0 - self.lr_min_ratio) * scale)

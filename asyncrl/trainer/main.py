@@ -205,10 +205,16 @@ class Trainer:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def _collect(self) -> tuple[list[TrajectoryGroup], list[int]]:
-        """This rank's share of usable groups for the next step, and their staleness."""
+    def _collect(self) -> tuple[list[TrajectoryGroup], list[int], list[str]]:
+        """This rank's share of usable groups for the next step, their staleness and entry ids.
+
+        The ids join `self.unacked` only once the step has run: a SIGTERM while collecting must
+        leave the groups collected so far pending (re-read after a restart), not ack them as
+        trained at the final checkpoint.
+        """
         groups: list[TrajectoryGroup] = []
         staleness: list[int] = []
+        ids: list[str] = []
         waited_since = time.monotonic()
         while len(groups) < self.local_groups:
             if self.stopping:
@@ -236,8 +242,8 @@ class Trainer:
                     continue
                 groups.append(g)
                 staleness.append(lag)
-                self.unacked.append(d.id)
-        return groups, staleness
+                ids.append(d.id)
+        return groups, staleness, ids
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -256,10 +262,11 @@ class Trainer:
         try:
             while self.step < self.cfg.trainer.max_steps:
                 try:
-                    groups, staleness = self._collect()
+                    groups, staleness, ids = self._collect()
                 except _Stop:
                     break
                 self._train(groups, staleness)
+                self.unacked.extend(ids)
                 if self.step % self.cfg.trainer.checkpoint_every == 0:
                     self._checkpoint()
                 if self.cfg.trainer.eval_every and self.step % self.cfg.trainer.eval_every == 0:
@@ -279,6 +286,9 @@ class Trainer:
         t_start = time.monotonic()
         sampling = self.cfg.rollout.sampling
         rows = group_rows(groups, self.cfg.algo, sampling.max_new_tokens)
+        lr = self.cfg.trainer.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         with self.metrics.time_phase("train"):
             stats = train_step(
                 self.model,
@@ -316,6 +326,7 @@ class Trainer:
             "lag0_tokens": stats.lag0_tokens,
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
+            "lr": lr,
             "step_seconds": step_seconds,
             "weight_publish_blocking_seconds": blocking,
             "weight_sync_seconds": self.last_sync_seconds,

@@ -1,0 +1,139 @@
+"""Time to 0.9 held-out accuracy: asyncrl's quickstart against a minimal synchronous GRPO loop.
+
+    python tools/bench_quickstart.py [--config configs/quickstart.yaml] [--max-seconds 300]
+
+Both start from the same warmed tiny model (built once, cached at the config's `model.path`),
+use the same task, group size, prompts per step, optimizer and learning rate, and evaluate on
+the same 500 held-out prompts sampled at temperature 1 every `trainer.eval_every` steps; eval
+time counts against both. "Reached" means ≥ 0.9 on two consecutive evaluations; the time is the
+wall time since training started (model building and process start-up excluded on both sides).
+
+The minimal loop is the calibration baseline of the quickstart issue: one process, generate a
+batch with the builtin engine, score, GRPO advantages, token-mean −A·logp, AdamW, repeat. It is
+written here, not imported, so asyncrl's code paths do not flatter it. The two runs go one after
+the other on the same machine; the last line is JSON with both times and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.model import ensure_model
+from asyncrl.rollout.sampling import sampling_logprobs
+from asyncrl.rollout.tasks import build_task
+from asyncrl.rollout.torch_engine import TorchEngine
+
+TARGET = 0.9
+
+
+def time_to_target(evals: list[tuple[float, float]]) -> float | None:
+    """Wall seconds of the second of the first two consecutive evals ≥ TARGET."""
+    for (_, a), (t, b) in pairwise(evals):
+        if a >= TARGET and b >= TARGET:
+            return t
+    return None
+
+
+def minimal_loop(cfg_path: str, max_seconds: float) -> tuple[float | None, list]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = load_config(cfg_path)
+    torch.set_num_threads(2)
+    model_dir = ensure_model(cfg)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    task = build_task(cfg.task, tok)
+    engine = TorchEngine(model, eos_token_ids=[tok.eos_token_id], seed=cfg.run.seed)
+    params = cfg.rollout.sampling
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr)
+    n, per_step = cfg.rollout.n, cfg.trainer.groups_per_step
+    train = task.train_items(cfg.run.seed, 0)
+    held_out = [task.eval_items()[i] for i in range(cfg.trainer.eval_size)]
+    evals: list[tuple[float, float]] = []
+    t0, pos, step = time.monotonic(), 0, 0
+    while time.monotonic() - t0 < max_seconds:
+        items = [train[(pos + i) % len(train)] for i in range(per_step)]
+        pos += per_step
+        prompts = [it.prompt_ids for it in items for _ in range(n)]
+        gens = engine.generate(prompts, params)
+        texts = tok.batch_decode([g.token_ids.tolist() for g in gens], skip_special_tokens=True)
+        rewards = torch.tensor([task.score(items[i // n], t) for i, t in enumerate(texts)])
+        r = rewards.view(per_step, n)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+        seqs = [p + g.token_ids.tolist() for p, g in zip(prompts, gens, strict=True)]
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width - 1)
+        for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, len(p) - 1 : len(s) - 1] = 1
+        model.train()
+        logits = model(input_ids=ids).logits[:, :-1]
+        logp = sampling_logprobs(logits, params).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(adv[:, None] * logp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+        opt.step()
+        step += 1
+        if step % cfg.trainer.eval_every == 0:
+            out = engine.generate([it.prompt_ids for it in held_out], params)
+            answers = tok.batch_decode(
+                [g.token_ids.tolist() for g in out], skip_special_tokens=True
+            )
+            acc = sum(task.score(it, a) for it, a in zip(held_out, answers, strict=True))
+            evals.append((time.monotonic() - t0, acc / len(held_out)))
+            if time_to_target(evals) is not None:
+                break
+    return time_to_target(evals), evals
+
+
+def asyncrl_run(cfg_path: str, max_seconds: float) -> tuple[float | None, list]:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "launch",
+            "--role",
+            "all",
+            "--config",
+            cfg_path,
+            "--progress",
+            "quiet",
+            f"run.dir={run_dir}",
+            "run.id=bench-quickstart",
+        ]
+        subprocess.run(cmd, check=True, timeout=max_seconds + 120, stdout=subprocess.DEVNULL)
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(d["wall_seconds"], d["eval_accuracy"]) for d in lines if "eval_accuracy" in d]
+    return time_to_target(evals), evals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/quickstart.yaml")
+    ap.add_argument("--max-seconds", type=float, default=300.0)
+    args = ap.parse_args()
+    ensure_model(load_config(args.config))
+    a_s, a_evals = asyncrl_run(args.config, args.max_seconds)
+    m_s, m_evals = minimal_loop(args.config, args.max_seconds)
+    print("asyncrl evals (s, acc):", [(round(t), round(a, 3)) for t, a in a_evals])
+    print("minimal evals (s, acc):", [(round(t), round(a, 3)) for t, a in m_evals])
+    ratio = a_s / m_s if a_s and m_s else None
+    print(json.dumps({"asyncrl_s_to_0_9": a_s, "minimal_s_to_0_9": m_s, "ratio": ratio}))
+
+
+if __name__ == "__main__":
+    main()
