@@ -104,6 +104,12 @@ class Config(Section):
             )
         if self.algo.loss == "gspo" and self.algo.aggregation != "seq-mean-token-mean":
             raise ValueError("algo.aggregation must be seq-mean-token-mean when algo.loss=gspo")
+        sampling = self.rollout.sampling
+        if self.rollout.engine.type == "sglang" and (sampling.top_p < 1 or sampling.top_k > 0):
+            raise ValueError(
+                "rollout.sampling.top_p must be 1 and top_k 0 with rollout.engine.type=sglang: "
+                "SGLang's log-probs are not renormalised after truncation"
+            )
         if self.weights.store_dir is None:
             self.weights.store_dir = self.run.path / "weights"
         if self.model.build_tiny and self.task.type != "arithmetic":
@@ -194,7 +200,7 @@ def _format_error(err: Any, data: dict[str, Any]) -> str:
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
         return f"{key}: unknown key{hint}"
     msg = str(err["msg"]).removeprefix("Value error, ")
-    if msg.startswith(key + " ") or msg.startswith(key.split(".")[0] + "."):
+    if key == "<root>" or msg.startswith(key + " ") or msg.startswith(key.split(".")[0] + "."):
         return msg
     got = err.get("input")
     shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"

@@ -31,11 +31,15 @@ together with it.
 | asyncrl_redis_reconnects_total | counter | | all |
 | asyncrl_workers_live | gauge | pool: rollout, trainer | trainer r0 |
 | asyncrl_run_groups | gauge | outcome: see OUTCOMES | trainer r0 |
+| asyncrl_staleness_bound | gauge (η in force; 0 in sync mode) | | trainer r0 |
 
 `asyncrl_run_groups` mirrors the run-accounting hash in Redis (`keys.COUNTERS`, field
 `prompts_released` → outcome `released`, `groups_trained` → `trained`, ...). It is a gauge, not a
 counter: its value is the run's absolute count read from Redis, which does not restart at zero
 when the process that exports it does.
+
+The queue, worker and run-accounting gauges describe Redis state, not the exporting process' own
+work: `RunGauges` re-reads them on a daemon thread (`refresh_run_gauges` is one read).
 
 A series exists only in the processes that use it: `RoleMetrics` binds a child on first use (and
 the role's own ones at construction, so they start at zero), so e.g. `asyncrl_queue_lag` is not
@@ -50,6 +54,7 @@ which is how the two are told apart (`is_eval_record`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
@@ -58,7 +63,7 @@ from contextlib import contextmanager
 from functools import cached_property
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client import (
@@ -70,7 +75,14 @@ from prometheus_client import (
     generate_latest,
 )
 
-from asyncrl.keys import COUNTERS
+from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP
+
+if TYPE_CHECKING:
+    import redis
+
+    from asyncrl.keys import Keys
+
+log = logging.getLogger(__name__)
 
 # The text format shows each counter's `_created` sample as a gauge family of its own: it would
 # double the series count and no dashboard reads it.
@@ -173,6 +185,10 @@ _RECONNECTS = _counter("asyncrl_redis_reconnects_total", "Reconnections to Redis
 _WORKERS = _gauge("asyncrl_workers_live", "Workers with a live heartbeat, by pool.", "pool")
 _RUN_GROUPS = _gauge(
     "asyncrl_run_groups", "Run accounting from Redis: prompt groups by outcome.", "outcome"
+)
+_STALENESS_BOUND = _gauge(
+    "asyncrl_staleness_bound",
+    "Staleness bound in force (algo.max_staleness; 0 in sync mode), for the at-the-bound alert.",
 )
 
 # Step-line keys of metrics.jsonl → RoleMetrics attributes, so the log and /metrics agree.
@@ -355,6 +371,10 @@ class RoleMetrics:
     def run_groups(self) -> dict[str, Gauge]:
         return {o: self._bind(_RUN_GROUPS, outcome=o) for o in OUTCOMES}
 
+    @cached_property
+    def staleness_bound(self) -> Gauge:
+        return self._bind(_STALENESS_BOUND)
+
     @contextmanager
     def time_phase(self, phase: str) -> Iterator[None]:
         """Adds the wall time of the block to `asyncrl_time_seconds_total{phase}`, also when
@@ -387,6 +407,12 @@ class RoleMetrics:
         for value in staleness:
             self.staleness.observe(value)
 
+    def redis_outage(self, outage: bool) -> None:
+        """The queue's outage hook: Redis went away (True) or came back (False)."""
+        self.redis_up.set(0 if outage else 1)
+        if not outage:
+            self.redis_reconnects.inc()
+
     def generated(self, tokens: int, seconds: float) -> None:
         """One engine batch: `tokens` response tokens in `seconds`."""
         self.tokens_generated.inc(tokens)
@@ -397,6 +423,70 @@ class RoleMetrics:
         """Mirrors the Redis `counters` hash (fields of `keys.COUNTERS`; missing ones are 0)."""
         for field, outcome in zip(COUNTERS, OUTCOMES, strict=True):
             self.run_groups[outcome].set(counters.get(field, 0))
+
+
+def refresh_run_gauges(metrics: RoleMetrics, client: redis.Redis, keys: Keys) -> None:
+    """One read of the run's Redis state into the gauges: queue lag and pending per stream, the
+    dead-letter length, live workers per pool and the run accounting. Redis errors propagate."""
+    from asyncrl.heartbeat import live_workers
+    from asyncrl.queue import stream_stats
+
+    streams = {
+        "prompts": (keys.prompts, PROMPTS_GROUP),
+        "trajectories": (keys.trajectories, TRAJECTORIES_GROUP),
+    }
+    for stream, (key, group) in streams.items():
+        stats = stream_stats(client, key, group)
+        metrics.queue_lag[stream].set(stats["lag"])
+        metrics.queue_pending[stream].set(stats["pending"])
+    metrics.queue_dead_letter.set(int(client.xlen(keys.dlq)))
+    for pool in POOLS:
+        metrics.workers_live[pool].set(len(live_workers(client, keys, pool)))
+    raw = client.hgetall(keys.counters)
+    counters = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
+    metrics.set_run_groups(counters)
+
+
+class RunGauges:
+    """Keeps the run-wide gauges current from a daemon thread (trainer rank 0 runs one).
+
+    A thread rather than a call per step: the gauges matter most when steps stop — a trainer
+    waiting for rollouts that never come must still report zero live rollout workers and a
+    growing queue. Each pass also sets `asyncrl_redis_up` (1 read, 0 failed); failures are
+    logged at most every 30 s and never stop the thread.
+    """
+
+    def __init__(
+        self, metrics: RoleMetrics, client: redis.Redis, keys: Keys, period_s: float = 5.0
+    ) -> None:
+        self.metrics, self.client, self.keys, self.period_s = metrics, client, keys, period_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> RunGauges:
+        self._thread = threading.Thread(target=self._run, name="run-gauges", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.period_s + 10.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        next_log = 0.0
+        while True:
+            try:
+                refresh_run_gauges(self.metrics, self.client, self.keys)
+                self.metrics.redis_up.set(1)
+            except Exception as exc:  # an outage or a bad reply: report it, keep trying
+                self.metrics.redis_up.set(0)
+                if time.monotonic() >= next_log:
+                    log.warning("run gauges: cannot read Redis: %s: %s", type(exc).__name__, exc)
+                    next_log = time.monotonic() + 30.0
+            if self._stop.wait(self.period_s):
+                return
 
 
 HealthCheck = Callable[[], tuple[bool, str]]

@@ -102,9 +102,9 @@ class RedisGuard:
     Outages (connection refused or reset, timeouts, a server still loading its AOF) are retried
     with exponential backoff capped at `reconnect_max_s`; `on_outage(True)` and `on_outage(False)`
     mark the start and end of each, so metrics can show Redis being down, and `outages` counts
-    them. A full Redis (an OOM reply, or memory above the watermark of a `MemoryGauge`) pauses the
-    call the same way. Waits log at most every few seconds and poll `should_stop`, which ends them
-    with `Stopped`.
+    them. A refused password or ACL is raised at once, not waited out. A full Redis (an OOM reply,
+    or memory above the watermark of a `MemoryGauge`) pauses the call the same way. Waits log at
+    most every few seconds and poll `should_stop`, which ends them with `Stopped`.
     """
 
     def __init__(
@@ -117,6 +117,12 @@ class RedisGuard:
         from redis import exceptions as rx
 
         self._transient: tuple[type[Exception], ...] = (rx.ConnectionError, rx.TimeoutError)
+        # redis-py derives these from ConnectionError, but a refused password or ACL stays
+        # refused: retrying would turn a configuration error into a silent hang.
+        self._refused: tuple[type[Exception], ...] = (
+            rx.AuthenticationError,
+            rx.AuthorizationError,
+        )
         self._oom = rx.OutOfMemoryError
         self._max_s = reconnect_max_s
         self._should_stop = should_stop
@@ -149,6 +155,8 @@ class RedisGuard:
                 outage = False
             except self._oom:
                 reason, outage = "Redis is out of memory", False
+            except self._refused:
+                raise
             except self._transient as exc:
                 reason, outage = f"Redis unreachable ({type(exc).__name__}: {exc})", True
                 if not self.down:
@@ -652,10 +660,10 @@ class Consumer(Generic[T]):
         out: list[Delivery[T]] = []
         for entry_id, fields, deliveries in raw:
             if deliveries > self._cfg.max_deliveries:
-                self._dead_letter(entry_id, fields, "max_deliveries", f"delivered {deliveries}×")
+                self.dead_letter(entry_id, fields, "max_deliveries", f"delivered {deliveries}×")
                 continue
             if fields is None:
-                self._dead_letter(entry_id, None, "deleted", "entry deleted while pending")
+                self.dead_letter(entry_id, None, "deleted", "entry deleted while pending")
                 continue
             try:
                 value: Any = fields if self._decode is None else self._decode(fields)
@@ -663,13 +671,13 @@ class Consumer(Generic[T]):
                 reason = getattr(exc, "reason", None)
                 if reason is None and not isinstance(exc, ValueError):
                     raise
-                self._dead_letter(entry_id, fields, str(reason or "decode_error"), str(exc))
+                self.dead_letter(entry_id, fields, str(reason or "decode_error"), str(exc))
                 continue
             out.append(Delivery(entry_id, fields, value, deliveries))
         self._held.update(d.id for d in out)
         return out
 
-    def _dead_letter(
+    def dead_letter(
         self, entry_id: str, fields: RawFields | None, reason: str, detail: str
     ) -> None:
         entry: dict[str | bytes, bytes | str | int | float] = {

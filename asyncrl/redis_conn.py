@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
@@ -50,8 +51,38 @@ class RedisConfig(Section):
         if self.url and urlsplit(self.url).password:
             return None  # the URL carries it; redis-py reads it from there
         if self.password_file is not None:
-            return self.password_file.read_text().strip()
+            try:
+                return self.password_file.read_text().strip()
+            except OSError as exc:
+                raise RedisAccessError(
+                    f"redis.password_file {self.password_file}: {exc.strerror}"
+                ) from None
         return os.environ.get(self.password_env) or None
+
+    def password_source(self) -> str:
+        """Where the password comes from, for error messages (never the password itself)."""
+        if self.url and urlsplit(self.url).password:
+            return "the password in redis.url"
+        if self.password_file is not None:
+            return f"redis.password_file {self.password_file}"
+        if os.environ.get(self.password_env):
+            return f"${self.password_env}"
+        return f"no password (redis.password_file and ${self.password_env} unset)"
+
+
+class RedisAccessError(Exception):
+    """Redis refused this client (password, ACL, TLS certificate) or its secret is unreadable:
+    a configuration error, which waiting cannot fix. The message is one line, without secrets."""
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """The URL without its password, and the password (None when it has none)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=user + host)), parts.password
 
 
 def redact_url(url: str) -> str:
@@ -60,8 +91,7 @@ def redact_url(url: str) -> str:
     if parts.password is None:
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc}"))
 
 
 def connect(cfg: RedisConfig, url: str | None = None) -> redis.Redis:
@@ -88,3 +118,43 @@ def connect(cfg: RedisConfig, url: str | None = None) -> redis.Redis:
         kwargs["ssl_certfile"] = str(cfg.tls_cert_file) if cfg.tls_cert_file else None
         kwargs["ssl_keyfile"] = str(cfg.tls_key_file) if cfg.tls_key_file else None
     return redis.Redis.from_url(target, **kwargs)
+
+
+def wait_until_reachable(
+    client: redis.Redis,
+    cfg: RedisConfig,
+    url: str | None = None,
+    *,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
+    """Return once `client` answers PING. While Redis is unreachable, wait (backoff capped at
+    `cfg.reconnect_max_s`, a log line every few seconds): a role may start before Redis or
+    during an outage. Refused credentials or a server certificate that fails verification raise
+    `RedisAccessError` at once."""
+    import ssl
+
+    from redis import exceptions as rx
+
+    from asyncrl.queue import RedisGuard
+
+    where = redact_url(url or cfg.url or "")
+
+    def ping() -> None:
+        try:
+            client.ping()
+        except rx.ConnectionError as exc:
+            # redis-py reports TLS failures as ConnectionError; the ssl error is its context.
+            if isinstance(exc.__context__, ssl.SSLCertVerificationError):
+                raise RedisAccessError(
+                    f"redis: TLS certificate of {where} rejected "
+                    f"({exc.__context__.verify_message}); check redis.tls_ca_file"
+                ) from None
+            raise
+
+    guard = RedisGuard(reconnect_max_s=cfg.reconnect_max_s, should_stop=should_stop)
+    try:
+        guard.call(ping, f"connect to {where}")
+    except (rx.AuthenticationError, rx.AuthorizationError) as exc:
+        raise RedisAccessError(
+            f"redis: {where} refused the client ({exc}); password from {cfg.password_source()}"
+        ) from None

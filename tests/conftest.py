@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,3 +29,41 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The warmed quickstart model (`build_tiny_model`), built once per test session (~35 s)."""
+    from asyncrl.rollout.tiny_model import build_tiny_model
+
+    out = tmp_path_factory.mktemp("warm") / "tiny-add2"
+    build_tiny_model(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untrained tiny model with the quickstart tokenizer (seed 0), made once per session."""
+    from asyncrl.rollout.tiny_model import save_random_tiny_model
+
+    return save_random_tiny_model(tmp_path_factory.mktemp("random") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def served(random_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`asyncrl serve` on the random tiny model, one per test module (tests change its weights)."""
+    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl", "serve", "--model", str(random_model), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()  # printed once the socket is bound
+        assert "listening on" in line, f"serve did not start: {line!r}"
+        yield line.rsplit(" ", 1)[-1].strip()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()

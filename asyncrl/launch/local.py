@@ -17,25 +17,16 @@ import sys
 import time
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
 from asyncrl.config import Config
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.redis_conn import split_password
 
 # What local mode writes into a run directory; `--fresh` removes exactly these.
 RUN_STATE = ("checkpoints", "redis", "weights", "logs", "metrics.jsonl", "config.yaml", "plots")
-
-
-def _strip_password(url: str) -> tuple[str, str | None]:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url, None
-    host = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}@" if parts.username else ""
-    return urlunsplit(parts._replace(netloc=user + host)), parts.password
 
 
 class Child:
@@ -100,7 +91,7 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
         say(f"embedded redis-server at {url} (data in {run_dir / 'redis'})")
     env = dict(os.environ)
     # Secrets travel to the children by environment, never in argv or the run directory.
-    url, password = _strip_password(url)
+    url, password = split_password(url)
     if password is not None:
         env[cfg.redis.password_env] = password
     env.setdefault("OMP_NUM_THREADS", "1")

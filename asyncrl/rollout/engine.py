@@ -7,7 +7,12 @@ from typing import TYPE_CHECKING, Literal, Protocol, assert_never
 
 import numpy as np
 
-from asyncrl.rollout.config import EngineConfig, SamplingParams, TorchEngineConfig
+from asyncrl.rollout.config import (
+    EngineConfig,
+    SamplingParams,
+    SglangEngineConfig,
+    TorchEngineConfig,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -77,5 +82,10 @@ def build_engine(cfg: EngineConfig, *, model_path: str, device: str = "cpu") -> 
             from asyncrl.rollout.torch_engine import TorchEngine
 
             return TorchEngine.from_config(cfg, model_path=model_path, device=device)
+        case SglangEngineConfig():
+            # The servers hold the model and their own devices; `device` is not used.
+            from asyncrl.rollout.sglang_engine import SglangEngine
+
+            return SglangEngine.from_config(cfg, model_path=model_path)
         case _:
             assert_never(cfg)

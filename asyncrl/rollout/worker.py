@@ -28,6 +28,8 @@ from asyncrl.protocol import (
     stream_fields,
 )
 from asyncrl.redis_conn import connect
+from asyncrl.rollout.config import SglangEngineConfig
+from asyncrl.rollout.sglang_engine import EngineError
 from asyncrl.rollout.tasks import PromptItem
 
 log = logging.getLogger("asyncrl.rollout")
@@ -63,14 +65,29 @@ class RolloutWorker:
             cfg.rollout.engine, model_path=str(model_dir), device=str(device)
         )
         self.metrics = RoleMetrics("rollout", self.id)
-        self.subscriber = build_subscriber(
-            cfg.weights,
-            self.client,
-            self.keys,
-            self.id,
-            device=device,
-            on_weights=self._on_weights,
-        )
+        self.metrics.redis_up.set(1)
+        self.subscriber: Any
+        if isinstance(cfg.rollout.engine, SglangEngineConfig):
+            from asyncrl.weights.sglang import SglangSubscriber
+
+            # SGLang servers take their weights from the trainer directly; this subscriber
+            # registers their URLs for the publisher and reports their version.
+            self.subscriber = SglangSubscriber(
+                cfg.weights,
+                self.client,
+                self.keys,
+                self.id,
+                self.engine.urls,  # type: ignore[attr-defined]
+            )
+        else:
+            self.subscriber = build_subscriber(
+                cfg.weights,
+                self.client,
+                self.keys,
+                self.id,
+                device=device,
+                on_weights=self._on_weights,
+            )
         self.heartbeat = Heartbeat(
             self.client,
             self.keys.worker("rollout", self.id),
@@ -87,6 +104,8 @@ class RolloutWorker:
             counters_key=self.keys.counters,
             is_alive=is_alive(self.client, self.keys, "rollout"),
             decode=self._decode,
+            reconnect_max_s=cfg.redis.reconnect_max_s,
+            on_outage=self.metrics.redis_outage,
         )
         self.limits = Limits(max_message_bytes=cfg.queue.max_message_bytes)
         self.tokens = 0
@@ -142,6 +161,9 @@ class RolloutWorker:
         finally:
             self.heartbeat.stop()
             self.subscriber.close()
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
         return 0
 
     def _wait_engine_version(self, version: int) -> None:
@@ -149,6 +171,28 @@ class RolloutWorker:
         # An idle engine applies staged weights at once, so only the subscriber is waited on.
         while self.engine.version < version and not self.stopping:
             time.sleep(0.005)
+
+    def _drop_failed(
+        self,
+        deliveries: list[Any],
+        prompts: list[PromptGroup],
+        flat: list[list[int]],
+        exc: EngineError,
+    ) -> tuple[list[Any], list[PromptGroup], list[list[int]], list[Any]]:
+        """Dead-letter the groups with a failed sample; keep the others for publishing."""
+        kept: tuple[list[Any], list[PromptGroup], list[list[int]], list[Any]] = ([], [], [], [])
+        offset = 0
+        for d, p in zip(deliveries, prompts, strict=True):
+            part = exc.generations[offset : offset + p.n]
+            if len(part) == p.n and all(g is not None for g in part):
+                kept[0].append(d)
+                kept[1].append(p)
+                kept[2].extend(flat[offset : offset + p.n])
+                kept[3].extend(part)
+            else:
+                self.consumer.dead_letter(d.id, d.fields, f"engine_{exc.reason}", exc.detail)
+            offset += p.n
+        return kept
 
     def _process(self, deliveries: list[Any]) -> None:
         prompts: list[PromptGroup] = [d.value for d in deliveries]
@@ -161,7 +205,12 @@ class RolloutWorker:
             flat.extend([ids] * p.n)
         t0 = time.monotonic()
         with self.metrics.time_phase("generate"):
-            gens = self.engine.generate(flat, self.cfg.rollout.sampling)
+            try:
+                gens: list[Any] = self.engine.generate(flat, self.cfg.rollout.sampling)
+            except EngineError as exc:
+                deliveries, prompts, flat, gens = self._drop_failed(deliveries, prompts, flat, exc)
+                if not deliveries:
+                    return
         n_tokens = sum(len(g.token_ids) for g in gens)
         self.tokens += n_tokens
         self.metrics.generated(n_tokens, time.monotonic() - t0)

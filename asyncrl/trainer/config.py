@@ -31,12 +31,13 @@ class TrainerConfig(Section):
     """Token budget of one micro-batch (prompt + response); packing is best-fit decreasing."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
-    fsdp: bool = False
-    """Shard parameters with FSDP2 (`fully_shard`) across trainer ranks."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Device of the trainer; auto picks cuda, then npu, then cpu."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trained model."""
+    peak_flops: float | None = Field(default=None, gt=0)
+    """Peak FLOP/s of one trainer device, for the estimated MFU (6 × params × tokens / time /
+    (ranks × peak)); unset reports no MFU."""
     checkpoint_every: int = Field(default=10, ge=1)
     """Write a checkpoint every this many steps; trajectory entries are acked only then."""
     keep_checkpoints: int = Field(default=2, ge=1)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import Config
+from asyncrl.rollout.config import TorchEngineConfig
 from asyncrl.rollout.tasks import Task
 from asyncrl.rollout.torch_engine import TorchEngine
 
@@ -19,10 +20,14 @@ from asyncrl.rollout.torch_engine import TorchEngine
 class Evaluator:
     def __init__(self, model: Any, tokenizer: Any, task: Task, cfg: Config) -> None:
         eos = tokenizer.eos_token_id
+        # Evaluation always runs the builtin engine here, whatever engine the rollouts use.
+        engine_cfg = cfg.rollout.engine
+        if not isinstance(engine_cfg, TorchEngineConfig):
+            engine_cfg = TorchEngineConfig()
         self.engine = TorchEngine(
             model,
             eos_token_ids=[] if eos is None else [eos],
-            max_batch_size=cfg.rollout.engine.max_batch_size,
+            max_batch_size=engine_cfg.max_batch_size,
             seed=cfg.run.seed + 1,
         )
         self.tokenizer = tokenizer

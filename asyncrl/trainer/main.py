@@ -23,6 +23,7 @@ from asyncrl.config import Config
 from asyncrl.keys import TRAJECTORIES_GROUP, Keys
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
 from asyncrl.redis_conn import connect
+from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.checkpoint import (
@@ -59,7 +60,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from asyncrl.heartbeat import Heartbeat, is_alive
-        from asyncrl.metrics import JsonlWriter, RoleMetrics, serve
+        from asyncrl.metrics import JsonlWriter, RoleMetrics, RunGauges, serve
         from asyncrl.model import ensure_model
         from asyncrl.queue import Consumer
         from asyncrl.rollout.tasks import build_task
@@ -94,6 +95,7 @@ class Trainer:
         dtype = getattr(torch, cfg.trainer.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dtype)
         self.model.to(self.device)  # type: ignore[arg-type]
+        self.n_params = sum(p.numel() for p in self.model.parameters())
         if cfg.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
@@ -119,6 +121,11 @@ class Trainer:
         published = self.client.get(self.keys.version)
         # Never reuse a version number: restored (or initial) weights get a fresh one.
         self.version = 0 if published is None else int(published) + 1
+        if self.world is not None:
+            # Rank 0's reading wins: it may already have published before another rank reads.
+            shared = torch.tensor([self.version], dtype=torch.int64, device=self.device)
+            dist.broadcast(shared, src=0, group=self.world)
+            self.version = int(shared.item())
 
         self.limits = Limits(max_message_bytes=cfg.queue.max_message_bytes)
         self.metrics = RoleMetrics("trainer", self.name)
@@ -138,6 +145,8 @@ class Trainer:
             counters_key=self.keys.counters,
             is_alive=is_alive(self.client, self.keys, "trainer"),
             decode=self._decode,
+            reconnect_max_s=cfg.redis.reconnect_max_s,
+            on_outage=self.metrics.redis_outage,
         )
         self.admission: Admission | None = None
         self.publisher: Any = None
@@ -155,13 +164,27 @@ class Trainer:
             )
             from asyncrl.weights import build_publisher
 
-            self.publisher = build_publisher(
-                cfg.weights, self.client, self.keys, device=self.device, on_record=self._on_sync
-            )
+            if isinstance(cfg.rollout.engine, SglangEngineConfig):
+                from asyncrl.weights.sglang import SglangPublisher
+
+                self.publisher = SglangPublisher(
+                    cfg.weights,
+                    cfg.rollout.engine,
+                    self.client,
+                    self.keys,
+                    self.device,
+                    on_record=self._on_sync,
+                )
+            else:
+                self.publisher = build_publisher(
+                    cfg.weights, self.client, self.keys, device=self.device, on_record=self._on_sync
+                )
             if cfg.metrics.jsonl:
                 self.jsonl = JsonlWriter(self.run_dir / "metrics.jsonl")
             if cfg.metrics.port:
                 serve(cfg.metrics.host, cfg.metrics.port, self._health)
+            self.metrics.staleness_bound.set(self.max_staleness)
+            self.run_gauges = RunGauges(self.metrics, self.client, self.keys).start()
         self.unacked: list[str] = []
         self.evaluator: Any = None
         self.last_sync_seconds: float | None = None
@@ -277,6 +300,7 @@ class Trainer:
             self.heartbeat.stop()
             if self.publisher is not None:
                 self.publisher.close()
+                self.run_gauges.stop()
         return 0
 
     def _on_sigterm(self, *_: object) -> None:
@@ -330,7 +354,12 @@ class Trainer:
             "step_seconds": step_seconds,
             "weight_publish_blocking_seconds": blocking,
             "weight_sync_seconds": self.last_sync_seconds,
+            **stats.weight_quantiles,
         }
+        peak = self.cfg.trainer.peak_flops
+        if peak:
+            flops = 6.0 * self.n_params * stats.processed_tokens
+            line["mfu"] = flops / max(step_seconds, 1e-9) / (peak * self.world_size)
         self.metrics.observe_step(line, staleness)
         if self.jsonl is not None:
             self.jsonl.write(line)

@@ -37,6 +37,10 @@ class StepStats:
     behaviour_weight_capped_fraction: float
     logprob_abs_diff_lag0: float | None
     lag0_tokens: int
+    weight_quantiles: dict[str, float]
+    """p50/p90/p99 of the behaviour weights of this rank's trained tokens."""
+    processed_tokens: int
+    """Prompt and response tokens through forward and backward, all ranks (for MFU)."""
 
 
 def token_logprobs(
@@ -98,6 +102,7 @@ def train_step(
         for v in _all_reduce([float(len(bins)), float(horizon_local)], world, dist.ReduceOp.MAX)
     )
     sums = dict(loss=0.0, clip=0.0, w=0.0, capped=0.0, diff=0.0, lag0=0.0)
+    trained_weights: list[torch.Tensor] = []
     for i in range(n_bins):
         idx = bins[i] if i < len(bins) else []
         mb_rows = [rows[j] for j in idx] or [_DUMMY_ROW]
@@ -148,13 +153,21 @@ def train_step(
         loss.backward()
         n_tok = float(mb.mask.sum())
         w = weights if weights is not None else mb.mask
-        lag0 = (mb.versions == current_version).float() * mb.mask
+        # Lag 0 is a property of a whole response: a token after an in-flight swap carries the
+        # current version but attended to keys the older weights computed.
+        on_response = torch.where(mb.versions >= 0, mb.versions, current_version)
+        row_lag0 = (on_response.min(-1, keepdim=True).values == current_version) & (
+            mb.versions.max(-1, keepdim=True).values == current_version
+        )
+        lag0 = row_lag0.float() * mb.mask
+        trained_weights.append(w[mb.mask > 0].detach().float())
         sums["loss"] += float(loss.detach())
         sums["clip"] += float(stats["clip_fraction"]) * n_tok
         sums["w"] += float((w * mb.mask).sum())
         sums["capped"] += float(((w >= algo.weight_cap) & (mb.mask > 0)).sum())
         sums["diff"] += float(((prox - mb.behav_logp).abs() * lag0).sum())
         sums["lag0"] += float(lag0.sum())
+    sums["processed"] = float(sum(r.length for r in rows))
     keys = list(sums)
     totals = dict(zip(keys, _all_reduce([sums[k] for k in keys], world), strict=True))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -173,7 +186,20 @@ def train_step(
         behaviour_weight_capped_fraction=totals["capped"] / tokens,
         logprob_abs_diff_lag0=totals["diff"] / totals["lag0"] if totals["lag0"] else None,
         lag0_tokens=int(totals["lag0"]),
+        weight_quantiles=_quantiles(torch.cat(trained_weights) if trained_weights else None),
+        processed_tokens=int(totals["processed"]),
     )
+
+
+def _quantiles(values: torch.Tensor | None) -> dict[str, float]:
+    if values is None or values.numel() == 0:
+        return {}
+    q = torch.quantile(values, torch.tensor([0.5, 0.9, 0.99])).tolist()
+    return {
+        "behaviour_weight_p50": q[0],
+        "behaviour_weight_p90": q[1],
+        "behaviour_weight_p99": q[2],
+    }
 
 
 def _correction(prox: torch.Tensor, mb: MicroBatch, algo: AlgoConfig) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+from asyncrl.device import BACKEND_OF_DEVICE
 
 
 class Group(Protocol):

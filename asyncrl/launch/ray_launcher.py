@@ -1,0 +1,424 @@
+"""`asyncrl launch --role all --launcher ray`: the roles of a run as Ray actors.
+
+Each actor holds the resources of one role process and runs the ordinary role entry point as a
+child process, `asyncrl launch --role trainer|rollout` — the same command as local mode and
+Kubernetes — so the trainer's SIGTERM drain (checkpoint, then ack) and its logs behave the same
+everywhere. Trainer ranks share one placement group (PACK: ranks close together for the collective
+backend); rank 0's node is the torch.distributed rendezvous. Rollout workers are single actors
+that may land anywhere, and one whose process exits (or whose node goes) is started again, as in
+local mode.
+
+Where: `--ray-address ADDR` (or `RAY_ADDRESS`, which `ray job submit` and KubeRay's RayJob set)
+joins an existing cluster; without one, a local Ray is started with `num_cpus=2`. Accelerators:
+`trainer.device` cuda → `GPU`, npu → `NPU`, auto → whichever the cluster has; Ray then sets
+`CUDA_VISIBLE_DEVICES` / `ASCEND_RT_VISIBLE_DEVICES` for each actor, so every rank sees its one
+device as device 0. On a cluster the run directory and `model.path` must be on storage that every
+node mounts at the same path (as on Kubernetes); the role processes start in the driver's working
+directory when their node has it.
+
+Redis: `redis.url`, or else an embedded redis-server on the driver (AOF in the run directory, as in
+local mode). On a local Ray it listens on loopback; on a cluster it listens on the driver's node
+address too, with a password generated for the run, which reaches the roles by environment only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import yaml
+
+from asyncrl.config import Config
+from asyncrl.keys import Keys
+from asyncrl.launch.local import RUN_STATE
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.redis_conn import split_password
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+# Rollout processes are restarted at most this often each (local mode's rule).
+MAX_RESTARTS = 10
+# How long to wait for the cluster to grant the trainer ranks' resources before giving up.
+PLACEMENT_TIMEOUT_S = 600.0
+# The local Ray's object store: the roles move weights over torch.distributed or Redis, not Ray,
+# so Ray's default (30 % of memory in shared memory) would only be reserved for nothing.
+LOCAL_OBJECT_STORE_BYTES = 128 * 1024**2
+
+
+class RoleProcess:
+    """A Ray actor that owns one `asyncrl launch --role ...` process on its node.
+
+    Methods return at once (the driver polls), so one actor thread is enough.
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.config_path: str | None = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def free_port(self) -> int:
+        from asyncrl.launch.redis_server import free_port
+
+        return free_port()
+
+    def start(
+        self, config_yaml: str, argv: list[str], env: dict[str, str], cwd: str, log: str
+    ) -> None:
+        """Writes the config to a file of this node, then starts `asyncrl launch --config FILE
+        ARGV` with `env` added to the actor's own environment (device visibility set by Ray)."""
+        fd, self.config_path = tempfile.mkstemp(prefix="asyncrl-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(config_yaml)
+        workdir = cwd if os.path.isdir(cwd) else None
+        log_path = Path(workdir or ".") / log
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "asyncrl", "launch", "--config", self.config_path, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **env},
+                cwd=workdir,
+            )
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM (the roles drain on it), SIGKILL after `timeout_s`; the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.config_path is not None:
+            Path(self.config_path).unlink(missing_ok=True)
+        return self.proc.returncode
+
+
+@cache
+def _remote_role_process() -> Any:
+    """`RoleProcess` as a Ray actor class, made once per driver."""
+    import ray
+
+    return ray.remote(RoleProcess)
+
+
+class _Role:
+    """Driver-side handle of one role: what it needs from Ray, and how to (re)start it.
+
+    Nothing here waits for Ray to place the actor: a rollout worker may wait for resources (an
+    autoscaling cluster adding a node) while the run goes on without it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.options: dict[str, Any] = {}
+        self.argv: list[str] = []
+        self.env: dict[str, str] = {}
+        self.actor: ActorHandle | None = None
+        self.started: ObjectRef[None] | None = None
+        self.restarts = 0
+
+    def create(self) -> ActorHandle:
+        self.actor = _remote_role_process().options(**self.options).remote()
+        return self.actor
+
+    def start(self, config_yaml: str, run_dir: Path) -> None:
+        actor = self.actor or self.create()
+        log = str(run_dir / "logs" / f"{self.name}.log")
+        self.started = actor.start.remote(config_yaml, self.argv, self.env, os.getcwd(), log)
+
+    def _placed(self) -> bool:
+        """Whether the actor runs and has answered `start` (with the process or an error)."""
+        import ray
+
+        return self.started is not None and bool(ray.wait([self.started], timeout=0)[0])
+
+    def poll(self) -> int | None:
+        """The process' exit status; None while it runs or its actor waits to be placed; -1 when
+        it could not start or the actor is gone (its node failed): `start` then places anew."""
+        import ray
+
+        if self.actor is None or self.started is None:
+            return -1  # gone, and not started again (restarts used up)
+        if not self._placed():
+            return None
+        try:
+            ray.get(self.started)
+            return cast("int | None", ray.get(self.actor.poll.remote(), timeout=60.0))
+        except ray.exceptions.GetTimeoutError:
+            return None  # a busy node: ask again next time
+        except ray.exceptions.RayError:
+            ray.kill(self.actor)
+            self.actor = None
+            return -1
+
+    def stop(self, timeout_s: float) -> None:
+        import ray
+
+        if self.actor is None:
+            return
+        if self._placed():
+            # An actor that fails or hangs here is gone with its node, and so is its process.
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(self.actor.stop.remote(timeout_s), timeout=timeout_s + 30.0)
+        ray.kill(self.actor)
+        self.actor = None
+
+
+def _accelerator(cfg: Config, cluster: dict[str, float]) -> str | None:
+    """The Ray resource one role process needs besides a CPU: GPU, NPU or none."""
+    device = cfg.trainer.device
+    if device == "auto":
+        device = "cuda" if cluster.get("GPU") else "npu" if cluster.get("NPU") else "cpu"
+    return {"cuda": "GPU", "npu": "NPU"}.get(device)
+
+
+def _actor_options(accelerator: str | None, share: float = 1.0) -> dict[str, Any]:
+    """Ray resources of one role process: a CPU, and `share` of one accelerator."""
+    if accelerator == "GPU":
+        return {"num_cpus": 1, "num_gpus": share}
+    if accelerator is not None:
+        return {"num_cpus": 1, "resources": {accelerator: share}}
+    return {"num_cpus": 1}
+
+
+def _device_share(accelerator: str | None, cluster: dict[str, float], processes: int) -> float:
+    """The part of an accelerator each role process gets. On a cluster a whole one; on a local
+    Ray, like local mode, the processes share the machine's devices when there are fewer."""
+    if accelerator is None:
+        return 1.0
+    return min(1.0, cluster.get(accelerator, 0.0) / processes)
+
+
+def _placement_group(bundle: dict[str, float], ranks: int) -> PlacementGroup:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
+    if not pg.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
+        ray.util.remove_placement_group(pg)
+        raise SystemExit(
+            f"Ray could not place {ranks} trainer rank(s) of {bundle} within "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}"
+        )
+    return pg
+
+
+def _init_ray(address: str | None, processes: int) -> None:
+    import ray
+
+    if address is not None:
+        ray.init(address=address, log_to_driver=False)
+        return
+    # A local Ray on this machine only: nothing to report anywhere.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        # A CPU per role process, as local mode starts them all whatever the core count: two
+        # for the quickstart's trainer and rollout worker.
+        num_cpus=max(2, processes),
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+    )
+
+
+def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> int:
+    """Runs the trainer (`trainer_ranks` ranks) and `rollout.workers` rollout workers on Ray
+    until the trainer exits; returns its exit status (130 on Ctrl-C)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from asyncrl.launch.progress import Progress
+    from asyncrl.model import ensure_model
+    from asyncrl.redis_conn import connect
+
+    run_dir = cfg.run.path
+    if args.fresh:
+        for name in RUN_STATE:
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    mode: Literal["live", "quiet", "json"] = args.progress or (
+        "live" if sys.stdout.isatty() else "quiet"
+    )
+    say = (lambda msg: None) if mode == "json" else (lambda msg: print(msg, flush=True))
+
+    address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None and address.startswith("ray://"):
+        # Through Ray Client this driver (and its embedded Redis) would sit outside the cluster.
+        print(
+            "asyncrl: --ray-address: run the launcher on a node of the cluster (auto or "
+            "HOST:PORT, e.g. with `ray job submit`), not through Ray Client (ray://)",
+            file=sys.stderr,
+        )
+        return 2
+    server: RedisServer | None = None
+    trainers = [
+        _Role("trainer" if trainer_ranks == 1 else f"trainer-{rank}")
+        for rank in range(trainer_ranks)
+    ]
+    rollouts = [_Role(f"rollout-{i}") for i in range(cfg.rollout.workers)]
+    pg: PlacementGroup | None = None
+    _init_ray(address, processes=len(trainers) + len(rollouts))
+    try:
+        url = cfg.redis.url
+        if url is None:
+            server = _embedded_redis(run_dir, on_cluster=address is not None)
+            url = server.url
+            if address is not None:
+                url = url.replace("127.0.0.1", ray.util.get_node_ip_address())
+            (run_dir / "redis" / "url").write_text(url)
+            say(f"embedded redis-server at {url} (data in {run_dir / 'redis'})")
+        # Secrets travel to the roles by environment, never in argv, configs or the run dir;
+        # the roles on other nodes do not share the driver's environment, so it is passed on.
+        url, password = split_password(url)
+        if password is None:
+            password = server.password if server is not None else cfg.redis.password()
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if password is not None:
+            env[cfg.redis.password_env] = password
+        overrides = [f"redis.url={url}"]
+
+        say(f"model: {cfg.model.path}")
+        ensure_model(cfg)
+        config_yaml = yaml.safe_dump(cfg.redacted(), sort_keys=False)
+        (run_dir / "config.yaml").write_text(config_yaml)
+
+        cluster = ray.cluster_resources()
+        accelerator = _accelerator(cfg, cluster)
+        share = 1.0
+        if address is None:
+            share = _device_share(accelerator, cluster, len(trainers) + len(rollouts))
+            if share == 0:
+                raise SystemExit(
+                    f"trainer.device={cfg.trainer.device} needs a {accelerator}; "
+                    f"this machine's Ray found none ({cluster})"
+                )
+        options = _actor_options(accelerator, share)
+        bundle = {"CPU": 1.0, **({accelerator: share} if accelerator else {})}
+        pg = _placement_group(bundle, trainer_ranks)
+        for rank, role in enumerate(trainers):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            role.options = {**options, "scheduling_strategy": strategy}
+            role.create()
+        rank0 = trainers[0].actor
+        assert rank0 is not None
+        master_addr = "127.0.0.1"
+        if address is not None:
+            master_addr = str(ray.get(rank0.node_ip.remote()))
+            if cfg.weights.master_addr in ("127.0.0.1", "localhost"):
+                # Rollout workers on other nodes reach the weight broadcast at rank 0's node.
+                overrides.append(f"weights.master_addr={master_addr}")
+        dist_env = {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(ray.get(rank0.free_port.remote())),
+            "WORLD_SIZE": str(trainer_ranks),
+            "LOCAL_RANK": "0",  # Ray shows each rank only its own device
+        }
+        port = cfg.metrics.port
+        for rank, role in enumerate(trainers):
+            role.argv = ["--role", "trainer", *overrides]
+            role.argv += [f"metrics.port={port}"] if port else []
+            role.env = {**env, **dist_env, "RANK": str(rank)}
+            role.start(config_yaml, run_dir)
+        for i, role in enumerate(rollouts):
+            role.options = options
+            role.argv = ["--role", "rollout", "--worker-id", role.name, *overrides]
+            role.argv += [f"metrics.port={port + 1 + i}"] if port else []
+            role.env = env
+            role.start(config_yaml, run_dir)
+        say(
+            f"started {trainer_ranks} trainer rank(s) and {len(rollouts)} rollout worker(s) "
+            f"on Ray; logs in {run_dir}/logs"
+        )
+
+        client = connect(cfg.redis, _with_password(url, password))
+        progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
+        try:
+            while (rc := _trainers_exited(trainers)) is None:
+                progress.update()
+                for role in rollouts:
+                    if (code := role.poll()) is not None and role.restarts < MAX_RESTARTS:
+                        say(f"{role.name} exited with {code}; restarting")
+                        role.restarts += 1
+                        role.start(config_yaml, run_dir)
+                time.sleep(0.5)
+            progress.update()
+        finally:
+            progress.close()
+            client.close()
+        if rc != 0:
+            say(f"trainer exited with {rc}; see {run_dir / 'logs'}")
+        return rc
+    except KeyboardInterrupt:
+        say("interrupted: stopping (run the same command again to resume)")
+        return 130
+    finally:
+        for role in [*rollouts, *trainers]:
+            role.stop(30.0)
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+        ray.shutdown()
+        if server is not None:
+            server.stop()
+            (run_dir / "redis" / "url").unlink(missing_ok=True)
+
+
+def _trainers_exited(trainers: list[_Role]) -> int | None:
+    """None while the trainer runs; else its exit status: the first failing rank's, or 0 once
+    every rank has finished (a failed rank stops the run: the others cannot go on alone)."""
+    codes = [role.poll() for role in trainers]
+    failed = [c for c in codes if c]
+    if failed:
+        return failed[0]
+    return 0 if all(c == 0 for c in codes) else None
+
+
+def _with_password(url: str, password: str | None) -> str:
+    """`url` carrying `password`, for the driver's own client (the roles get it by env)."""
+    if password is None:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f":{quote(password, safe='')}@{parts.netloc}"))
+
+
+def _embedded_redis(run_dir: Path, on_cluster: bool) -> RedisServer:
+    if not on_cluster:
+        return RedisServer(data_dir=run_dir / "redis").start()
+    import ray
+
+    # Reachable from the other nodes, so never without a password.
+    return RedisServer(
+        data_dir=run_dir / "redis",
+        password=secrets.token_urlsafe(24),
+        extra_args=["--bind", ray.util.get_node_ip_address(), "127.0.0.1"],
+    ).start()

@@ -1,0 +1,557 @@
+"""Weight sync to SGLang servers through their own weight-update API (DESIGN §7).
+
+The rollout workers' engines are SGLang servers, so there is no subscriber that receives tensors:
+the trainer's publisher talks to each server over HTTP and sends the tensors itself.
+
+- Membership: a worker whose engine is SGLang runs an `SglangSubscriber`, which registers its
+  servers' URLs in the `weights` hash (`join:{id}` = {"host", "pid", "sglang": [urls]}) under
+  the same lease as the broadcast transport; the publisher sends to the URLs of live leases.
+- `weights.type: broadcast`: a collective group of the trainer (rank 0) and every server's TP
+  ranks (server i gets `rank_offset` 1 + the ranks before it). The group is made the way SGLang
+  makes its side of it (`init_custom_process_group`: a TCPStore, `PrefixStore(group_name)`,
+  torch's `_new_process_group_helper`), so that both ends derive the same store keys. It lives
+  as long as the membership (an epoch, with a fresh group name so a surviving server never
+  mistakes it for an old one); HCCL communicators in particular are kept across versions.
+  One version: pause each server (`pause_mode`), `/begin_weight_update` where it exists,
+  `/update_weights_from_distributed` with names, dtypes and shapes in broadcast order while the
+  trainer broadcasts each tensor from rank 0, `/end_weight_update`, `/continue_generation`.
+- `weights.type: store`: the version is written as a model directory
+  `{store_dir}/sglang/v{version:012d}/model.safetensors` (atomically: written aside, renamed in)
+  and each server loads it with `/update_weights_from_disk`; servers must see `store_dir`.
+
+`flush_cache` goes with the pause mode: after `retract` the radix cache is flushed (retracted
+requests are recomputed, so no key from old weights survives); with `in_place` it must not be
+(SGLang refuses to flush with requests in the running batch). Servers older than 0.5.6 take no
+pause mode (their pause aborts everything), so they are not paused: SGLang then applies an
+update once the running requests have finished.
+
+Asynchrony is that of every publisher (`BackgroundPublisher`): `publish()` only copies into a
+staging buffer, a background thread sends, and versions staged during a send coalesce.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import redis
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from asyncrl.rollout.sglang_engine import RequestFailure, http_json, parse_version
+from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce, read_hash
+from asyncrl.weights.broadcast import lease_key
+from asyncrl.weights.buckets import FlatBuffer
+from asyncrl.weights.device import comm_device, resolve_backend, synchronize
+
+if TYPE_CHECKING:
+    from asyncrl.keys import Keys
+    from asyncrl.rollout.config import SglangEngineConfig
+    from asyncrl.weights.config import WeightsConfig
+
+log = logging.getLogger(__name__)
+
+API_MIN = (0, 5, 0)
+"""Oldest SGLang whose weight updates take `weight_version` (replies carry it since then)."""
+PAUSE_MODES_SINCE = (0, 5, 6)
+"""First SGLang whose /pause_generation takes a mode (older ones abort everything)."""
+_MAX_FAILURES = 3  # failed deliveries of one version; then it waits for the next publish
+_POLL_S = 0.1
+
+
+def join_update_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: timedelta,
+) -> dist.ProcessGroup:
+    """Join the weight-update group `group_name` over `store`, as SGLang's servers do.
+
+    The servers build their end with `_new_process_group_helper` on `PrefixStore(group_name,
+    store)`, which adds per-group and per-device prefixes of its own and (for gloo) one backend
+    per device type; only the same call here produces the same store keys and the same set of
+    backends. No default group is needed: an empty rank list makes the helper treat the group as
+    standalone. A trainer whose default group is bound to a device would have the helper split
+    this group off it, which cannot work with outside members, hence the refusal.
+    """
+    from torch.distributed.distributed_c10d import (
+        GroupName,
+        _get_default_group,
+        _new_process_group_helper,
+        _world,
+    )
+
+    if dist.is_initialized() and _get_default_group().bound_device_id is not None:
+        raise RuntimeError(
+            "the default process group is bound to a device (init_process_group(device_id=...)); "
+            "SGLang weight-update groups cannot be created beside it"
+        )
+    if backend == "hccl":
+        import torch_npu  # noqa: F401  # registers the hccl backend with torch.distributed
+
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        dist.PrefixStore(group_name, store),
+        group_name=GroupName(group_name),
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def broadcast_tensors(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """Broadcast each tensor from rank 0 of `pg`, in order, all in flight at once."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    for work in [pg.broadcast([t], opts) for t in tensors]:
+        work.wait()
+
+
+def _timed_out(exc: Exception) -> bool:
+    return isinstance(exc, TimeoutError) or (
+        isinstance(exc, RequestFailure) and exc.reason == "timeout"
+    )
+
+
+def version_dir(store_dir: Path, version: int) -> Path:
+    return store_dir / "sglang" / f"v{version:012d}"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the publisher needs to know of one server (`/get_server_info`)."""
+
+    url: str
+    version: tuple[int, ...]
+    ranks: int
+    """Ranks the server contributes to a weight-update group (its TP size)."""
+
+    @property
+    def pause_modes(self) -> bool:
+        return self.version >= PAUSE_MODES_SINCE
+
+    @classmethod
+    def probe(cls, url: str, timeout_s: float) -> ServerInfo:
+        """Raises RequestFailure when unreachable, ValueError when unusable."""
+        info = http_json(url, "/get_server_info", timeout_s=timeout_s)
+        if not isinstance(info, dict):
+            raise ValueError(f"{url}/get_server_info: not an object")
+        # `api_version`: the SGLang release whose API a non-SGLang server (`asyncrl serve`)
+        # implements; SGLang itself reports its own release as `version`.
+        raw = str(info.get("api_version") or info.get("version") or "")
+        match = re.match(r"(\d+)\.(\d+)\.(\d+)", raw)
+        if match is None:
+            raise ValueError(f"{url}: server version {raw!r} is not a release number")
+        version = tuple(int(x) for x in match.groups())
+        if version < API_MIN:
+            raise ValueError(f"{url}: SGLang {raw} is older than {'.'.join(map(str, API_MIN))}")
+        for key in ("dp_size", "pp_size"):
+            if int(info.get(key) or 1) != 1:
+                raise ValueError(f"{url}: {key}={info[key]} is not supported; run one server each")
+        return cls(url, version, int(info.get("tp_size") or 1))
+
+
+def live_servers(client: redis.Redis, keys: Keys) -> list[str]:
+    """URLs of the SGLang servers registered by workers whose lease holds, sorted."""
+    h = read_hash(client, keys.weights)
+    joined = {f.removeprefix("join:"): v for f, v in h.items() if f.startswith("join:")}
+    pipe = client.pipeline(transaction=False)
+    for worker in joined:
+        pipe.exists(lease_key(keys, worker))
+    urls: set[str] = set()
+    for (worker, info), alive in zip(joined.items(), pipe.execute(), strict=True):
+        if alive:
+            urls.update(json.loads(info).get("sglang", []))
+        else:
+            client.hdel(keys.weights, f"join:{worker}")
+    return sorted(urls)
+
+
+class SglangPublisher(BackgroundPublisher):
+    """Trainer rank 0's end for SGLang engines (see the module doc)."""
+
+    def __init__(
+        self,
+        cfg: WeightsConfig,
+        engine: SglangEngineConfig,
+        client: redis.Redis,
+        keys: Keys,
+        device: torch.device,
+        on_record: Callable[[SyncRecord], None] | None = None,
+    ) -> None:
+        self._transport = cfg.type
+        self._backend = resolve_backend(cfg.backend, device)
+        self._device = comm_device(self._backend, device) if cfg.type == "broadcast" else None
+        super().__init__(
+            self._device or torch.device("cpu"), on_record, close_timeout_s=3 * cfg.sync_timeout_s
+        )
+        self._client, self._keys, self._engine = client, keys, engine
+        self._timeout = timedelta(seconds=cfg.sync_timeout_s)
+        self._http_timeout_s = cfg.sync_timeout_s
+        self._store: dist.TCPStore | None = None
+        self._master_addr = cfg.master_addr
+        if cfg.type == "broadcast":
+            self._store = dist.TCPStore(
+                cfg.master_addr,
+                cfg.master_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=self._timeout,
+                use_libuv=True,
+            )
+        else:
+            if cfg.store_dir is None:
+                raise ValueError("weights.store_dir is unset: resolve it ({run.dir}/weights) first")
+            self._dir = cfg.store_dir
+            self._keep = cfg.keep_last
+            (self._dir / "sglang").mkdir(parents=True, exist_ok=True)
+        self._group: dist.ProcessGroup | None = None
+        self._group_name = ""
+        self._members: list[ServerInfo] = []
+        self._broken = False
+        self._no_begin: set[str] = set()  # servers without /begin_weight_update
+        self._holders: set[str] = set()  # servers that hold `_holders_version`
+        self._holders_version: int | None = None
+        self._unresponsive: set[str] = set()  # failed to join; retried at the next version
+        self._failures = 0
+        self._formed = 0
+        announce(client, keys, transport=f"sglang-{cfg.type}", backend=self._backend)
+        self._start()
+
+    # -- the BackgroundPublisher hooks ---------------------------------------------------------
+
+    def _wants_resend(self) -> bool:
+        if self._failures >= _MAX_FAILURES:
+            return False
+        live = set(live_servers(self._client, self._keys))
+        return bool(live - self._holders - self._unresponsive)
+
+    def _send(self, buffer: FlatBuffer, version: int) -> tuple[int, int | None]:
+        if version != self._holders_version:
+            self._holders, self._holders_version = set(), version
+            self._failures, self._unresponsive = 0, set()
+        urls = [u for u in live_servers(self._client, self._keys) if u not in self._unresponsive]
+        try:
+            if self._transport == "broadcast":
+                if self._broken or urls != [m.url for m in self._members]:
+                    self._form(urls)
+                sent_to = [m.url for m in self._members]
+                if sent_to:
+                    self._send_distributed(buffer, version)
+            else:
+                sent_to = self._send_disk(buffer, version, urls)
+        except Exception as exc:  # whatever failed, the next try starts from a fresh group
+            self._broken = True
+            self._failures += 1
+            raise RuntimeError(f"SGLang weight update to version {version} failed: {exc}") from exc
+        self._holders |= set(sent_to)
+        self._failures = 0
+        announce(self._client, self._keys, sent_version=str(version))
+        return (buffer.layout.total_bytes if sent_to else 0), len(sent_to)
+
+    def _shutdown(self) -> None:
+        self._release()
+
+    # -- broadcast transport --------------------------------------------------------------------
+
+    def _form(self, urls: list[str]) -> None:
+        """A new group of the trainer and the servers at `urls` that can take part."""
+        assert self._store is not None
+        self._release()
+        members = []
+        for url in urls:
+            try:
+                members.append(ServerInfo.probe(url, self._http_timeout_s))
+            except (RequestFailure, ValueError) as exc:
+                log.warning("SGLang server %s left out of weight sync: %s", url, exc)
+                self._unresponsive.add(url)
+        self._members = members
+        self._broken = False
+        if not members:
+            return
+        epoch = self._client.hincrby(self._keys.weights, "sglang_epoch", 1)
+        name = f"asyncrl-{self._keys.run_id}-{epoch}"
+        offsets = [1 + sum(m.ranks for m in members[:i]) for i in range(len(members))]
+        world = 1 + sum(m.ranks for m in members)
+        with ThreadPoolExecutor(len(members)) as pool:
+            replies = [
+                pool.submit(
+                    http_json,
+                    m.url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": self._master_addr,
+                        "master_port": self._store.port,
+                        "rank_offset": offset,
+                        "world_size": world,
+                        "group_name": name,
+                        "backend": self._backend,
+                    },
+                    timeout_s=self._http_timeout_s,
+                )
+                for m, offset in zip(members, offsets, strict=True)
+            ]
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            self._group_name = name
+            try:
+                self._group = join_update_group(
+                    self._backend, self._store, 0, world, name, self._timeout
+                )
+            finally:
+                failed = self._check_replies(members, replies, "init_weights_update_group")
+        if failed:
+            # A server that refused or vanished is the culprit; the others then only timed out
+            # waiting for it. Left out, it is tried again at the next version.
+            culprits = {u for u, exc in failed.items() if not _timed_out(exc)} or set(failed)
+            self._unresponsive |= culprits
+            raise RuntimeError(f"weight-update group {name}: {sorted(failed)} did not join")
+        if self._formed:
+            with self._cond:
+                self._stats.rebuilds += 1
+        self._formed += 1
+        log.info("SGLang weight-update group %s: %d server(s), %d ranks", name, len(members), world)
+
+    def _check_replies(
+        self, members: list[ServerInfo], replies: list[Future[Any]], what: str
+    ) -> dict[str, Exception]:
+        """The members whose call failed, with the failure (logged)."""
+        failed: dict[str, Exception] = {}
+        for m, reply in zip(members, replies, strict=True):
+            try:
+                result = reply.result(timeout=self._http_timeout_s)
+                if isinstance(result, dict) and result.get("success") is False:
+                    raise ValueError(result.get("message"))
+            except Exception as exc:  # whatever went wrong, this server did not make it
+                log.warning("%s on %s failed: %s", what, m.url, exc)
+                failed[m.url] = exc
+        return failed
+
+    def _release(self) -> None:
+        """Destroy the group here and, best effort, on the servers that may hold it (also after
+        a failed forming, where some servers joined and the trainer did not)."""
+        if not self._group_name:
+            return
+        group, name = self._group, self._group_name
+        self._group, self._group_name = None, ""
+        for m in self._members:
+            try:
+                http_json(
+                    m.url,
+                    "/destroy_weights_update_group",
+                    {"group_name": name},
+                    timeout_s=self._http_timeout_s,
+                )
+            except RequestFailure as exc:  # older servers lack it; dead ones cannot answer
+                log.debug("destroy_weights_update_group on %s: %s", m.url, exc)
+        if group is not None:
+            dist.destroy_process_group(group)
+
+    def _send_distributed(self, buffer: FlatBuffer, version: int) -> None:
+        assert self._group is not None
+        specs = buffer.layout.specs
+        request = {
+            "names": [s.name for s in specs],
+            "dtypes": [str(s.dtype).removeprefix("torch.") for s in specs],
+            "shapes": [list(s.shape) for s in specs],
+            "group_name": self._group_name,
+            "weight_version": str(version),
+            "flush_cache": self._engine.pause_mode != "in_place",
+        }
+        with self._quiet(self._members) as pool:
+            replies = [
+                pool.submit(
+                    http_json,
+                    m.url,
+                    "/update_weights_from_distributed",
+                    request,
+                    timeout_s=self._http_timeout_s,
+                )
+                for m in self._members
+            ]
+            try:
+                broadcast_tensors(self._group, [buffer.tensors[s.name] for s in specs])
+                assert self._device is not None
+                synchronize(self._device)
+            finally:
+                failed = self._check_replies(
+                    self._members, replies, "update_weights_from_distributed"
+                )
+        if failed:
+            raise RuntimeError(f"servers {sorted(failed)} did not take version {version}")
+
+    # -- store transport ------------------------------------------------------------------------
+
+    def _send_disk(self, buffer: FlatBuffer, version: int, urls: list[str]) -> list[str]:
+        path = version_dir(self._dir, version)
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            save_file(buffer.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+            os.replace(tmp, path)
+        members = []
+        for url in urls:
+            try:
+                members.append(ServerInfo.probe(url, self._http_timeout_s))
+            except (RequestFailure, ValueError) as exc:
+                log.warning("SGLang server %s left out of weight sync: %s", url, exc)
+                self._unresponsive.add(url)
+        request = {"model_path": str(path), "weight_version": str(version)}
+        with self._quiet(members) as pool:
+            replies = [
+                pool.submit(
+                    http_json,
+                    m.url,
+                    "/update_weights_from_disk",
+                    request,
+                    timeout_s=self._http_timeout_s,
+                )
+                for m in members
+            ]
+            failed = self._check_replies(members, replies, "update_weights_from_disk")
+        self._unresponsive |= set(failed)
+        versions = sorted(p for p in (self._dir / "sglang").iterdir() if p.name.startswith("v"))
+        for old in versions[: -self._keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return [m.url for m in members if m.url not in failed]
+
+    # -- around every update --------------------------------------------------------------------
+
+    @contextmanager
+    def _quiet(self, members: list[ServerInfo]) -> Iterator[ThreadPoolExecutor]:
+        """Pause and open a weight update on each member, close and continue afterwards; yields
+        a thread pool large enough for one blocking call per member."""
+        mode = self._engine.pause_mode
+        paused: list[ServerInfo] = []
+        begun: list[ServerInfo] = []
+        with ThreadPoolExecutor(max(1, len(members))) as pool:
+            try:
+                for m in members:
+                    if mode != "none" and m.pause_modes:
+                        http_json(
+                            m.url,
+                            "/pause_generation",
+                            {"mode": mode},
+                            timeout_s=self._http_timeout_s,
+                        )
+                        paused.append(m)
+                    if self._begin(m):
+                        begun.append(m)
+                yield pool
+            finally:
+                for m in begun:
+                    self._call_quietly(m.url, "/end_weight_update")
+                for m in paused:
+                    self._call_quietly(m.url, "/continue_generation")
+
+    def _begin(self, m: ServerInfo) -> bool:
+        """Open a weight update where the server has the endpoint (newer SGLang)."""
+        if m.url in self._no_begin:
+            return False
+        try:
+            http_json(m.url, "/begin_weight_update", {}, timeout_s=self._http_timeout_s)
+        except RequestFailure as exc:
+            if exc.status != 404:
+                raise
+            self._no_begin.add(m.url)
+            return False
+        return True
+
+    def _call_quietly(self, url: str, path: str) -> None:
+        # Runs in `finally`: a failure here must not hide the update's own outcome.
+        try:
+            http_json(url, path, {}, timeout_s=self._http_timeout_s)
+        except RequestFailure as exc:
+            log.warning("%s%s failed: %s", url, path, exc)
+
+
+class SglangSubscriber:
+    """A rollout worker's end when its engine is SGLang: it registers the servers' URLs for the
+    publisher (under a lease kept alive by its own thread) and reports what they hold. Weights
+    go straight from the trainer to the servers, so it never hands any over."""
+
+    def __init__(
+        self,
+        cfg: WeightsConfig,
+        client: redis.Redis,
+        keys: Keys,
+        worker_id: str,
+        urls: list[str],
+        *,
+        http_timeout_s: float = 5.0,
+    ) -> None:
+        self._client, self._keys, self._id = client, keys, worker_id
+        self._urls = [u.rstrip("/") for u in urls]
+        self._lease_s = cfg.lease_s
+        self._http_timeout_s = http_timeout_s
+        self._stop = threading.Event()
+        self._register()
+        self._thread = threading.Thread(target=self._beat, name="weights-lease", daemon=True)
+        self._thread.start()
+
+    def _register(self) -> None:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "sglang": self._urls}
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(lease_key(self._keys, self._id), "1", px=int(self._lease_s * 1000))
+        pipe.hset(self._keys.weights, f"join:{self._id}", json.dumps(info))
+        pipe.execute()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._lease_s / 3):
+            try:
+                self._register()
+            except redis.RedisError as exc:
+                log.warning("weights lease of %s not refreshed: %s", self._id, exc)
+
+    @property
+    def version(self) -> int | None:
+        """The version every server holds (the smallest); None if one does not answer."""
+        try:
+            return min(
+                parse_version(
+                    http_json(url, "/get_model_info", timeout_s=self._http_timeout_s)[
+                        "weight_version"
+                    ]
+                )
+                for url in self._urls
+            )
+        except (RequestFailure, TypeError, KeyError):
+            return None
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            version = self.version
+            if version is not None and version >= min_version:
+                return version
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SGLang servers not at version ≥ {min_version} in {timeout_s}s")
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(lease_key(self._keys, self._id))
+        pipe.hdel(self._keys.weights, f"join:{self._id}")
+        pipe.execute()

@@ -1,0 +1,115 @@
+"""Helpers of the failure tests: run `asyncrl launch --role trainer|rollout` processes against a
+test Redis, and read back what they wrote. Every process is started here, in its own session,
+and stopped or killed by its handle only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_config(path: Path, settings: dict[str, Any]) -> Path:
+    """A config file from dotted keys, e.g. {"run.id": "x", "trainer.max_steps": 5}."""
+    tree: dict[str, Any] = {}
+    for key, value in settings.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+class Role:
+    """One `asyncrl launch --role ROLE` child process, its output in `log`."""
+
+    def __init__(self, role: str, config: Path, log: Path, *args: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        self.log = log
+        argv = [sys.executable, "-m", "asyncrl", "launch", "--role", role, "--config", str(config)]
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [*argv, *args],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no handler runs, nothing is flushed or acked."""
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (drain and leave), then SIGKILL if it does not exit in time."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def stop_all(roles: Iterable[Role]) -> None:
+    for r in roles:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            r.stop(30.0)
+
+
+def wait_until(
+    cond: Callable[[], bool], timeout_s: float, what: str, roles: Iterable[Role] = ()
+) -> None:
+    """Poll `cond` every 20 ms; fail with the logs of `roles` if it does not hold in time or a
+    role exits meanwhile."""
+    roles = list(roles)
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        for r in roles:
+            assert r.alive(), f"{what}: {r.log.name} exited with {r.proc.poll()}:\n{r.tail()}"
+        assert time.monotonic() < deadline, f"{what}: timed out\n" + "\n".join(
+            f"--- {r.log.name}\n{r.tail()}" for r in roles
+        )
+        time.sleep(0.02)
+
+
+def step_lines(run_dir: Path) -> list[dict[str, Any]]:
+    """The trainer's step lines in `metrics.jsonl` (eval lines left out)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = []
+    for raw in path.read_text().splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue  # a line being written
+        if "reward_mean" in record:
+            lines.append(record)
+    return lines

@@ -1,0 +1,102 @@
+"""The chaos soak of tools/chaos.py, shortened for CI: ≥ 20 faults of every kind (rollout
+workers, the trainer and Redis SIGKILLed and restarted) in about two minutes, then the run's
+invariants (DESIGN §9). The longer soak and its figures are in docs/reliability.md.
+
+One run feeds all the tests of this module; each asserts one family of the tool's checks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from chaos import run_chaos
+
+FAULTS = 20
+# Redis restarts are the cheapest faults (no process re-imports torch), trainer restarts the
+# dearest: this deck gets 20 mixed faults into the time budget.
+DECK = {"worker": 3, "redis": 3, "trainer": 1}
+
+# Role exits whose cause is known and reported (docs/reliability.md, "Known issues"): the
+# innermost asyncrl frames of the traceback. Remove an entry when its bug is fixed.
+KNOWN_EXITS = {
+    "asyncrl/trainer/main.py:_publish": "trainer: `version` write not guarded against outages",
+    "asyncrl/trainer/main.py:_train": "trainer: `last_step` write not guarded against outages",
+    "asyncrl/trainer/admission.py:read_counters": "trainer: admission not guarded",
+    "asyncrl/trainer/admission.py:release": "trainer: admission not guarded",
+    "asyncrl/weights/base.py:__init__": "weight subscriber subscribes unguarded at start-up",
+}
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory: pytest.TempPathFactory, random_model: Path) -> dict[str, Any]:
+    return run_chaos(
+        seconds=100,
+        workers=3,
+        seed=0,
+        workdir=tmp_path_factory.mktemp("chaos"),
+        model=random_model,
+        max_faults=FAULTS,
+        deck=DECK,
+        # The file store, not broadcast: after a worker dies, re-forming a broadcast group waits
+        # out weights.sync_timeout_s, which would take most of the CI budget (the soak uses it).
+        weights="store",
+        progress_timeout_s=60,
+    )
+
+
+def failed(summary: dict[str, Any], *checks: str) -> list[str]:
+    return [f"[{v['check']}] {v['message']}" for v in summary["violations"] if v["check"] in checks]
+
+
+def known_exits_only(summary: dict[str, Any]) -> list[str]:
+    """The reasons of the known bugs behind every exit; empty if some exit is not known."""
+    reasons = []
+    for e in summary["exits"]:
+        known = [KNOWN_EXITS[f] for f in e["frames"][-2:] if f in KNOWN_EXITS]
+        if not known:
+            return []
+        reasons.append(known[0])
+    return sorted(set(reasons))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_accounting_balances_and_nothing_is_lost(summary: dict[str, Any]) -> None:
+    assert not failed(summary, "balanced", "nothing_lost", "dead_letters"), summary
+    assert summary["balanced"] and summary["lost"] == 0
+    assert summary["counters"]["groups_trained"] > 0
+
+
+@pytest.mark.slow
+def test_no_group_is_trained_twice(summary: dict[str, Any]) -> None:
+    assert not failed(summary, "no_double_training"), summary
+    assert summary["counters"]["groups_trained"] == summary["final_step"] * 2
+
+
+@pytest.mark.slow
+def test_progress_after_every_fault_within_bounds(summary: dict[str, Any]) -> None:
+    assert not failed(summary, "progress", "drain", "staleness", "admission"), summary
+    assert all(f["recovered_after_s"] is not None for f in summary["fault_log"])
+    assert summary["max_staleness"] <= summary["max_staleness_bound"]
+    assert summary["max_queued"] <= summary["queued_bound"]
+
+
+@pytest.mark.slow
+def test_faults_were_many_and_mixed(summary: dict[str, Any]) -> None:
+    faults = summary["faults"]
+    assert set(faults) == set(DECK), faults
+    if sum(faults.values()) < FAULTS and (known := known_exits_only(summary)):
+        pytest.xfail(f"restarts after known crashes ate the time budget: {known}")
+    assert sum(faults.values()) >= FAULTS, faults
+
+
+@pytest.mark.slow
+def test_every_role_survives_redis_restarts(summary: dict[str, Any]) -> None:
+    if summary["exits"] and (known := known_exits_only(summary)):
+        pytest.xfail(f"known bugs: {known}")
+    assert not failed(summary, "roles_survive"), summary["exits"]

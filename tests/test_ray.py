@@ -1,0 +1,145 @@
+"""The Ray launcher: the pieces that need no Ray, and a short run on a local CPU Ray.
+
+The run starts Ray in a fresh network namespace holding only loopback (`unshare -n`, root): a
+local Ray binds the machine's address and all interfaces otherwise, and tests listen on loopback
+only. Skipped where Ray is not installed (`pip install -e '.[ray]'`) or namespaces are not allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.keys import Keys
+from asyncrl.launch.ray_launcher import (
+    _accelerator,
+    _actor_options,
+    _device_share,
+    _trainers_exited,
+)
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.launch.status import collect_status
+from asyncrl.metrics import is_eval_record, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Exited:
+    """Stands in for a role whose process has exited with `code` (None: still running)."""
+
+    def __init__(self, code: int | None) -> None:
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+@pytest.mark.parametrize(
+    ("device", "cluster", "expected"),
+    [
+        ("auto", {"CPU": 8.0}, None),
+        ("auto", {"CPU": 8.0, "GPU": 4.0}, "GPU"),
+        ("auto", {"CPU": 8.0, "NPU": 8.0}, "NPU"),
+        ("cpu", {"CPU": 8.0, "GPU": 4.0}, None),
+        ("npu", {"CPU": 8.0}, "NPU"),
+    ],
+)
+def test_accelerator_follows_trainer_device(
+    device: str, cluster: dict[str, float], expected: str | None
+) -> None:
+    cfg = load_config(None, [f"trainer.device={device}"])
+    assert _accelerator(cfg, cluster) == expected
+
+
+def test_actor_options() -> None:
+    assert _actor_options(None) == {"num_cpus": 1}
+    assert _actor_options("GPU") == {"num_cpus": 1, "num_gpus": 1}
+    assert _actor_options("NPU", 0.5) == {"num_cpus": 1, "resources": {"NPU": 0.5}}
+
+
+def test_local_ray_shares_devices() -> None:
+    """A trainer and a rollout worker on a one-GPU machine get half of it each (as in local
+    mode, where both use it); with a device per process, each gets a whole one."""
+    assert _device_share("GPU", {"CPU": 16.0, "GPU": 1.0}, processes=2) == 0.5
+    assert _device_share("NPU", {"CPU": 16.0, "NPU": 8.0}, processes=3) == 1.0
+    assert _device_share(None, {"CPU": 16.0}, processes=3) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("codes", "expected"),
+    [([None, None], None), ([0, None], None), ([0, 0], 0), ([None, 3], 3), ([0, -1], -1)],
+)
+def test_trainer_exit(codes: list[int | None], expected: int | None) -> None:
+    roles = [_Exited(c) for c in codes]
+    assert _trainers_exited(roles) == expected  # type: ignore[arg-type]
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_short_run_on_local_ray(tmp_path: Path, warm_model: Path) -> None:
+    pytest.importorskip("ray", reason="pip install -e '.[ray]'")
+    if not _can_unshare():
+        pytest.skip("needs `unshare -n` (root, util-linux) and `ip` (iproute2)")
+    run_dir = tmp_path / "run"
+    launch = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "launch",
+        "--role",
+        "all",
+        "--launcher",
+        "ray",
+        "--config",
+        str(ROOT / "configs/quickstart.yaml"),
+        "--progress",
+        "quiet",
+        "--fresh",
+        "run.id=ray",
+        f"run.dir={run_dir}",
+        f"model.path={warm_model}",
+        "rollout.workers=1",
+        "trainer.max_steps=4",
+        "trainer.checkpoint_every=2",
+        "trainer.eval_every=0",
+        "metrics.port=0",
+    ]
+    # `exec` keeps the launcher as the process we hold: a timeout stops it, and it stops Ray.
+    script = 'ip link set lo up && exec "$@"'
+    result = subprocess.run(
+        ["unshare", "-n", "sh", "-c", script, "sh", *launch],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # A RAY_ADDRESS in the environment would send the run to that cluster.
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on Ray" in result.stdout
+
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if not is_eval_record(r)]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    # The run's Redis is gone with the launcher; its AOF holds the final accounting.
+    with RedisServer(data_dir=run_dir / "redis") as server:
+        import redis
+
+        client = redis.Redis.from_url(server.url)
+        try:
+            status = collect_status(client, Keys("ray"), run_dir)
+        finally:
+            client.close()
+    groups_per_step = load_config(ROOT / "configs/quickstart.yaml").trainer.groups_per_step
+    assert status["balanced"], status
+    assert status["counters"]["groups_trained"] == 4 * groups_per_step
+    assert status["workers"] == {"rollout": [], "trainer": []}

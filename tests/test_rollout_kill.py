@@ -1,0 +1,124 @@
+"""A rollout worker SIGKILLed mid-generation loses no prompt (DESIGN §9).
+
+Worker A takes a batch of prompts and is killed while generating (long responses keep it busy);
+worker B takes over A's prompts once A's heartbeat has expired and they have been idle
+`queue.claim_idle_s`. Every released prompt ends as exactly one trajectory group.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from asyncrl.keys import PROMPTS_GROUP, Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.launch.status import collect_status
+from asyncrl.rollout.config import ArithmeticTaskConfig
+from asyncrl.rollout.tasks import build_task
+from asyncrl.trainer.admission import Admission, Cursor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from role_procs import Role, stop_all, wait_until, write_config
+
+PROMPTS = 8
+PER_BATCH = 4
+
+
+def pending_of(client: redis.Redis, keys: Keys, consumer: str) -> set[str]:
+    try:
+        rows = client.xpending_range(
+            keys.prompts, PROMPTS_GROUP, "-", "+", 1000, consumername=consumer
+        )
+    except redis.ResponseError:  # no consumer group yet
+        return set()
+    return {r["message_id"].decode() for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_rollout_worker_loses_no_prompt(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    keys = Keys("rkill")
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(tmp_path / "run"),
+            "redis.url": redis_server.url,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "rollout.prompts_per_batch": PER_BATCH,
+            "rollout.heartbeat_ttl_s": 1.5,
+            # An untrained model rarely stops early: each batch is 4 × 16 responses of 64 tokens.
+            "rollout.sampling.max_new_tokens": 64,
+            "queue.claim_idle_s": 1.0,
+            "queue.claim_every_s": 0.2,
+            "weights.type": "store",
+        },
+    )
+    tokenizer = AutoTokenizer.from_pretrained(random_model)
+    admission = Admission(
+        redis_client,
+        keys,
+        build_task(ArithmeticTaskConfig(), tokenizer),
+        task_name="arithmetic",
+        n=16,
+        max_staleness=PROMPTS - 1,
+        groups_per_step=1,
+        cursor=Cursor(seed=0),
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    a = Role("rollout", config, logs / "a.log", "--worker-id", "A")
+    b = Role("rollout", config, logs / "b.log", "--worker-id", "B")
+    try:
+        # Both workers up and waiting on the stream, then the prompts: each takes a batch.
+        wait_until(
+            lambda: all(redis_client.exists(keys.worker("rollout", w)) for w in "AB"),
+            180,
+            "workers starting",
+            [a, b],
+        )
+        assert admission.release(step=0, version=0) == PROMPTS
+        released = [i.decode() for i, _ in redis_client.xrange(keys.prompts)]
+        wait_until(lambda: bool(pending_of(redis_client, keys, "A")), 60, "A taking prompts", [a])
+        a.kill()
+        held = pending_of(redis_client, keys, "A")
+        # Killed mid-generation: it held a batch and had published nothing.
+        assert len(held) == PER_BATCH
+        assert not any(
+            msgpack.unpackb(f[b"data"])["worker"] == "A"
+            for _, f in redis_client.xrange(keys.trajectories)
+        )
+        wait_until(
+            lambda: redis_client.xlen(keys.trajectories) >= PROMPTS,
+            180,
+            "B generating every prompt",
+            [b],
+        )
+        b.stop()
+    finally:
+        stop_all([a, b])
+
+    entries = redis_client.xrange(keys.trajectories)
+    groups = [msgpack.unpackb(fields[b"data"]) for _, fields in entries]
+    group_ids = [g["group_id"] for g in groups]
+    assert len(group_ids) == PROMPTS  # one group per prompt: no duplicate
+    assert sorted(group_ids) == sorted(released)
+    by_id = {g["group_id"]: g for g in groups}
+    for gid in held:
+        assert by_id[gid]["worker"] == "B"
+        assert len(by_id[gid]["samples"]) == 16
+    assert "took over" in (logs / "b.log").read_text()
+
+    status = collect_status(redis_client, keys, tmp_path / "run")
+    assert status["counters"]["groups_published"] == PROMPTS
+    assert status["streams"]["prompts"]["lag"] == status["streams"]["prompts"]["pending"] == 0
+    assert status["streams"]["dlq"]["length"] == 0
+    assert status["balanced"], status

@@ -1,0 +1,219 @@
+"""A trainer SIGKILLed between checkpoints resumes from the last one (DESIGN §5, §9).
+
+Trainer and rollout worker run as separate processes on a real Redis. The trainer is killed after
+step 4 with its checkpoint at step 3, then restarted: it resumes at step 4, publishes its restored
+weights under a new version, re-reads the entries it held, and the run ends with every surviving
+step's groups counted trained exactly once and the run accounting balanced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from asyncrl.keys import TRAJECTORIES_GROUP, Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.launch.status import collect_status
+from asyncrl.protocol import Sample, TrajectoryGroup, stream_fields
+from asyncrl.trainer.checkpoint import list_checkpoints
+
+sys.path.insert(0, str(Path(__file__).parent))
+from role_procs import Role, step_lines, stop_all, wait_until, write_config
+
+G = 4
+CKPT_EVERY = 3
+MAX_STEPS = 8
+KILL_AFTER = 4
+
+
+def pending_ids(client: redis.Redis, keys: Keys) -> set[str]:
+    try:
+        rows = client.xpending_range(keys.trajectories, TRAJECTORIES_GROUP, "-", "+", 10_000)
+    except redis.ResponseError:  # no consumer group yet
+        return set()
+    return {r["message_id"].decode() for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_killed_between_checkpoints_resumes(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    keys = Keys("restart")
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(run_dir),
+            "redis.url": redis_server.url,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "rollout.n": 4,
+            "rollout.prompts_per_batch": 2,
+            "rollout.heartbeat_ttl_s": 2.0,
+            "rollout.sampling.max_new_tokens": 16,
+            "trainer.groups_per_step": G,
+            "trainer.max_steps": MAX_STEPS,
+            "trainer.checkpoint_every": CKPT_EVERY,
+            "trainer.keep_checkpoints": 5,
+            # An evaluation after every step (written after the step line) holds the trainer
+            # for a while, so the kill lands after step 4 and well before the step-6 checkpoint.
+            "trainer.eval_every": 1,
+            "trainer.eval_size": 500,
+            "trainer.wait_timeout_s": 120,
+            "algo.max_staleness": 3,
+            "algo.filter_zero_variance": False,
+            "weights.type": "broadcast",
+        },
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
+    first = Role("trainer", config, logs / "trainer-1.log")
+    second: Role | None = None
+    try:
+        wait_until(
+            lambda: len(step_lines(run_dir)) >= KILL_AFTER,
+            240,
+            f"trainer reaching step {KILL_AFTER}",
+            [worker, first],
+        )
+        first.kill()
+        before = step_lines(run_dir)
+        killed_at = before[-1]["step"]
+        ckpts = list_checkpoints(run_dir / "checkpoints")
+        ckpt_step = int(ckpts[-1].name.removeprefix("step_"))
+        # The premise: killed between checkpoints, with trained steps the checkpoint lacks.
+        assert ckpt_step == CKPT_EVERY < killed_at < 2 * CKPT_EVERY, (ckpt_step, killed_at)
+        held = pending_ids(redis_client, keys)
+        assert len(held) >= (killed_at - ckpt_step) * G  # unacked: no checkpoint holds them
+        counters = collect_status(redis_client, keys, run_dir)["counters"]
+        assert counters["groups_trained"] == ckpt_step * G
+        published_at_kill = int(redis_client.get(keys.version) or -1)
+        assert published_at_kill == before[-1]["version"]
+
+        second = Role("trainer", config, logs / "trainer-2.log")
+        assert second.wait(300) == 0, second.tail()
+        worker.stop()
+    finally:
+        stop_all(r for r in (worker, first, second) if r is not None)
+
+    after = step_lines(run_dir)[len(before) :]
+    # Resumed at the checkpoint's step, ran to the end.
+    assert [s["step"] for s in after] == list(range(ckpt_step + 1, MAX_STEPS + 1))
+    # Restored weights were published as a new version, then one more per step.
+    log = (logs / "trainer-2.log").read_text()
+    match = re.search(r"trainer trainer-0: step (\d+), version (\d+)", log)
+    assert match is not None, log[-3000:]
+    assert (int(match[1]), int(match[2])) == (ckpt_step, published_at_kill + 1)
+    versions = [s["version"] for s in after]
+    assert versions == list(range(published_at_kill + 2, published_at_kill + 2 + len(after)))
+    assert min(versions) > max(s["version"] for s in before)
+
+    # The entries the killed trainer held were re-read: none is pending or dead-lettered now.
+    assert not held & pending_ids(redis_client, keys)
+    assert redis_client.xlen(keys.dlq) == 0
+    status = collect_status(redis_client, keys, run_dir)
+    counters, streams = status["counters"], status["streams"]
+    # Each step of the surviving lineage (1-3 before the kill, 4-8 after) acked its groups once.
+    assert counters["groups_trained"] == MAX_STEPS * G
+    assert streams["trajectories"]["pending"] == 0
+    assert status["balanced"], status
+    traj = streams["trajectories"]
+    assert counters["groups_published"] == (
+        counters["groups_trained"] + counters["groups_dropped_stale"] + traj["lag"]
+    )
+    final = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert final.name == f"step_{MAX_STEPS:08d}"
+
+
+def _group(gid: str) -> TrajectoryGroup:
+    sample = Sample(
+        response_ids=np.array([4, 5, 2], np.int32),
+        logprobs=np.array([-0.5, -1.0, -0.1], np.float32),
+        versions=np.zeros(3, np.int32),
+        reward=1.0,
+        finish="stop",
+    )
+    return TrajectoryGroup(
+        run="stop",
+        group_id=gid,
+        prompt_id=gid,
+        release_version=0,
+        worker="w",
+        created_at=0.0,
+        finished_at=0.0,
+        prompt_ids=np.array([1, 5, 6, 13, 7, 8, 14], np.int32),
+        samples=[sample, sample],
+    )
+
+
+def test_sigterm_while_collecting_leaves_the_partial_step_pending(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    """A trainer told to stop halfway through collecting a step checkpoints what it trained and
+    leaves the groups of the unfinished step pending, for the restarted trainer to train on —
+    it must not ack them as trained."""
+    from asyncrl.config import load_config
+    from asyncrl.trainer.main import Trainer
+
+    keys = Keys("stop")
+    cfg = load_config(
+        None,
+        [
+            f"run.id={keys.run_id}",
+            f"run.dir={tmp_path / 'run'}",
+            f"redis.url={redis_server.url}",
+            f"model.path={random_model}",
+            "metrics.port=0",
+            "weights.type=store",
+            "trainer.device=cpu",
+            "trainer.groups_per_step=2",
+            "trainer.checkpoint_every=1",
+            "trainer.wait_timeout_s=60",
+            "rollout.n=2",
+        ],
+    )
+    first_id = redis_client.xadd(keys.trajectories, stream_fields(_group("a"))).decode()
+    trainer = Trainer(cfg)
+
+    def stop_once_held() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not pending_ids(redis_client, keys):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    stopper = threading.Thread(target=stop_once_held, daemon=True)
+    stopper.start()
+    try:
+        assert trainer.run() == 0
+    finally:
+        stopper.join()
+        signal.signal(signal.SIGTERM, previous)
+        trainer.client.close()
+    assert trainer.step == 0
+    assert pending_ids(redis_client, keys) == {first_id}
+    counters = collect_status(redis_client, keys, tmp_path / "run")["counters"]
+    assert counters["groups_trained"] == 0
+
+    # The restarted trainer trains on it.
+    second_id = redis_client.xadd(keys.trajectories, stream_fields(_group("b"))).decode()
+    restarted = Trainer(cfg)
+    try:
+        groups, _, ids = restarted._collect()
+    finally:
+        restarted.publisher.close()
+        restarted.client.close()
+    assert ids == [first_id, second_id]
+    assert [g.group_id for g in groups] == ["a", "b"]

@@ -1,0 +1,149 @@
+"""Data parallelism changes nothing: `train_step` on 2 gloo ranks, each holding half of the
+groups, gives the weights one process gets on the whole batch (DESIGN §6: global normalisers,
+gradients summed over ranks)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.algo.config import AlgoConfig
+from asyncrl.trainer.batch import group_rows
+from asyncrl.trainer.packing import pack_microbatches
+
+HELPER = Path(__file__).with_name("trainer_step_proc.py")
+REPO = HELPER.parent.parent
+
+sys.path.insert(0, str(HELPER.parent))
+import trainer_step_proc as proc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("dist")
+    store = out / "store"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPER), str(rank), "2", str(store), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=240)
+            logs.append(stdout.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    return {
+        name: [torch.load(out / f"{name}-rank{r}.pt", weights_only=True) for r in range(2)]
+        for name in proc.CASES
+    }
+
+
+def micro_batches_per_rank(micro_batch_tokens: int) -> list[int]:
+    groups = proc.make_groups()
+    half = len(groups) // 2
+    counts = []
+    for share in (groups[:half], groups[half:]):
+        rows = group_rows(share, AlgoConfig(), proc.SAMPLING.max_new_tokens)
+        counts.append(len(pack_microbatches([r.length for r in rows], micro_batch_tokens)[0]))
+    return counts
+
+
+@pytest.mark.parametrize("name", list(proc.CASES))
+def test_two_ranks_equal_one_rank(name: str, two_rank_results: dict[str, list[dict]]) -> None:
+    torch.set_num_threads(1)
+    single = proc.run_case(name, proc.make_groups(), None)
+    ranks = two_rank_results[name]
+    initial = proc.new_tiny_model(seed=0).state_dict()
+
+    moved = max(float((single["params"][k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-4, "the step did not change the weights: the comparison would be vacuous"
+    for rank in ranks:
+        for key, value in single["params"].items():
+            torch.testing.assert_close(rank["params"][key], value, rtol=0, atol=1e-6, msg=key)
+        assert rank["tokens"] == single["tokens"]
+        assert rank["lag0_tokens"] == single["lag0_tokens"] > 0
+        assert rank["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5)
+        assert rank["loss"] == pytest.approx(single["loss"], abs=1e-6)
+        assert rank["diff"] == pytest.approx(single["diff"], rel=1e-5)
+
+    micro_batch_tokens = proc.CASES[name][1]
+    counts = micro_batches_per_rank(micro_batch_tokens)
+    if micro_batch_tokens < 100:
+        assert counts[0] > counts[1], f"ranks should run different micro-batch counts: {counts}"
+
+
+def test_lag0_figures_count_only_responses_of_the_current_weights() -> None:
+    """`behaviour_logprob_abs_diff_lag0` compares like with like: only responses generated
+    entirely by the weights being trained. A response whose weights were swapped mid-generation
+    has later tokens stamped with the new version, but their logits came from a KV cache of the
+    old weights, so the trainer's recomputation differs by more than float rounding."""
+    import numpy as np
+
+    from asyncrl.protocol import Sample, TrajectoryGroup
+    from asyncrl.rollout.config import SamplingParams
+    from asyncrl.rollout.torch_engine import TorchEngine
+    from asyncrl.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    new = proc.new_tiny_model(seed=1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=(99,))
+    prompt = [1, 5, 6, 13, 7, 8, 14]
+
+    def generate(swap_at: int) -> list[Sample]:
+        engine = TorchEngine(proc.new_tiny_model(seed=0), eos_token_ids=[2])
+
+        def before_step(step: int) -> None:
+            if step == swap_at:
+                engine.stage_weights(dict(new.named_parameters()), 1)
+
+        engine.before_step = before_step
+        gens = engine.generate([prompt] * 4, sampling)
+        return [
+            Sample(g.token_ids, g.logprobs, g.versions, float(i % 2), g.finish)
+            for i, g in enumerate(gens)
+        ]
+
+    def lag0(samples: list[Sample]) -> tuple[int, float | None]:
+        group = TrajectoryGroup("r", "0-0", "p", 0, "w", 0.0, 0.0, np.array(prompt, np.int32), [])
+        group.samples = samples
+        algo = AlgoConfig(filter_zero_variance=False)
+        rows = group_rows([group], algo, sampling.max_new_tokens)
+        model = proc.new_tiny_model(seed=1)  # the trainer holds version 1 = `new`
+        stats = train_step(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            rows,
+            algo=algo,
+            sampling=sampling,
+            micro_batch_tokens=10_000,
+            grad_clip=1.0,
+            current_version=1,
+        )
+        return stats.lag0_tokens, stats.logprob_abs_diff_lag0
+
+    whole = generate(swap_at=0)  # every token by version 1, prefill included
+    assert all((s.versions == 1).all() for s in whole)
+    tokens, diff = lag0(whole)
+    assert tokens == sum(len(s.response_ids) for s in whole)
+    assert diff is not None and diff < 1e-5
+
+    mixed = generate(swap_at=3)  # tokens 0-2 by version 0, the rest stamped 1
+    assert all(list(s.versions[:3]) == [0, 0, 0] and (s.versions[3:] == 1).all() for s in mixed)
+    assert lag0(mixed) == (0, None)

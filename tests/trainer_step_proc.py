@@ -1,0 +1,130 @@
+"""One rank of a data-parallel `train_step` run, and the fixed batch both sides train on.
+
+    python tests/trainer_step_proc.py RANK WORLD STORE_FILE OUT_DIR
+
+Joins a gloo group through a FileStore, trains every case of `CASES` from the same initial
+weights on this rank's share of `make_groups()` (split by groups, as the trainer splits them) and
+writes `OUT_DIR/{case}-rank{RANK}.pt`: the updated parameters and the step's figures.
+`tests/test_trainer_step.py` imports this module for the batch and the cases.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.algo.config import AlgoConfig
+from asyncrl.protocol import Sample, TrajectoryGroup
+from asyncrl.rollout.config import SamplingParams
+from asyncrl.rollout.tiny_model import new_tiny_model
+from asyncrl.trainer.batch import group_rows
+from asyncrl.trainer.step import train_step
+
+N_GROUPS = 4
+N_SAMPLES = 4
+CURRENT_VERSION = 3
+SAMPLING = SamplingParams(temperature=0.8, max_new_tokens=24)
+# name: (algo overrides, micro_batch_tokens). 24 tokens split rank 0's long rows over more
+# micro-batches than rank 1's short ones, so the ranks run different micro-batch counts.
+CASES: dict[str, tuple[dict[str, Any], int]] = {
+    "token-mean-one-mb": ({"aggregation": "token-mean"}, 100_000),
+    "token-mean-small-mb": ({"aggregation": "token-mean"}, 24),
+    "seq-mean-token-mean-small-mb": ({"aggregation": "seq-mean-token-mean"}, 24),
+    "seq-mean-token-sum-norm-small-mb": ({"aggregation": "seq-mean-token-sum-norm"}, 24),
+}
+
+
+def make_groups() -> list[TrajectoryGroup]:
+    """Groups 0-1 (rank 0 of 2) hold long responses, groups 2-3 (rank 1) short ones; one group
+    per rank mixes versions (lag 0 and older); rewards vary within each group."""
+    rng = np.random.default_rng(1234)
+    groups = []
+    for g in range(N_GROUPS):
+        lo, hi = (12, 22) if g < N_GROUPS // 2 else (2, 5)
+        samples = []
+        for s in range(N_SAMPLES):
+            n = int(rng.integers(lo, hi))
+            versions = np.full(n, CURRENT_VERSION, np.int32)
+            if g % 2:
+                versions[: n // 2] = CURRENT_VERSION - 1
+            samples.append(
+                Sample(
+                    response_ids=rng.integers(3, 15, n).astype(np.int32),
+                    logprobs=-rng.uniform(0.5, 4.0, n).astype(np.float32),
+                    versions=versions,
+                    reward=float((s + g) % 2) + 0.25 * s,
+                    finish="length",
+                )
+            )
+        groups.append(
+            TrajectoryGroup(
+                run="step",
+                group_id=f"{g}-0",
+                prompt_id=str(g),
+                release_version=CURRENT_VERSION - 1,
+                worker="w",
+                created_at=0.0,
+                finished_at=0.0,
+                prompt_ids=np.array([1, *rng.integers(3, 15, 4 + g)], np.int32),
+                samples=samples,
+            )
+        )
+    return groups
+
+
+def run_case(
+    name: str, groups: list[TrajectoryGroup], world: torch.distributed.ProcessGroup | None
+) -> dict[str, Any]:
+    """Train one step of case `name` on `groups` from the seed-0 tiny model."""
+    overrides, micro_batch_tokens = CASES[name]
+    algo = AlgoConfig(**overrides)
+    torch.manual_seed(0)
+    model = new_tiny_model(seed=0)
+    # SGD: the update is linear in the gradient, so weights agree as closely as gradients do.
+    # (Adam's first step is about lr·sign(g): float rounding of a gradient near 0 would flip it.)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    rows = group_rows(groups, algo, SAMPLING.max_new_tokens)
+    stats = train_step(
+        model,
+        optimizer,
+        rows,
+        algo=algo,
+        sampling=SAMPLING,
+        micro_batch_tokens=micro_batch_tokens,
+        grad_clip=1.0,
+        current_version=CURRENT_VERSION,
+        world=world,
+    )
+    return {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm,
+        "tokens": stats.tokens,
+        "lag0_tokens": stats.lag0_tokens,
+        "diff": stats.logprob_abs_diff_lag0,
+    }
+
+
+def main(rank: int, world_size: int, store_file: str, out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_file, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    groups = make_groups()
+    per_rank = len(groups) // world_size
+    mine = groups[rank * per_rank : (rank + 1) * per_rank]
+    try:
+        for name in CASES:
+            result = run_case(name, mine, dist.group.WORLD)
+            torch.save(result, out_dir / f"{name}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))

@@ -1,0 +1,616 @@
+"""Chaos soak: SIGKILL and restart rollout workers, the trainer and Redis at random, then check
+that nothing was lost or trained twice (DESIGN §9; figures in docs/reliability.md).
+
+    python tools/chaos.py --seconds 120 --workers 3 [--trainer-ranks 1] --seed 0
+
+It runs a local cluster of real processes — its own redis-server (AOF with `appendfsync always`),
+one trainer (under torchrun for several ranks) and `--workers` rollout workers on an untrained
+tiny model — with settings that make every recovery path fast: heartbeat TTL 2 s, `claim_idle_s`
+1 s, a checkpoint every 2 steps, reconnect backoff capped at 1 s. It injects one fault at a time,
+dealt from shuffled decks (`--deck`, default 4 worker, 2 trainer, 2 redis), so kinds always mix:
+
+- `worker`: SIGKILL a rollout worker that is generating; restart it at once, half the time under
+  its id (it re-reads its own pending prompts), half under a new one (the dead id's prompts are
+  taken over once its heartbeat expires);
+- `trainer`: SIGKILL the trainer; restart it at once (it resumes from its last checkpoint);
+- `redis`: SIGKILL redis-server; restart it on the same port and data directory 0.2-3 s later.
+
+After each fault it waits for progress — the trainer finishing a step and writing it to Redis —
+before the next one; none within `--progress-timeout-s` ends the run as a violation. It stops
+after `--seconds` of faults (or `--faults` faults), drains — rollout workers get SIGTERM and
+publish the batch in hand, then the trainer, which checkpoints and acks what it trained — and
+checks, with every role stopped:
+
+- `roles_survive`: no role exited unless killed (roles ride out Redis restarts); such a role is
+  restarted, and its exit reported with the asyncrl frames of its traceback;
+- `balanced`: released = trained + dropped stale + dead-lettered + lag + pending (both streams);
+- `nothing_lost`: every prompt entry became exactly one trajectory entry, a dead letter, or is
+  still queued; every acked trajectory entry is counted once as trained, dropped or
+  dead-lettered; `groups_published` equals the trajectory entries. Streams are not trimmed in
+  this run, so the whole history can be read back (trimming has its tests in tests/test_queue.py);
+- `no_double_training`: no prompt has two trajectory entries, and `groups_trained` equals the
+  final checkpoint's step × groups per step — each step of the surviving lineage acks its
+  groups once, so a group acked twice, an ack leaked from a lineage that did not survive, or a
+  group trained again after its checkpoint was durable all break the equality;
+- `staleness`: no step line shows `staleness_max` above η;
+- `admission`: at every poll, released − trained − dropped − dead-lettered (one atomic read of
+  the counters) ≤ (η + 1 + checkpoint_every) × G: η + 1 steps of admission, plus the steps
+  trained but not yet acked;
+- `dead_letters`: the only dead-letter reason is `max_deliveries` (a prompt whose workers kept
+  dying); any other means a role wrote an invalid entry;
+- `progress`, `drain`: see above; a drain that times out or a trainer that does not exit 0.
+
+`appendfsync always` matters: a SIGKILLed Redis with the default `everysec` may lose the last
+second of writes — say a worker's publish-and-ack after the worker saw it succeed — and then the
+accounting cannot balance, by design, not by bug.
+
+Prints a summary, then the summary as one JSON line, and exits 1 on any violation.
+`run_chaos(...)` does the same and returns the summary (tests/test_chaos.py). Every process is
+started here, in its own session, and killed by its handle only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import redis
+import yaml
+
+from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.launch.status import is_balanced, stream_depths
+from asyncrl.metrics import JsonlTail, is_eval_record
+from asyncrl.protocol import decode_group
+from asyncrl.trainer.checkpoint import list_checkpoints
+
+RUN_ID = "chaos"
+G = 2  # prompt groups per step and trainer rank
+N = 2  # samples per group
+MAX_STALENESS = 2
+CHECKPOINT_EVERY = 2
+DECK = {"worker": 4, "trainer": 2, "redis": 2}
+POLL_S = 0.2
+_FRAME = re.compile(r'File "[^"]*/(asyncrl/[^"]+)", line \d+, in (\w+)')
+
+
+def settings(
+    run_dir: Path, url: str, model: Path, groups_per_step: int, weights: str
+) -> dict[str, Any]:
+    """The run's config as dotted keys."""
+    return {
+        "run.id": RUN_ID,
+        "run.dir": str(run_dir),
+        "redis.url": url,
+        "redis.reconnect_max_s": 1.0,
+        "model.path": str(model),
+        "metrics.port": 0,
+        "rollout.n": N,
+        "rollout.prompts_per_batch": 1,
+        "rollout.heartbeat_ttl_s": 2.0,
+        "rollout.sampling.max_new_tokens": 4,
+        "queue.claim_idle_s": 1.0,
+        "queue.claim_every_s": 0.5,
+        "queue.trim_every_s": 1e9,  # keep the history for the checks (module docstring)
+        "trainer.device": "cpu",
+        "trainer.groups_per_step": groups_per_step,
+        "trainer.max_steps": 10**9,
+        "trainer.checkpoint_every": CHECKPOINT_EVERY,
+        "trainer.keep_checkpoints": 2,
+        "trainer.eval_every": 0,
+        "trainer.wait_timeout_s": 3600,
+        "algo.max_staleness": MAX_STALENESS,
+        # Untrained, the model's groups mostly have equal rewards: keep them in the steps.
+        "algo.filter_zero_variance": False,
+        "weights.type": weights,
+        # A subscriber killed after it said ready holds up a broadcast group's forming for
+        # sync_timeout_s (by design), and every group generated meanwhile is stale: keep it short.
+        "weights.sync_timeout_s": 5.0,
+        "weights.lease_s": 2.0,
+    }
+
+
+def write_config(path: Path, flat: dict[str, Any]) -> Path:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+class Child:
+    """One role process, the leader of its own session: `kill()` SIGKILLs that session (a
+    torchrun agent and its ranks together), nothing else."""
+
+    def __init__(self, name: str, argv: list[str], log: Path) -> None:
+        self.name, self.argv, self.log = name, argv, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.expected_exit = False
+        self._log_from = 0
+
+    def start(self, argv: list[str] | None = None) -> None:
+        self.argv = argv or self.argv
+        self.expected_exit = False
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def output(self) -> str:
+        """What this process (since its last start) has logged."""
+        with self.log.open("rb") as f:
+            f.seek(self._log_from)
+            return f.read().decode(errors="replace")
+
+    def ready(self) -> bool:
+        """Alive, and this process has logged that it is generating."""
+        return self.alive() and " ready at version " in self.output()
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        self.expected_exit = True
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait; the exit code, or None if it had to be killed."""
+        if self.proc is None:
+            return None
+        self.expected_exit = True
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at_s: float
+    recovered_after_s: float | None = None
+    """Seconds from the fault to the next step that reached Redis."""
+
+
+@dataclass
+class Exit:
+    """A role that exited without being told to."""
+
+    role: str
+    code: int | None
+    at_s: float
+    frames: list[str]
+    """`path:function` of the asyncrl frames of its last traceback, innermost last."""
+    last_line: str
+
+
+@dataclass
+class Chaos:
+    seconds: float
+    workers: int
+    trainer_ranks: int
+    seed: int
+    workdir: Path
+    model: Path
+    progress_timeout_s: float
+    say: Callable[[str], object]
+    max_faults: int
+    weights: str
+    deck_makeup: dict[str, int]
+    violations: list[dict[str, str]] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    exits: list[Exit] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    max_queued: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        # Kinds come from their own generator, so the fault sequence depends on the seed only,
+        # not on how the other draws (which worker, how long Redis stays down) fell.
+        self.kind_rng = random.Random(self.seed)
+        self.deck: list[str] = []
+        self.run_dir = self.workdir / "run"
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.keys = Keys(RUN_ID)
+        self.G = G * self.trainer_ranks
+        self.queued_bound = (MAX_STALENESS + 1 + CHECKPOINT_EVERY) * self.G
+        self.redis = RedisServer(
+            data_dir=self.workdir / "redis", extra_args=["--appendfsync", "always"]
+        )
+        self.tail = JsonlTail(self.run_dir / "metrics.jsonl")
+        self.t0 = time.monotonic()
+        self.children: dict[str, Child] = {}
+        self.generation: Counter[str] = Counter()
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        launcher = [sys.executable]
+        if role == "trainer" and self.trainer_ranks > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone"]
+            launcher += [f"--nproc-per-node={self.trainer_ranks}"]
+        cli = ["-m", "asyncrl", "launch", "--role", role, "--config", str(self.config)]
+        return [*launcher, *cli, *extra]
+
+    def _worker_argv(self, slot: str) -> list[str]:
+        wid = f"{slot}-g{self.generation[slot]}"
+        return self._argv("rollout", "--worker-id", wid)
+
+    def start_cluster(self) -> None:
+        self.redis.start()
+        self.config = write_config(
+            self.workdir / "config.yaml",
+            settings(self.run_dir, self.redis.url, self.model, self.G, self.weights),
+        )
+        self.client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
+        trainer = Child("trainer", self._argv("trainer"), self.logs / "trainer.log")
+        self.children["trainer"] = trainer
+        for i in range(self.workers):
+            slot = f"w{i}"
+            self.children[slot] = Child(slot, self._worker_argv(slot), self.logs / f"{slot}.log")
+        for child in self.children.values():
+            child.start()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def poll(self) -> None:
+        """Read new step lines, sample the admission bound, restart roles that died unasked."""
+        for record in self.tail.read_new():
+            if not is_eval_record(record):
+                self.steps.append(record)
+        try:
+            raw = cast(dict[bytes, bytes], self.client.hgetall(self.keys.counters))
+        except redis.RedisError:
+            raw = None  # Redis is down: a fault in progress
+        if raw is not None:
+            c = {k.decode(): int(v) for k, v in raw.items()}
+            done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered")
+            queued = c.get("prompts_released", 0) - sum(c.get(k, 0) for k in done)
+            self.max_queued = max(self.max_queued, queued)
+        for child in self.children.values():
+            if child.alive() or child.expected_exit:
+                continue
+            assert child.proc is not None
+            out = child.output()
+            lines = out.strip().splitlines()
+            exit_ = Exit(
+                child.name,
+                child.proc.poll(),
+                round(self.elapsed(), 1),
+                [f"{path}:{fn}" for path, fn in _FRAME.findall(out[out.rfind("Traceback") :])],
+                lines[-1][:300] if lines else "",
+            )
+            self.exits.append(exit_)
+            where = " <- ".join(reversed(exit_.frames[-3:]))
+            self.violate("roles_survive", f"{child.name} exited with {exit_.code}: {where}")
+            child.start()
+
+    def violate(self, check: str, message: str) -> None:
+        self.violations.append({"check": check, "message": message})
+        self.say(f"VIOLATION [{check}]: {message}")
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def next_kind(self) -> str:
+        if not self.deck:
+            self.deck = [k for k, n in self.deck_makeup.items() for _ in range(n)]
+            self.kind_rng.shuffle(self.deck)
+        return self.deck.pop()
+
+    def inject(self) -> Fault:
+        kind = self.next_kind()
+        if kind == "worker":
+            slots = [n for n in self.children if n != "trainer"]
+            # A worker still importing torch after its last restart makes a dull victim.
+            ready = [n for n in slots if self.children[n].ready()]
+            target = self.rng.choice(ready or slots)
+            child = self.children[target]
+            child.kill()
+            if self.rng.random() < 0.5:
+                self.generation[target] += 1
+            child.start(self._worker_argv(target))
+        elif kind == "trainer":
+            target = "trainer"
+            self.children[target].kill()
+            self.children[target].start()
+        else:
+            port = self.redis.port
+            target = f"redis:{port}"
+            self.redis.kill()
+            time.sleep(self.rng.uniform(0.2, 3.0))
+            self.redis.start()
+            if self.redis.port != port:
+                raise RuntimeError(f"redis came back on port {self.redis.port}, not {port}")
+        fault = Fault(kind, target, round(self.elapsed(), 1))
+        self.faults.append(fault)
+        self.say(f"[{fault.at_s:6.1f}s] fault {len(self.faults)}: {kind} {target}")
+        return fault
+
+    def _last_step(self) -> bytes | None:
+        try:
+            return cast(bytes | None, self.client.get(self.keys.last_step))
+        except redis.RedisError:
+            return None
+
+    def wait_progress(self, fault: Fault | None) -> bool:
+        """Wait until the trainer finishes a step and writes it to Redis (`last_step`) after
+        the fault; False, and a violation, if none comes in time. A new line in metrics.jsonl
+        alone would not do: a step may run through a Redis outage without touching Redis."""
+        before = self._last_step()
+        deadline = time.monotonic() + self.progress_timeout_s
+        while time.monotonic() < deadline:
+            self.poll()
+            now = self._last_step()
+            if now is not None and now != before:
+                if fault is not None:
+                    fault.recovered_after_s = round(self.elapsed() - fault.at_s, 1)
+                return True
+            time.sleep(POLL_S)
+        after = f"fault {len(self.faults)} ({fault.kind})" if fault else "start-up"
+        self.violate("progress", f"no step within {self.progress_timeout_s:.0f}s after {after}")
+        return False
+
+    def run(self) -> dict[str, Any]:
+        try:
+            self.start_cluster()
+            self.say(f"cluster up: {self.redis.url}, {self.workers} workers, logs in {self.logs}")
+            ok = self.wait_progress(None)
+            started = time.monotonic()
+            while ok and time.monotonic() - started < self.seconds:
+                if self.max_faults and len(self.faults) >= self.max_faults:
+                    break
+                ok = self.wait_progress(self.inject())
+            if ok:
+                self.drain()
+            return self.check()
+        finally:
+            for child in self.children.values():
+                child.kill()
+            self.redis.stop()
+
+    def drain(self) -> None:
+        """Workers first (each publishes the batch in hand), then the trainer (it checkpoints
+        and acks what it trained; the groups of an unfinished step stay pending)."""
+        for name, child in self.children.items():
+            if name != "trainer" and child.stop(60.0) is None:
+                self.violate("drain", f"{name} did not exit within 60s of SIGTERM")
+        self.poll()
+        code = self.children["trainer"].stop(120.0)
+        if code != 0:
+            self.violate("drain", f"the trainer exited with {code} after SIGTERM")
+        self.poll()
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check(self) -> dict[str, Any]:
+        client, keys = self.client, self.keys
+        raw = cast(dict[bytes, bytes], client.hgetall(keys.counters))
+        counters = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS}
+        streams = stream_depths(client, keys)
+        balanced = is_balanced(counters, streams)
+        if not balanced:
+            self.violate("balanced", f"{counters} {streams}")
+
+        def entries(stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
+            rows = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream))
+            return [(i.decode(), f) for i, f in rows]
+
+        prompt_ids = [i for i, _ in entries(keys.prompts)]
+        group_of = {i: decode_group(f[b"data"]).group_id for i, f in entries(keys.trajectories)}
+        dlq = [
+            (f[b"stream"].decode(), f[b"id"].decode(), f[b"reason"].decode())
+            for _, f in entries(keys.dlq)
+        ]
+        reasons = Counter(r for _, _, r in dlq)
+        for reason, n in reasons.items():
+            if reason != "max_deliveries":
+                self.violate("dead_letters", f"{n} entries dead-lettered for {reason!r}")
+        dead_prompts = {i for s, i, _ in dlq if s == keys.prompts}
+        dead_groups = {i for s, i, _ in dlq if s == keys.trajectories}
+
+        published = Counter(group_of.values())
+        twice = sorted(g for g, n in published.items() if n > 1)
+        if twice:
+            self.violate("no_double_training", f"prompts with two trajectory groups: {twice[:5]}")
+        lost = set(prompt_ids) - set(published) - dead_prompts
+        lost -= self._queued(keys.prompts, PROMPTS_GROUP)
+        if lost:
+            self.violate("nothing_lost", f"prompts with no group, no dead letter: {sorted(lost)}")
+        for what, ids in (
+            ("groups of unknown prompts", set(published) - set(prompt_ids)),
+            ("prompts published and dead-lettered", set(published) & dead_prompts),
+        ):
+            if ids:
+                self.violate("nothing_lost", f"{what}: {sorted(ids)[:5]}")
+        for name, n in (("prompts_released", len(prompt_ids)), ("groups_published", len(group_of))):
+            if counters[name] != n:
+                self.violate("nothing_lost", f"{name}={counters[name]}, but {n} stream entries")
+        acked = len(group_of) - len(self._queued(keys.trajectories, TRAJECTORIES_GROUP))
+        outcomes = counters["groups_trained"] + counters["groups_dropped_stale"] + len(dead_groups)
+        if acked != outcomes:
+            self.violate("nothing_lost", f"{acked} trajectory entries acked, {outcomes} counted")
+
+        ckpts = list_checkpoints(self.run_dir / "checkpoints")
+        final_step = int(ckpts[-1].name.removeprefix("step_")) if ckpts else 0
+        trained_ok = counters["groups_trained"] == final_step * self.G
+        if not trained_ok:
+            self.violate(
+                "no_double_training",
+                f"groups_trained={counters['groups_trained']}, but the surviving lineage has "
+                f"{final_step} steps × {self.G} groups",
+            )
+        last_line = self.steps[-1]["step"] if self.steps else 0
+        if last_line != final_step:
+            self.violate("drain", f"last step line {last_line}, final checkpoint {final_step}")
+        max_staleness = max((int(s.get("staleness_max") or 0) for s in self.steps), default=0)
+        if max_staleness > MAX_STALENESS:
+            self.violate("staleness", f"staleness {max_staleness} trained, η={MAX_STALENESS}")
+        if self.max_queued > self.queued_bound:
+            self.violate("admission", f"{self.max_queued} queued, bound {self.queued_bound}")
+
+        return {
+            "seconds": round(self.elapsed(), 1),
+            "faults": dict(Counter(f.kind for f in self.faults)),
+            "fault_log": [asdict(f) for f in self.faults],
+            "slowest_recovery_s": max((f.recovered_after_s or 0.0 for f in self.faults), default=0),
+            "exits": [asdict(e) for e in self.exits],
+            "step_lines": len(self.steps),
+            "final_step": final_step,
+            "counters": counters,
+            "streams": streams,
+            "dead_letter_reasons": dict(reasons),
+            "balanced": balanced,
+            "lost": len(lost),
+            "double_trained": bool(twice) or not trained_ok,
+            "max_queued": self.max_queued,
+            "queued_bound": self.queued_bound,
+            "max_staleness": max_staleness,
+            "max_staleness_bound": MAX_STALENESS,
+            "violations": self.violations,
+            "ok": not self.violations,
+        }
+
+    def _queued(self, stream: str, group: str) -> set[str]:
+        """Entry ids `group` has not acked: pending, or after its last-delivered id (lag)."""
+        groups = cast(list[dict[str, Any]], self.client.xinfo_groups(stream))
+        info = next((g for g in groups if g["name"].decode() == group), None)
+        if info is None:  # the group was never created: nothing was delivered
+            rows = cast(list[tuple[bytes, Any]], self.client.xrange(stream))
+            return {i.decode() for i, _ in rows}
+        last = info["last-delivered-id"].decode()
+        pending = cast(
+            list[dict[str, Any]], self.client.xpending_range(stream, group, "-", "+", 10**6)
+        )
+        rows = cast(list[tuple[bytes, Any]], self.client.xrange(stream, min=f"({last}"))
+        return {p["message_id"].decode() for p in pending} | {i.decode() for i, _ in rows}
+
+
+def run_chaos(
+    seconds: float,
+    workers: int = 3,
+    trainer_ranks: int = 1,
+    seed: int = 0,
+    *,
+    workdir: Path | None = None,
+    model: Path | None = None,
+    max_faults: int = 0,
+    deck: dict[str, int] | None = None,
+    weights: str = "broadcast",
+    progress_timeout_s: float = 120.0,
+    say: Callable[[str], object] = print,
+) -> dict[str, Any]:
+    """Run the soak and return its summary (see `Chaos.check`). Faults stop after `seconds`, or
+    after `max_faults` if that comes first. `deck`: fault kinds per shuffled deck (default
+    `DECK`). `model`: an untrained tiny model directory, made in `workdir` if not given."""
+    if workdir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="asyncrl-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        from asyncrl.rollout.tiny_model import save_random_tiny_model
+
+        model = workdir / "model"
+        if not (model / "config.json").exists():
+            save_random_tiny_model(model, seed=seed)
+    return Chaos(
+        seconds,
+        workers,
+        trainer_ranks,
+        seed,
+        workdir,
+        model,
+        progress_timeout_s,
+        say,
+        max_faults,
+        weights,
+        dict(deck or DECK),
+    ).run()
+
+
+def _deck(text: str) -> dict[str, int]:
+    deck = {k: int(n) for k, _, n in (item.partition("=") for item in text.split(","))}
+    if set(deck) - set(DECK) or sum(deck.values()) < 1:
+        raise argparse.ArgumentTypeError(f"kinds are {', '.join(DECK)}; at least one fault")
+    return deck
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description="Kill and restart workers, trainer and Redis; check nothing is lost."
+    )
+    parser.add_argument("--seconds", type=float, default=120.0, help="how long to inject faults")
+    parser.add_argument("--faults", type=int, default=0, help="stop after N faults (0: no limit)")
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--trainer-ranks", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--deck",
+        type=_deck,
+        default=DECK,
+        help="fault kinds per shuffled deck, e.g. worker=4,trainer=2,redis=2 (the default)",
+    )
+    parser.add_argument("--weights", choices=["broadcast", "store"], default="broadcast")
+    parser.add_argument("--progress-timeout-s", type=float, default=120.0)
+    parser.add_argument("--workdir", type=Path, help="default: a new temporary directory")
+    args = parser.parse_args()
+    summary = run_chaos(
+        args.seconds,
+        args.workers,
+        args.trainer_ranks,
+        args.seed,
+        workdir=args.workdir,
+        max_faults=args.faults,
+        deck=args.deck,
+        weights=args.weights,
+        progress_timeout_s=args.progress_timeout_s,
+    )
+    for key in (
+        *("seconds", "faults", "slowest_recovery_s", "step_lines", "final_step", "counters"),
+        *("streams", "dead_letter_reasons", "balanced", "lost", "double_trained"),
+        *("max_queued", "queued_bound", "max_staleness", "max_staleness_bound"),
+    ):
+        print(f"{key:>20}: {json.dumps(summary[key])}")
+    for v in summary["violations"]:
+        print(f"VIOLATION [{v['check']}]: {v['message']}")
+    print("OK" if summary["ok"] else f"FAILED: {len(summary['violations'])} violation(s)")
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""Generate the Grafana dashboard deploy/grafana/asyncrl.json from the panels below.
+
+    python tools/gen_dashboard.py           # (re)write the dashboard
+    python tools/gen_dashboard.py --check   # exit 1 if the file differs from what this generates
+
+Every query is checked against the metric families `asyncrl.metrics` registers, so a renamed or
+removed metric fails here (and in tests/test_deploy.py) instead of leaving an empty panel. The
+data source is a template variable: the file holds no data-source uid and imports anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "asyncrl.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "[$__rate_interval]"
+
+
+@dataclass
+class Panel:
+    title: str
+    description: str
+    targets: list[tuple[str, str]]
+    """(PromQL, legend) pairs."""
+    unit: str = "short"
+    stacked: bool = False
+    heatmap: bool = False
+
+
+def _q(fraction: float, histogram: str, by: str = "le") -> str:
+    return f"histogram_quantile({fraction}, sum by ({by}) (rate({histogram}_bucket{RATE})))"
+
+
+def _mean(histogram: str, by: str = "") -> str:
+    grouping = f" by ({by}) " if by else ""
+    total, count = f"rate({histogram}_sum{RATE})", f"rate({histogram}_count{RATE})"
+    return f"sum{grouping}({total}) / sum{grouping}({count})"
+
+
+def _phase_share(role: str) -> str:
+    """Seconds per second of each phase = its share of wall time, averaged over processes."""
+    return f'avg by (phase) (rate(asyncrl_time_seconds_total{{role="{role}"}}{RATE}))'
+
+
+ROWS: list[tuple[str, list[Panel]]] = [
+    (
+        "Progress",
+        [
+            Panel(
+                "Policy version",
+                "Version the trainer published last, and the one each rollout engine generates "
+                "with.",
+                [
+                    ('max(asyncrl_policy_version{role="trainer"})', "trainer (published)"),
+                    ('asyncrl_policy_version{role="rollout"}', "{{worker}}"),
+                ],
+            ),
+            Panel(
+                "Rollout weights lag",
+                "Published version minus the version each rollout worker generates with.",
+                [
+                    (
+                        'max(asyncrl_policy_version{role="trainer"}) - on() group_right() '
+                        'asyncrl_policy_version{role="rollout"}',
+                        "{{worker}}",
+                    )
+                ],
+            ),
+            Panel(
+                "Optimizer steps per second",
+                "Optimizer steps taken by the trainer.",
+                [(f"sum(rate(asyncrl_train_steps_total{RATE}))", "steps/s")],
+            ),
+        ],
+    ),
+    (
+        "Throughput",
+        [
+            Panel(
+                "Tokens generated per second",
+                "Response tokens per rollout worker, and the engines' own throughput over their "
+                "last batch.",
+                [
+                    (
+                        f"sum by (worker) (rate(asyncrl_tokens_generated_total{RATE}))",
+                        "{{worker}}",
+                    ),
+                    ("sum(asyncrl_rollout_tokens_per_second)", "engines, last batch"),
+                ],
+            ),
+            Panel(
+                "Trajectory groups per second",
+                "Groups published by the rollout pool, trained on, and dropped (by reason).",
+                [
+                    (f"sum(rate(asyncrl_trajectories_produced_total{RATE}))", "produced"),
+                    (f"sum(rate(asyncrl_trajectories_consumed_total{RATE}))", "trained"),
+                    (
+                        f"sum by (reason) (rate(asyncrl_trajectories_dropped_total{RATE}))",
+                        "dropped: {{reason}}",
+                    ),
+                ],
+            ),
+            Panel(
+                "Train step duration",
+                "Wall time of one optimizer step, weight hand-off included.",
+                [
+                    (_q(0.5, "asyncrl_train_step_seconds"), "p50"),
+                    (_q(0.9, "asyncrl_train_step_seconds"), "p90"),
+                    (_mean("asyncrl_train_step_seconds"), "mean"),
+                ],
+                unit="s",
+            ),
+        ],
+    ),
+    (
+        "Queues",
+        [
+            Panel(
+                "Queue lag",
+                "Stream entries not yet delivered to their consumer group.",
+                [("asyncrl_queue_lag", "{{stream}}")],
+            ),
+            Panel(
+                "Queue pending",
+                "Entries delivered but not acked (the trainer acks at each checkpoint).",
+                [("asyncrl_queue_pending", "{{stream}}")],
+            ),
+            Panel(
+                "Dead letters",
+                "Length of the dead-letter stream: entries that failed validation or were "
+                "delivered too often.",
+                [("asyncrl_queue_dead_letter", "dead-letter stream")],
+            ),
+            Panel(
+                "Run accounting",
+                "Prompt groups by outcome, from Redis: released = trained + dropped stale + "
+                "dead-lettered + queued.",
+                [("asyncrl_run_groups", "{{outcome}}")],
+            ),
+        ],
+    ),
+    (
+        "Staleness and off-policy correction",
+        [
+            Panel(
+                "Staleness distribution",
+                "Trained groups by staleness (trainer version − oldest token version).",
+                [(f"sum by (le) (increase(asyncrl_staleness_bucket{RATE}))", "{{le}}")],
+                heatmap=True,
+            ),
+            Panel(
+                "Staleness mean and bound",
+                "Mean staleness of trained groups and the bound η; a mean within ½ of η means "
+                "most groups arrive at the bound.",
+                [
+                    (_mean("asyncrl_staleness"), "mean"),
+                    ("max(asyncrl_staleness_bound)", "bound η"),
+                ],
+            ),
+            Panel(
+                "Behaviour weights",
+                "Truncated importance weights π_prox / π_behaviour over response tokens.",
+                [
+                    ("asyncrl_behaviour_weight", "p{{quantile}}"),
+                    ("asyncrl_behaviour_weight_mean", "mean"),
+                ],
+            ),
+            Panel(
+                "Clipping",
+                "Fraction of response tokens whose ratio was clipped, and of behaviour weights "
+                "at the cap.",
+                [
+                    ("asyncrl_clip_fraction", "ratio clipped"),
+                    ("asyncrl_behaviour_weight_capped_fraction", "behaviour weight capped"),
+                ],
+                unit="percentunit",
+            ),
+        ],
+    ),
+    (
+        "Learning",
+        [
+            Panel(
+                "Reward mean",
+                "Mean reward of the groups of the last step.",
+                [("asyncrl_reward_mean", "reward")],
+            ),
+            Panel(
+                "Eval accuracy",
+                "Accuracy on the held-out set at the last evaluation.",
+                [("asyncrl_eval_accuracy", "held-out accuracy")],
+                unit="percentunit",
+            ),
+            Panel(
+                "MFU",
+                "Model FLOPs utilisation of the last step, per trainer rank.",
+                [("asyncrl_trainer_mfu", "{{worker}}")],
+                unit="percentunit",
+            ),
+        ],
+    ),
+    (
+        "Weight sync",
+        [
+            Panel(
+                "Weight sync duration",
+                "One weight transfer: trainer send, rollout receive and swap.",
+                [
+                    (_q(0.9, "asyncrl_weight_sync_seconds", "le, role"), "{{role}} p90"),
+                    (_mean("asyncrl_weight_sync_seconds", "role"), "{{role}} mean"),
+                ],
+                unit="s",
+            ),
+            Panel(
+                "Trainer blocked on weight publish",
+                "Time the training loop waited to hand new weights to the publisher.",
+                [
+                    (_q(0.9, "asyncrl_weight_publish_blocking_seconds"), "p90"),
+                    (_mean("asyncrl_weight_publish_blocking_seconds"), "mean"),
+                ],
+                unit="s",
+            ),
+            Panel(
+                "Weight bytes per second",
+                "Bytes of weights sent (trainer) and received (rollout).",
+                [(f"sum by (role) (rate(asyncrl_weight_sync_bytes_total{RATE}))", "{{role}}")],
+                unit="Bps",
+            ),
+        ],
+    ),
+    (
+        "Workers and time",
+        [
+            Panel(
+                "Live workers",
+                "Workers with a live heartbeat in Redis, by pool.",
+                [("asyncrl_workers_live", "{{pool}}")],
+            ),
+            Panel(
+                "Trainer time per phase",
+                "Share of the trainer's wall time per phase (mean over ranks).",
+                [(_phase_share("trainer"), "{{phase}}")],
+                unit="percentunit",
+                stacked=True,
+            ),
+            Panel(
+                "Rollout time per phase",
+                "Share of the rollout workers' wall time per phase (mean over workers).",
+                [(_phase_share("rollout"), "{{phase}}")],
+                unit="percentunit",
+                stacked=True,
+            ),
+        ],
+    ),
+]
+
+
+def _panel_json(panel: Panel, pid: int, x: int, y: int, w: int) -> dict[str, object]:
+    targets = [
+        {
+            "datasource": DATASOURCE,
+            "expr": expr,
+            "legendFormat": legend,
+            "refId": chr(ord("A") + i),
+            **({"format": "heatmap"} if panel.heatmap else {}),
+        }
+        for i, (expr, legend) in enumerate(panel.targets)
+    ]
+    common = {
+        "id": pid,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": w, "x": x, "y": y},
+        "targets": targets,
+    }
+    if panel.heatmap:
+        return {
+            **common,
+            "type": "heatmap",
+            "options": {
+                "calculate": False,
+                "cellGap": 1,
+                "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+                "yAxis": {"axisLabel": "staleness"},
+                "tooltip": {"mode": "single", "yHistogram": True},
+            },
+        }
+    custom: dict[str, object] = {"lineWidth": 1, "fillOpacity": 30 if panel.stacked else 10}
+    if panel.stacked:
+        custom["stacking"] = {"mode": "normal", "group": "A"}
+    return {
+        **common,
+        "type": "timeseries",
+        "fieldConfig": {"defaults": {"unit": panel.unit, "custom": custom}, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def build() -> dict[str, object]:
+    panels: list[dict[str, object]] = []
+    y = 0
+    pid = 1
+    for title, row in ROWS:
+        panels.append(
+            {
+                "id": pid,
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
+        pid += 1
+        y += 1
+        width = 24 // len(row)
+        for i, panel in enumerate(row):
+            panels.append(_panel_json(panel, pid, i * width, y, width))
+            pid += 1
+        y += 8
+    return {
+        "uid": "asyncrl",
+        "title": "asyncrl",
+        "description": "Asynchronous RL run: rollout and trainer pools joined by Redis "
+        "(generated by tools/gen_dashboard.py; edit that, not this file).",
+        "tags": ["asyncrl"],
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "10s",
+        "timezone": "",
+        "annotations": {"list": []},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                    "refresh": 1,
+                    "regex": "",
+                    "options": [],
+                }
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def exported_names() -> set[str]:
+    """Every sample name the asyncrl processes can export (`_total`, `_bucket`, ... included)."""
+    from asyncrl.metrics import REGISTRY
+
+    suffixes = {
+        "counter": ("_total",),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_sum", "_count"),
+    }
+    return {
+        family.name + suffix for family in REGISTRY.collect() for suffix in suffixes[family.type]
+    }
+
+
+def referenced_names(expr: str) -> set[str]:
+    return set(re.findall(r"\basyncrl_[a-z0-9_]+", expr))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, do not write")
+    args = parser.parse_args()
+    known = exported_names()
+    unknown = {
+        name
+        for _, row in ROWS
+        for panel in row
+        for expr, _ in panel.targets
+        for name in referenced_names(expr) - known
+    }
+    if unknown:
+        print(f"queries use metrics asyncrl does not export: {sorted(unknown)}", file=sys.stderr)
+        return 1
+    text = json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+    if args.check:
+        if not OUT.is_file() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run python tools/gen_dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
