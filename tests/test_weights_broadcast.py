@@ -92,9 +92,9 @@ def test_every_subscriber_holds_each_version_while_training_goes_on(harness: Har
     harness.spawn(*workers)
     pub = harness.publish_to(set(workers))
     params = make_params(100)
-    # Small "training steps" (about a millisecond each), so that even on a loaded machine many
+    # Small "training steps" (a few milliseconds each), so that even on a loaded machine many
     # of them complete while a version is in flight.
-    x, w = torch.randn(256, 256), torch.randn(256, 256)
+    x, w = torch.randn(512, 512), torch.randn(512, 512)
     ratios = []
     for version in range(8):
         if version == 7:  # a clean leave: the next version goes to the others, nothing fails
