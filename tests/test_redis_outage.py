@@ -1,15 +1,15 @@
 """Every role rides out Redis being unreachable, then carries on with nothing lost (DESIGN §9).
 
-A trainer and a rollout worker train against a real Redis; Redis is stopped for `OUTAGE_S` (the
-brief's 30 s, shortened for CI: nothing in the roles depends on the length beyond their capped
-backoff) and started again on the same port and AOF. During the outage both processes stay alive,
+A trainer and a rollout worker train against a real Redis; Redis is stopped for `OUTAGE_S` (8 s:
+beyond their capped backoff nothing in the roles depends on the length, so 30 s behave the same)
+and started again on the same port and AOF. During the outage both processes stay alive,
 wait without spinning (little CPU, a bounded number of log lines, among them a clear "unreachable"
 line every few seconds) and report `asyncrl_redis_up 0` on /metrics; afterwards training goes on
 and the run accounting balances with every trained group counted once.
 
-Known bugs that this test finds are reported as xfail with their cause (docs/reliability.md
-lists them): the trainer's own Redis calls outside the queue are not guarded, the roles do not
-export `asyncrl_redis_up`, and the weight-sync threads log a traceback per retry.
+Known bugs that this test finds are reported as xfail with their cause (docs/reliability.md,
+"Known issues"): the trainer's own Redis calls outside the queue are not guarded, those calls do
+not report to `asyncrl_redis_up`, and the weight-sync threads log a traceback per retry.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import re
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, step_lines, stop_all, wait_until, write_config
 
 OUTAGE_S = 8.0
+# The trainer's own Redis calls outside the queue, not yet guarded against outages (known issue
+# 1 of docs/reliability.md): remove an entry when its call is fixed.
+UNGUARDED = {
+    ("asyncrl/trainer/main.py", "_publish"),
+    ("asyncrl/trainer/main.py", "_train"),
+    ("asyncrl/trainer/admission.py", "release"),
+    ("asyncrl/trainer/admission.py", "read_counters"),
+}
 G = 2
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -104,14 +113,8 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
         assert worker.alive(), f"the worker died in the outage:\n{worker.tail()}"
         if not trainer.alive():
             frames = re.findall(r'File "[^"]*/(asyncrl/[^"]+)", line \d+, in (\w+)', trainer.tail())
-            if ("asyncrl/trainer/main.py", "_publish") in frames or (
-                "asyncrl/trainer/admission.py",
-                "release",
-            ) in frames:
-                pytest.xfail(
-                    "known bug: the trainer's own Redis calls (trainer/main.py _publish, _train; "
-                    f"trainer/admission.py release) are not guarded against outages: {frames[-3:]}"
-                )
+            if UNGUARDED & set(frames[-3:]):
+                pytest.xfail(f"known bug: an unguarded trainer call to Redis: {frames[-3:]}")
             raise AssertionError(f"the trainer died in the outage:\n{trainer.tail()}")
         outage_s = time.monotonic() - started
         for role, port in zip(roles, ports, strict=True):
@@ -131,7 +134,9 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
             # Rate-limited: one line at the start, then one every 5 s.
             assert len(clear) >= 2, f"{role.log.name}: no clear outage line:\n" + "\n".join(lines)
             if len(lines) > 30:
-                noisy = sorted({ln for ln in lines if " ERROR " in ln})
+                # The log records that repeat most, without their timestamps.
+                records = Counter(ln[24:] for ln in lines if ln[:4].isdigit())
+                noisy = [r for r, _ in records.most_common(2)]
                 known.append(f"{role.log.name}: {len(lines)} log lines in {outage_s:.0f}s: {noisy}")
 
         # Training goes on, from the same Redis data.

@@ -31,7 +31,9 @@ checks, with every role stopped:
 - `no_double_training`: no prompt has two trajectory entries, and `groups_trained` equals the
   final checkpoint's step × groups per step — each step of the surviving lineage acks its
   groups once, so a group acked twice, an ack leaked from a lineage that did not survive, or a
-  group trained again after its checkpoint was durable all break the equality;
+  group trained again after its checkpoint was durable all break the equality. The summary's
+  `killed_before_ack` lists the checkpoints the trainer was killed after but before acking
+  their groups: the window in which the last of these can happen;
 - `staleness`: no step line shows `staleness_max` above η;
 - `admission`: at every poll, released − trained − dropped − dead-lettered (one atomic read of
   the counters) ≤ (η + 1 + checkpoint_every) × G: η + 1 steps of admission, plus the steps
@@ -204,6 +206,10 @@ class Fault:
     at_s: float
     recovered_after_s: float | None = None
     """Seconds from the fault to the next step that reached Redis."""
+    unacked_checkpoint: int | None = None
+    """Trainer faults: the step of a checkpoint that was durable when the trainer died but whose
+    groups were not acked yet. The restarted trainer resumes from it and re-reads those groups
+    as pending, so unless it acks them first, it trains them a second time."""
 
 
 @dataclass
@@ -348,6 +354,7 @@ class Chaos:
         elif kind == "trainer":
             target = "trainer"
             self.children[target].kill()
+            unacked = self._unacked_checkpoint()
             self.children[target].start()
         else:
             port = self.redis.port
@@ -358,9 +365,23 @@ class Chaos:
             if self.redis.port != port:
                 raise RuntimeError(f"redis came back on port {self.redis.port}, not {port}")
         fault = Fault(kind, target, round(self.elapsed(), 1))
+        if kind == "trainer":
+            fault.unacked_checkpoint = unacked
         self.faults.append(fault)
         self.say(f"[{fault.at_s:6.1f}s] fault {len(self.faults)}: {kind} {target}")
         return fault
+
+    def _final_checkpoint(self) -> int:
+        ckpts = list_checkpoints(self.run_dir / "checkpoints")
+        return int(ckpts[-1].name.removeprefix("step_")) if ckpts else 0
+
+    def _unacked_checkpoint(self) -> int | None:
+        """The newest checkpoint's step if its groups are not all counted trained (acked)."""
+        step = self._final_checkpoint()
+        trained = int(
+            cast(bytes | None, self.client.hget(self.keys.counters, "groups_trained")) or 0
+        )
+        return step if trained < step * self.G else None
 
     def _last_step(self) -> bytes | None:
         try:
@@ -466,8 +487,7 @@ class Chaos:
         if acked != outcomes:
             self.violate("nothing_lost", f"{acked} trajectory entries acked, {outcomes} counted")
 
-        ckpts = list_checkpoints(self.run_dir / "checkpoints")
-        final_step = int(ckpts[-1].name.removeprefix("step_")) if ckpts else 0
+        final_step = self._final_checkpoint()
         trained_ok = counters["groups_trained"] == final_step * self.G
         if not trained_ok:
             self.violate(
@@ -498,6 +518,9 @@ class Chaos:
             "balanced": balanced,
             "lost": len(lost),
             "double_trained": bool(twice) or not trained_ok,
+            "killed_before_ack": [
+                f.unacked_checkpoint for f in self.faults if f.unacked_checkpoint is not None
+            ],
             "max_queued": self.max_queued,
             "queued_bound": self.queued_bound,
             "max_staleness": max_staleness,
@@ -535,9 +558,10 @@ def run_chaos(
     progress_timeout_s: float = 120.0,
     say: Callable[[str], object] = print,
 ) -> dict[str, Any]:
-    """Run the soak and return its summary (see `Chaos.check`). Faults stop after `seconds`, or
-    after `max_faults` if that comes first. `deck`: fault kinds per shuffled deck (default
-    `DECK`). `model`: an untrained tiny model directory, made in `workdir` if not given."""
+    """Run the soak and return its summary (see `Chaos.check`), also written to
+    `workdir/summary.json`. Faults stop after `seconds`, or after `max_faults` if that comes
+    first. `deck`: fault kinds per shuffled deck (default `DECK`). `model`: an untrained tiny
+    model directory, made in `workdir` if not given."""
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="asyncrl-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -547,7 +571,7 @@ def run_chaos(
         model = workdir / "model"
         if not (model / "config.json").exists():
             save_random_tiny_model(model, seed=seed)
-    return Chaos(
+    summary = Chaos(
         seconds,
         workers,
         trainer_ranks,
@@ -560,6 +584,8 @@ def run_chaos(
         weights,
         dict(deck or DECK),
     ).run()
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def _deck(text: str) -> dict[str, int]:
@@ -602,6 +628,7 @@ def main() -> int:
     for key in (
         *("seconds", "faults", "slowest_recovery_s", "step_lines", "final_step", "counters"),
         *("streams", "dead_letter_reasons", "balanced", "lost", "double_trained"),
+        "killed_before_ack",
         *("max_queued", "queued_bound", "max_staleness", "max_staleness_bound"),
     ):
         print(f"{key:>20}: {json.dumps(summary[key])}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,10 @@ class TrainerState:
     """Data cursor (epoch, position, seed) of the prompts released up to this checkpoint."""
     wall_seconds: float
     """Training wall time accumulated over the run's lifetimes."""
+    covered: list[str] = field(default_factory=list)
+    """Trajectory entry ids (rank 0's) trained in the steps since the previous checkpoint. They
+    are acked right after this checkpoint is durable; a trainer killed in between acks them at
+    restart instead of training them again."""
 
 
 def _fsync_tree(path: Path) -> None:

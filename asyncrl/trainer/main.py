@@ -110,12 +110,14 @@ class Trainer:
             weight_decay=cfg.trainer.weight_decay,
         )
         self.task = build_task(cfg.task, self.tokenizer)
+        self.covered_at_restart: list[str] = []
         self.step = 0
         self.wall_offset = 0.0
         cursor = Cursor(seed=cfg.run.seed)
         if ckpts:
             state = load_checkpoint(ckpts[-1], self.optimizer)
             self.step, self.wall_offset = state.step, state.wall_seconds
+            self.covered_at_restart = state.covered if self.rank == 0 else []
             cursor = Cursor(**state.cursor)
             log.info("resumed from %s (step %d)", ckpts[-1].name, self.step)
         published = self.client.get(self.keys.version)
@@ -273,6 +275,12 @@ class Trainer:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.heartbeat.start()
+        if self.covered_at_restart:
+            # Trained into the checkpoint we resumed from, but the ack did not happen before the
+            # previous trainer died: ack them now (a no-op for ids no longer pending).
+            self.consumer.ack(
+                self.covered_at_restart, counters={"groups_trained": len(self.covered_at_restart)}
+            )
         self._publish()
         log.info(
             "trainer %s: step %d, version %d, %d rank(s), mode %s",
@@ -374,6 +382,7 @@ class Trainer:
                     version=self.version,
                     cursor=self.admission.cursor.as_dict(),
                     wall_seconds=self.wall_seconds(),
+                    covered=list(self.unacked),
                 )
                 save_checkpoint(
                     self.run_dir / "checkpoints",

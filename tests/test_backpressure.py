@@ -1,0 +1,120 @@
+"""Backpressure: with a trainer slower than its rollout workers, admission keeps the queues short
+(DESIGN §5, §9).
+
+The trainer is made slow by stopping it (SIGSTOP) for most of each cycle — a long step, a GC or
+I/O stall — while two rollout workers run. Sampled every 0.1 s, the groups released and not yet
+trained, dropped or dead-lettered never exceed admission's bound, (η + 1) × G with a checkpoint
+after every step (otherwise up to `checkpoint_every` − 1 more steps of trained, not yet acked
+groups), and by the end of each stall they sit at the bound: the workers have filled the queue
+and wait. The streams' lengths stay within the bound plus the entries acked since their last
+trim, which a consumer does when it reads (at most every `queue.trim_every_s`, here always).
+
+The other two kinds of backpressure have their own tests in tests/test_queue.py: producers pause
+near Redis `maxmemory` (test_producer_pauses_under_memory_pressure_instead_of_raising), and
+trimming never deletes an unacked entry (test_trim_never_deletes_pending_or_undelivered).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from asyncrl.keys import Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.launch.status import collect_status
+
+sys.path.insert(0, str(Path(__file__).parent))
+from role_procs import Role, step_lines, stop_all, wait_until, write_config
+
+G = 2
+ETA = 1
+CYCLES = 6
+STALL_S = 2.0  # well below the heartbeat TTL (10 s): a stalled trainer is slow, not dead
+RUN_S = 0.5
+
+
+def counters_and_lengths(client: redis.Redis, keys: Keys) -> tuple[int, int, int]:
+    """(queued, len(prompts), len(trajectories)); queued = released − (trained + dropped +
+    dead-lettered), from one atomic read of the counters."""
+    c = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
+    done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered")
+    queued = c["prompts_released"] - sum(c.get(k, 0) for k in done)
+    return queued, client.xlen(keys.prompts), client.xlen(keys.trajectories)
+
+
+@pytest.mark.slow
+def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    keys = Keys("backpressure")
+    run_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(run_dir),
+            "redis.url": redis_server.url,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "rollout.n": 2,
+            "rollout.prompts_per_batch": 1,
+            "rollout.sampling.max_new_tokens": 4,
+            # Trim at every read: the lengths then show what the queue holds, not the trim lag
+            # (the entries acked since the last trim, however many the throughput allows).
+            "queue.trim_every_s": 0.01,
+            "trainer.groups_per_step": G,
+            "trainer.max_steps": 10**6,
+            "trainer.checkpoint_every": 1,
+            "trainer.eval_every": 0,
+            "algo.max_staleness": ETA,
+            "algo.filter_zero_variance": False,
+            "weights.type": "store",
+        },
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    trainer = Role("trainer", config, logs / "trainer.log")
+    workers = [Role("rollout", config, logs / f"w{i}.log", "--worker-id", f"w{i}") for i in (0, 1)]
+    roles = [trainer, *workers]
+    bound = (ETA + 1) * G
+    samples: list[tuple[int, int, int]] = []
+    at_stall_end: list[tuple[int, int, int]] = []
+    try:
+        wait_until(lambda: len(step_lines(run_dir)) >= 2, 180, "first steps", roles)
+        steps_before = len(step_lines(run_dir))
+        for _ in range(CYCLES):
+            trainer.proc.send_signal(signal.SIGSTOP)
+            try:
+                end = time.monotonic() + STALL_S
+                while time.monotonic() < end:
+                    samples.append(counters_and_lengths(redis_client, keys))
+                    time.sleep(0.1)
+                at_stall_end.append(samples[-1])
+            finally:
+                trainer.proc.send_signal(signal.SIGCONT)
+            end = time.monotonic() + RUN_S
+            while time.monotonic() < end:
+                samples.append(counters_and_lengths(redis_client, keys))
+                time.sleep(0.1)
+        steps = len(step_lines(run_dir)) - steps_before
+        for role in workers:
+            assert role.stop() == 0, role.tail()
+        assert trainer.stop() == 0, trainer.tail()
+    finally:
+        stop_all(roles)
+
+    assert steps >= CYCLES, "the trainer should step between its stalls"
+    assert max(q for q, _, _ in samples) <= bound, samples
+    # Every stall ends with a full queue: the workers wait on admission, not the other way.
+    assert all(q == bound for q, _, _ in at_stall_end), at_stall_end
+    # Each consumer trims when it reads; the trainer reads right after acking a step, so at
+    # most that step's entries are acked and still in the stream.
+    longest = max(max(p, t) for _, p, t in samples)
+    assert longest <= bound + G, samples
+    status = collect_status(redis_client, keys, run_dir)
+    assert status["balanced"], status
