@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +28,27 @@ from asyncrl.redis_conn import split_password
 
 # What local mode writes into a run directory; `--fresh` removes exactly these.
 RUN_STATE = ("checkpoints", "redis", "weights", "logs", "metrics.jsonl", "config.yaml", "plots")
+
+
+def prepare_run_dir(
+    run_dir: Path, args: argparse.Namespace
+) -> tuple[Literal["live", "quiet", "json"], Callable[[str], None]]:
+    """`--fresh` removes the run state; returns the progress mode and the launcher's printer."""
+    if args.fresh:
+        for name in RUN_STATE:
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    mode: Literal["live", "quiet", "json"] = args.progress or (
+        "live" if sys.stdout.isatty() else "quiet"
+    )
+    say: Callable[[str], None] = (
+        (lambda msg: None) if mode == "json" else (lambda msg: print(msg, flush=True))
+    )
+    return mode, say
 
 
 class Child:
@@ -69,18 +91,7 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.redis_conn import connect
 
     run_dir = cfg.run.path
-    if args.fresh:
-        for name in RUN_STATE:
-            target = run_dir / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    mode: Literal["live", "quiet", "json"] = args.progress or (
-        "live" if sys.stdout.isatty() else "quiet"
-    )
-    say = (lambda msg: None) if mode == "json" else (lambda msg: print(msg, flush=True))
+    mode, say = prepare_run_dir(run_dir, args)
 
     server: RedisServer | None = None
     url = cfg.redis.url

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,14 +34,14 @@ import tempfile
 import time
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 
 from asyncrl.config import Config
 from asyncrl.keys import Keys
-from asyncrl.launch.local import RUN_STATE
+from asyncrl.launch.local import prepare_run_dir
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.redis_conn import split_password
 
@@ -259,18 +258,7 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
     from asyncrl.redis_conn import connect
 
     run_dir = cfg.run.path
-    if args.fresh:
-        for name in RUN_STATE:
-            target = run_dir / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    mode: Literal["live", "quiet", "json"] = args.progress or (
-        "live" if sys.stdout.isatty() else "quiet"
-    )
-    say = (lambda msg: None) if mode == "json" else (lambda msg: print(msg, flush=True))
+    mode, say = prepare_run_dir(run_dir, args)
 
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
     if address is not None and address.startswith("ray://"):
