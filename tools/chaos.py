@@ -138,9 +138,28 @@ def write_config(path: Path, flat: dict[str, Any]) -> Path:
     return path
 
 
+def _descendants(pid: int) -> list[int]:
+    """Pids of the processes below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited meanwhile
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 class Child:
-    """One role process, the leader of its own session: `kill()` SIGKILLs that session (a
-    torchrun agent and its ranks together), nothing else."""
+    """One role process, the leader of its own session. `kill()` SIGKILLs that session and every
+    process below it — a torchrun agent starts each rank in a session of its own — nothing else.
+    """
 
     def __init__(self, name: str, argv: list[str], log: Path) -> None:
         self.name, self.argv, self.log = name, argv, log
@@ -181,8 +200,12 @@ class Child:
             return
         self.expected_exit = True
         if self.proc.poll() is None:
+            below = _descendants(self.proc.pid)
             with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self.proc.wait()
 
     def stop(self, timeout_s: float) -> int | None:

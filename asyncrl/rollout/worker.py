@@ -46,7 +46,7 @@ class RolloutWorker:
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics import RoleMetrics, serve
         from asyncrl.model import ensure_model
-        from asyncrl.queue import Consumer
+        from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.engine import build_engine
         from asyncrl.rollout.tasks import build_task
         from asyncrl.trainer.main import resolve_device
@@ -56,6 +56,11 @@ class RolloutWorker:
         self.id = worker_id or default_worker_id()
         self.keys = Keys(cfg.run.id)
         self.client = connect(cfg.redis)
+        self.metrics = RoleMetrics("rollout", self.id)
+        # The worker's own Redis calls wait out outages like the queue's do.
+        self.redis = RedisGuard(
+            reconnect_max_s=cfg.redis.reconnect_max_s, on_outage=self.metrics.redis_outage
+        )
         self.stopping = False
         device = resolve_device(cfg.trainer.device if cfg.rollout.engine.type == "torch" else "cpu")
         model_dir = ensure_model(cfg, wait_s=600.0 if cfg.model.build_tiny else 0.0)
@@ -64,7 +69,6 @@ class RolloutWorker:
         self.engine = build_engine(
             cfg.rollout.engine, model_path=str(model_dir), device=str(device)
         )
-        self.metrics = RoleMetrics("rollout", self.id)
         self.metrics.redis_up.set(1)
         self.subscriber: Any
         if isinstance(cfg.rollout.engine, SglangEngineConfig):
@@ -80,13 +84,17 @@ class RolloutWorker:
                 self.engine.urls,  # type: ignore[attr-defined]
             )
         else:
-            self.subscriber = build_subscriber(
-                cfg.weights,
-                self.client,
-                self.keys,
-                self.id,
-                device=device,
-                on_weights=self._on_weights,
+            # Safe to retry: subscribers make their Redis calls before they start any thread.
+            self.subscriber = self.redis.call(
+                lambda: build_subscriber(
+                    cfg.weights,
+                    self.client,
+                    self.keys,
+                    self.id,
+                    device=device,
+                    on_weights=self._on_weights,
+                ),
+                "start the weight subscriber",
             )
         self.heartbeat = Heartbeat(
             self.client,
@@ -142,7 +150,9 @@ class RolloutWorker:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.heartbeat.start()
-        published = self.client.get(self.keys.version)
+        published = self.redis.call(
+            lambda: self.client.get(self.keys.version), "read the published version"
+        )
         target = 0 if published is None else int(published)
         # A joining worker first holds the latest published weights, then generates. The model
         # directory is version 0, so a fresh run starts at once.

@@ -80,13 +80,21 @@ class Admission:
         self.groups_per_step = groups_per_step
         self.cursor = cursor
         self._items = task.train_items(cursor.seed, cursor.epoch)
+        self._cursor_unknown = False
 
     def release(self, step: int, version: int) -> int:
-        """Release as many groups as the bound allows now; returns how many."""
+        """Release as many groups as the bound allows now; returns how many. May be called again
+        after it raised (a Redis outage): the transaction may or may not have been applied, so
+        the cursor is then re-read from Redis, which holds the truth."""
+        if self._cursor_unknown:
+            self.cursor = load_cursor(self.client, self.keys, self.cursor)
+            self._items = self.task.train_items(self.cursor.seed, self.cursor.epoch)
+            self._cursor_unknown = False
         counters = read_counters(self.client, self.keys)
         budget = release_budget(step, self.max_staleness, self.groups_per_step, counters)
         if budget <= 0:
             return 0
+        self._cursor_unknown = True  # until the transaction below is known to be applied
         pipe = self.client.pipeline(transaction=True)
         for _ in range(budget):
             item = self._items[self.cursor.position]
@@ -105,6 +113,7 @@ class Admission:
         pipe.hincrby(self.keys.counters, "prompts_released", budget)
         pipe.hset(self.keys.cursor, mapping=dict(self.cursor.as_dict()))  # type: ignore[arg-type]
         pipe.execute()
+        self._cursor_unknown = False
         return budget
 
     def _advance(self) -> None:

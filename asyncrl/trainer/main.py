@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class Trainer:
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics import JsonlWriter, RoleMetrics, RunGauges, serve
         from asyncrl.model import ensure_model
-        from asyncrl.queue import Consumer
+        from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.tasks import build_task
 
         self.cfg = cfg
@@ -85,6 +86,11 @@ class Trainer:
         self.stopping = False
         self.client = connect(cfg.redis)
         self.name = f"trainer-{self.rank}"
+        self.metrics = RoleMetrics("trainer", self.name)
+        # The trainer's own Redis calls wait out outages like the queue's do.
+        self.redis = RedisGuard(
+            reconnect_max_s=cfg.redis.reconnect_max_s, on_outage=self.metrics.redis_outage
+        )
 
         model_dir = ensure_model(cfg)
         self.tokenizer_dir = model_dir
@@ -120,7 +126,9 @@ class Trainer:
             self.covered_at_restart = state.covered if self.rank == 0 else []
             cursor = Cursor(**state.cursor)
             log.info("resumed from %s (step %d)", ckpts[-1].name, self.step)
-        published = self.client.get(self.keys.version)
+        published = self.redis.call(
+            lambda: self.client.get(self.keys.version), "read the published version"
+        )
         # Never reuse a version number: restored (or initial) weights get a fresh one.
         self.version = 0 if published is None else int(published) + 1
         if self.world is not None:
@@ -130,7 +138,6 @@ class Trainer:
             self.version = int(shared.item())
 
         self.limits = Limits(max_message_bytes=cfg.queue.max_message_bytes)
-        self.metrics = RoleMetrics("trainer", self.name)
         self.heartbeat = Heartbeat(
             self.client,
             self.keys.worker("trainer", self.name),
@@ -162,7 +169,9 @@ class Trainer:
                 n=cfg.rollout.n,
                 max_staleness=self.max_staleness,
                 groups_per_step=cfg.trainer.groups_per_step,
-                cursor=load_cursor(self.client, self.keys, cursor),
+                cursor=self.redis.call(
+                    lambda: load_cursor(self.client, self.keys, cursor), "read the data cursor"
+                ),
             )
             from asyncrl.weights import build_publisher
 
@@ -224,7 +233,9 @@ class Trainer:
         blocking = 0.0
         if self.rank == 0:
             blocking = self.publisher.publish(self.model, self.version)
-            self.client.set(self.keys.version, self.version)
+            self.redis.call(
+                lambda: self.client.set(self.keys.version, self.version), "publish the version"
+            )
             self.metrics.policy_version.set(self.version)
         return blocking
 
@@ -245,7 +256,8 @@ class Trainer:
             if self.stopping:
                 raise _Stop
             if self.admission is not None:
-                self.admission.release(self.step, self.version)
+                release = partial(self.admission.release, self.step, self.version)
+                self.redis.call(release, "release prompts")
             with self.metrics.time_phase("queue_wait"):
                 deliveries = self.consumer.read(
                     self.local_groups - len(groups), self.cfg.redis.block_ms
@@ -371,7 +383,9 @@ class Trainer:
         self.metrics.observe_step(line, staleness)
         if self.jsonl is not None:
             self.jsonl.write(line)
-        self.client.set(self.keys.last_step, json.dumps(line))
+        self.redis.call(
+            lambda: self.client.set(self.keys.last_step, json.dumps(line)), "write last_step"
+        )
 
     def _checkpoint(self) -> None:
         with self.metrics.time_phase("checkpoint"):

@@ -50,6 +50,26 @@ OnWeights = Callable[[dict[str, torch.Tensor], int], None]
 POLL_S = 0.2
 """Idle loops look at Redis this often; the pub/sub doorbell makes most wake-ups immediate."""
 
+_OUTAGE_LOG_EVERY_S = 5.0
+
+
+class _LoopErrors:
+    """Logs a background loop's failures: a traceback for a bug, but one line at most every few
+    seconds while Redis is unreachable — the loop retries every POLL_S meanwhile."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._next = 0.0
+
+    def __call__(self, exc: Exception) -> None:
+        from redis.exceptions import ConnectionError, TimeoutError
+
+        if not isinstance(exc, ConnectionError | TimeoutError):
+            log.exception("%s", self._what)
+        elif (now := time.monotonic()) >= self._next:
+            log.warning("%s: Redis unreachable (%s); retrying", self._what, exc)
+            self._next = now + _OUTAGE_LOG_EVERY_S
+
 
 @dataclass(frozen=True)
 class SyncRecord:
@@ -227,6 +247,7 @@ class BackgroundPublisher(ABC):
         self._closing = False
         self._stats = PublisherStats()
         self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
+        self._loop_errors = _LoopErrors("weight publisher: sender loop error")
 
     def _start(self) -> None:
         self._thread.start()
@@ -315,9 +336,9 @@ class BackgroundPublisher(ABC):
                     break
                 elif self._front_version is not None and self._wants_resend():
                     self._deliver(self._front_version, 0.0)
-            except Exception:
+            except Exception as exc:
                 # The thread must outlive Redis hiccups and bugs alike: log, pause, go on.
-                log.exception("weight publisher: sender loop error")
+                self._loop_errors(exc)
                 time.sleep(POLL_S)
         try:
             self._shutdown()
@@ -333,8 +354,8 @@ class BackgroundPublisher(ABC):
         except RuntimeError as exc:  # c10d and I/O failures: expected, handled by a resend
             log.warning("weight publisher: delivery of version %d failed: %s", version, exc)
             bytes_sent, receivers, ok = 0, 0, False
-        except Exception:
-            log.exception("weight publisher: delivery of version %d failed", version)
+        except Exception as exc:
+            self._loop_errors(exc)
             bytes_sent, receivers, ok = 0, 0, False
         ended = time.monotonic()
         record = SyncRecord(
@@ -360,6 +381,7 @@ class BackgroundSubscriber(ABC):
         self._version: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
+        self._loop_errors = _LoopErrors("weight subscriber: receive loop error")
 
     def _start(self) -> None:
         self._thread.start()
@@ -401,6 +423,6 @@ class BackgroundSubscriber(ABC):
         while not self._stop.is_set():
             try:
                 self._step()
-            except Exception:
-                log.exception("weight subscriber: receive loop error")
+            except Exception as exc:
+                self._loop_errors(exc)
                 self._stop.wait(POLL_S)

@@ -85,22 +85,31 @@ class StorePublisher(BackgroundPublisher):
 
     def _send(self, buffer: FlatBuffer, version: int) -> tuple[int, int | None]:
         path = version_path(self._dir, version)
-        tmp = path.with_name(f".{path.name}.tmp")
-        meta = {"version": str(version), "checksum": str(checksum(buffer.flat))}
-        try:
-            save_file(buffer.tensors, tmp, metadata=meta)
-            _fsync(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync(self._dir)
+        # A resend after a failed announce (Redis down) finds the file written: versions are
+        # never reused, so an existing file is this version's.
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.tmp")
+            meta = {"version": str(version), "checksum": str(checksum(buffer.flat))}
+            try:
+                save_file(buffer.tensors, tmp, metadata=meta)
+                _fsync(tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync(self._dir)
         announce(self._client, self._keys, store_version=str(version), store_path=str(path))
         for old in sorted(p for p in self._dir.iterdir() if _VERSION_FILE.fullmatch(p.name))[
             : -self._keep
         ]:
             old.unlink(missing_ok=True)
         return path.stat().st_size, None
+
+    def _wants_resend(self) -> bool:
+        # Subscribers learn of a version only from its announce: one that failed (Redis down)
+        # is retried, or they would wait for it until the next publish.
+        last = self.stats().last
+        return last is not None and not last.ok
 
     def _shutdown(self) -> None:
         """Nothing is held between writes."""
