@@ -6,7 +6,9 @@ I/O stall — while two rollout workers run. Sampled every 0.1 s, the groups rel
 trained, dropped or dead-lettered never exceed admission's bound, (η + 1) × G with a checkpoint
 after every step (otherwise up to `checkpoint_every` − 1 more steps of trained, not yet acked
 groups), and by the end of each stall they sit at the bound: the workers have filled the queue
-and wait. The streams' lengths stay within the bound plus the entries acked since their last
+and wait — unless the stall caught the trainer between acking a step and releasing the next
+prompts (admission runs in the trainer too), so the test asserts what holds in every case: the
+workers have taken every released prompt. The streams' lengths stay within the bound plus the entries acked since their last
 trim, which a consumer does when it reads (at most every `queue.trim_every_s`, here always).
 
 The other two kinds of backpressure have their own tests in tests/test_queue.py: producers pause
@@ -24,9 +26,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from asyncrl.keys import Keys
+from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
+from asyncrl.queue import stream_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, step_lines, stop_all, wait_until, write_config
@@ -34,8 +37,17 @@ from role_procs import Role, step_lines, stop_all, wait_until, write_config
 G = 2
 ETA = 1
 CYCLES = 6
-STALL_S = 2.0  # well below the heartbeat TTL (10 s): a stalled trainer is slow, not dead
+STALL_S = 2.0
+# A stall lasts STALL_S, longer (up to this) while the workers are still generating on a loaded
+# machine; well below the heartbeat TTL (10 s): a stalled trainer is slow, not dead.
+MAX_STALL_S = 6.0
 RUN_S = 0.5
+
+
+def prompts_waiting(client: redis.Redis, keys: Keys) -> int:
+    """Released prompts that no rollout worker has finished: undelivered plus delivered-unacked."""
+    stats = stream_stats(client, keys.prompts, PROMPTS_GROUP)
+    return stats["lag"] + stats["pending"]
 
 
 def counters_and_lengths(client: redis.Redis, keys: Keys) -> tuple[int, int, int]:
@@ -84,17 +96,23 @@ def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
     bound = (ETA + 1) * G
     samples: list[tuple[int, int, int]] = []
     at_stall_end: list[tuple[int, int, int]] = []
+    waiting_at_stall_end: list[int] = []
     try:
         wait_until(lambda: len(step_lines(run_dir)) >= 2, 180, "first steps", roles)
         steps_before = len(step_lines(run_dir))
         for _ in range(CYCLES):
             trainer.proc.send_signal(signal.SIGSTOP)
             try:
-                end = time.monotonic() + STALL_S
-                while time.monotonic() < end:
+                start = time.monotonic()
+                while True:
                     samples.append(counters_and_lengths(redis_client, keys))
+                    waiting = prompts_waiting(redis_client, keys)
+                    elapsed = time.monotonic() - start
+                    if elapsed > MAX_STALL_S or (elapsed > STALL_S and waiting == 0):
+                        break
                     time.sleep(0.1)
                 at_stall_end.append(samples[-1])
+                waiting_at_stall_end.append(waiting)
             finally:
                 trainer.proc.send_signal(signal.SIGCONT)
             end = time.monotonic() + RUN_S
@@ -110,8 +128,10 @@ def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
 
     assert steps >= CYCLES, "the trainer should step between its stalls"
     assert max(q for q, _, _ in samples) <= bound, samples
-    # Every stall ends with a full queue: the workers wait on admission, not the other way.
-    assert all(q == bound for q, _, _ in at_stall_end), at_stall_end
+    # The workers wait on admission, not the other way: by the end of every stall they have
+    # taken every released prompt, and mostly the queue is then full.
+    assert waiting_at_stall_end == [0] * CYCLES, (waiting_at_stall_end, at_stall_end)
+    assert sum(q == bound for q, _, _ in at_stall_end) > CYCLES // 2, at_stall_end
     # Each consumer trims when it reads; the trainer reads right after acking a step, so at
     # most that step's entries are acked and still in the stream.
     longest = max(max(p, t) for _, p, t in samples)

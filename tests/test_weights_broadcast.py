@@ -114,9 +114,10 @@ def test_every_subscriber_holds_each_version_while_training_goes_on(harness: Har
             ratios.append(blocking_s / record.sync_s)
             assert any(record.started < t < record.ended for t in steps)
         train_step(params)
-    # The trainer blocks only for a memory copy. Loopback TCP is memory copies too, so on a
-    # small machine the ratio is a few percent and single publishes jitter: judge the median.
-    assert statistics.median(ratios) < 0.1, ratios
+    # The trainer blocks only for a memory copy; a sync that stopped training would give 1.
+    # Loopback TCP is memory copies too, so on a small machine the ratio is a few percent when
+    # quiet and ~0.1 with the test suite beside it; single publishes jitter: judge the median.
+    assert statistics.median(ratios) < 0.3, ratios
     stats = pub.stats()
     assert (stats.published, stats.sent, stats.failed, stats.coalesced) == (8, 8, 0, 0)
     assert stats.rebuilds == 1  # the clean leave
