@@ -21,17 +21,6 @@ FAULTS = 20
 # dearest: this deck gets 20 mixed faults into the time budget.
 DECK = {"worker": 3, "redis": 3, "trainer": 1}
 
-# Role exits whose cause is known and reported (docs/reliability.md, "Known issues"): the
-# innermost asyncrl frames of the traceback. Remove an entry when its bug is fixed.
-KNOWN_EXITS = {
-    "asyncrl/trainer/main.py:_publish": "trainer: `version` write not guarded against outages",
-    "asyncrl/trainer/main.py:_train": "trainer: `last_step` write not guarded against outages",
-    "asyncrl/trainer/admission.py:read_counters": "trainer: admission not guarded",
-    "asyncrl/trainer/admission.py:release": "trainer: admission not guarded",
-    "asyncrl/weights/base.py:__init__": "weight subscriber subscribes unguarded at start-up",
-}
-
-
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory: pytest.TempPathFactory, random_model: Path) -> dict[str, Any]:
     return run_chaos(
@@ -51,17 +40,6 @@ def summary(tmp_path_factory: pytest.TempPathFactory, random_model: Path) -> dic
 
 def failed(summary: dict[str, Any], *checks: str) -> list[str]:
     return [f"[{v['check']}] {v['message']}" for v in summary["violations"] if v["check"] in checks]
-
-
-def known_exits_only(summary: dict[str, Any]) -> list[str]:
-    """The reasons of the known bugs behind every exit; empty if some exit is not known."""
-    reasons = []
-    for e in summary["exits"]:
-        known = [KNOWN_EXITS[f] for f in e["frames"][-2:] if f in KNOWN_EXITS]
-        if not known:
-            return []
-        reasons.append(known[0])
-    return sorted(set(reasons))
 
 
 @pytest.mark.slow
@@ -96,13 +74,9 @@ def test_admission_bounds_the_queue(summary: dict[str, Any]) -> None:
 def test_faults_were_many_and_mixed(summary: dict[str, Any]) -> None:
     faults = summary["faults"]
     assert set(faults) == set(DECK), faults
-    if sum(faults.values()) < FAULTS and (known := known_exits_only(summary)):
-        pytest.xfail(f"restarts after known crashes ate the time budget: {known}")
     assert sum(faults.values()) >= FAULTS, faults
 
 
 @pytest.mark.slow
 def test_every_role_survives_redis_restarts(summary: dict[str, Any]) -> None:
-    if summary["exits"] and (known := known_exits_only(summary)):
-        pytest.xfail(f"known bugs: {known}")
     assert not failed(summary, "roles_survive"), summary["exits"]

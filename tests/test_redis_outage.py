@@ -6,10 +6,6 @@ and started again on the same port and AOF. During the outage both processes sta
 wait without spinning (little CPU, a bounded number of log lines, among them a clear "unreachable"
 line every few seconds) and report `asyncrl_redis_up 0` on /metrics; afterwards training goes on
 and the run accounting balances with every trained group counted once.
-
-Known bugs that this test finds are reported as xfail with their cause (docs/reliability.md,
-"Known issues"): the trainer's own Redis calls outside the queue are not guarded, those calls do
-not report to `asyncrl_redis_up`, and the weight-sync threads log a traceback per retry.
 """
 
 from __future__ import annotations
@@ -34,14 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, step_lines, stop_all, wait_until, write_config
 
 OUTAGE_S = 8.0
-# The trainer's own Redis calls outside the queue, not yet guarded against outages (known issue
-# 1 of docs/reliability.md): remove an entry when its call is fixed.
-UNGUARDED = {
-    ("asyncrl/trainer/main.py", "_publish"),
-    ("asyncrl/trainer/main.py", "_train"),
-    ("asyncrl/trainer/admission.py", "release"),
-    ("asyncrl/trainer/admission.py", "read_counters"),
-}
 G = 2
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -95,12 +83,9 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
         "rollout", config, logs / "rollout.log", "--worker-id", "w0", f"metrics.port={ports[1]}"
     )
     roles = [trainer, worker]
-    known: list[str] = []  # failures of known, reported bugs: the test xfails on them at the end
     try:
         wait_until(lambda: len(step_lines(run_dir)) >= 3, 180, "first steps", roles)
-        for role, port in zip(roles, ports, strict=True):
-            if redis_up(port) != 1:
-                known.append(f"{role.log.stem}: asyncrl_redis_up is {redis_up(port)} with Redis up")
+        assert [redis_up(port) for port in ports] == [1, 1]
         steps_before = len(step_lines(run_dir))
         client.close()
         redis_port = server.port
@@ -110,16 +95,10 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
         started = time.monotonic()
         time.sleep(OUTAGE_S)
         cpu = [cpu_seconds(r.proc.pid) - c for r, c in zip(roles, cpu_before, strict=True)]
-        assert worker.alive(), f"the worker died in the outage:\n{worker.tail()}"
-        if not trainer.alive():
-            frames = re.findall(r'File "[^"]*/(asyncrl/[^"]+)", line \d+, in (\w+)', trainer.tail())
-            if UNGUARDED & set(frames[-3:]):
-                pytest.xfail(f"known bug: an unguarded trainer call to Redis: {frames[-3:]}")
-            raise AssertionError(f"the trainer died in the outage:\n{trainer.tail()}")
+        for role in roles:
+            assert role.alive(), f"{role.log.stem} died in the outage:\n{role.tail()}"
         outage_s = time.monotonic() - started
-        for role, port in zip(roles, ports, strict=True):
-            if redis_up(port) != 0:
-                known.append(f"{role.log.stem}: asyncrl_redis_up is not 0 during the outage")
+        assert [redis_up(port) for port in ports] == [0, 0]
         server.start()
         assert server.port == redis_port
 
@@ -133,18 +112,14 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
             clear = [ln for ln in lines if "unreachable" in ln or "failing for" in ln]
             # Rate-limited: one line at the start, then one every 5 s.
             assert len(clear) >= 2, f"{role.log.name}: no clear outage line:\n" + "\n".join(lines)
-            if len(lines) > 30:
-                # The log records that repeat most, without their timestamps.
-                records = Counter(ln[24:] for ln in lines if ln[:4].isdigit())
-                noisy = [r for r, _ in records.most_common(2)]
-                known.append(f"{role.log.name}: {len(lines)} log lines in {outage_s:.0f}s: {noisy}")
+            # The log records that repeat most, without their timestamps, if this fails.
+            records = Counter(ln[24:] for ln in lines if ln[:4].isdigit())
+            assert len(lines) <= 30, (role.log.name, len(lines), records.most_common(2))
 
         # Training goes on, from the same Redis data.
         client = redis.Redis.from_url(server.url, socket_timeout=5)
         wait_until(lambda: len(step_lines(run_dir)) >= steps_before + 3, 120, "steps after", roles)
-        for role, port in zip(roles, ports, strict=True):
-            if redis_up(port) != 1:
-                known.append(f"{role.log.stem}: asyncrl_redis_up not back to 1 after the outage")
+        assert [redis_up(port) for port in ports] == [1, 1]
         assert worker.stop() == 0, worker.tail()
         assert trainer.stop() == 0, trainer.tail()
         status = collect_status(client, keys, run_dir)
@@ -158,5 +133,3 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
     # Each step of the lineage acked its groups once: none lost, none counted twice.
     assert status["counters"]["groups_trained"] == int(final.name.removeprefix("step_")) * G
     assert status["streams"]["dlq"]["length"] == 0
-    if known:
-        pytest.xfail("known bugs (see docs/reliability.md): " + "; ".join(known))

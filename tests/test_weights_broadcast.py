@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import queue
 import signal
+import socket
 import statistics
 import subprocess
 import time
@@ -217,3 +219,46 @@ def version_in_flight(client: redis.Redis) -> int | None:
     """The version of the send announced last."""
     send = client.hget(KEYS.weights, "send")
     return None if send is None else int(json.loads(send)["version"])
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the TCP sockets process `pid` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().as_posix()
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr_hex, port_hex = fields[1].split(":")
+            # /proc prints the address as native-endian 32-bit words.
+            raw = b"".join(
+                int(addr_hex[i : i + 8], 16).to_bytes(4, "little") for i in range(0, 2 * width, 8)
+            )
+            family = socket.AF_INET if width == 4 else socket.AF_INET6
+            found.add((socket.inet_ntop(family, raw), int(port_hex, 16)))
+    return found
+
+
+def test_a_loopback_rendezvous_listens_on_loopback_only(harness: Harness) -> None:
+    # The store and the collective have no authentication (SECURITY.md): with the default
+    # `weights.master_addr` (127.0.0.1) nothing of the sync may be reachable from elsewhere.
+    before = listening(os.getpid())
+    harness.spawn("a")
+    pub = harness.publish_to({"a"})
+    params = make_params(1)
+    pub.publish(params.items(), 0)
+    harness.hold(["a"], 0, fingerprint(params))
+    new = listening(os.getpid()) - before
+    assert len(new) >= 2, new  # the TCPStore and the gloo pair
+    peers = listening(harness.procs["a"].pid)
+    assert peers, "the subscriber's gloo pair listens somewhere"
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    assert {addr for addr, _ in new | peers} <= loopback, new | peers

@@ -36,7 +36,7 @@ from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.weights import SyncRecord, WeightsConfig, build_publisher, build_subscriber
 from asyncrl.weights.base import text
-from asyncrl.weights.device import Group, new_group
+from asyncrl.weights.device import Group, local_addr_towards, new_group
 
 RUN = "bench"
 KEYS = Keys(RUN)
@@ -55,7 +55,10 @@ def raw_group(client: redis.Redis, rank: int) -> Group:
     host, port = text(master).rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT)
     prefixed = dist.PrefixStore("bench/raw", store)
-    return new_group("gloo", prefixed, rank, RECEIVERS + 1, TIMEOUT, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    return new_group(
+        "gloo", prefixed, rank, RECEIVERS + 1, TIMEOUT, cpu, local_addr_towards(host, int(port))
+    )
 
 
 def raw_broadcast(group: Group, flat: torch.Tensor) -> float:

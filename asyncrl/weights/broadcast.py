@@ -67,6 +67,8 @@ from asyncrl.weights.buckets import FlatBuffer, Header, Layout, bucket_ranges, c
 from asyncrl.weights.device import (
     Group,
     comm_device,
+    local_addr_towards,
+    master_store,
     new_group,
     release_group,
     resolve_backend,
@@ -116,14 +118,8 @@ class BroadcastPublisher(BackgroundPublisher):
         self._client, self._keys = client, keys
         self._bucket_bytes = cfg.bucket_mb << 20
         self._timeout = timedelta(seconds=cfg.sync_timeout_s)
-        self._store = dist.TCPStore(
-            cfg.master_addr,
-            cfg.master_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=self._timeout,
-            use_libuv=True,
-        )
+        self._addr = cfg.master_addr
+        self._store = master_store(cfg.master_addr, cfg.master_port, self._timeout)
         self._group: Group | None = None
         self._broken = False  # the group's last op failed
         self._members: list[str] = []
@@ -218,7 +214,7 @@ class BroadcastPublisher(BackgroundPublisher):
         if members:
             store = dist.PrefixStore(f"wsync/{epoch}", self._store)
             self._group = new_group(
-                self._backend, store, 0, len(members) + 1, self._timeout, self._device
+                self._backend, store, 0, len(members) + 1, self._timeout, self._device, self._addr
             )
         self._broken = False
 
@@ -406,13 +402,16 @@ class BroadcastSubscriber(BackgroundSubscriber):
     def _join(self, epoch: int, rank: int, size: int) -> None:
         assert self._master is not None
         try:
+            host, port = self._master.rsplit(":", 1)
             if self._store is None:
-                host, port = self._master.rsplit(":", 1)
                 self._store = dist.TCPStore(
                     host, int(port), is_master=False, timeout=self._timeout, use_libuv=True
                 )
             store = dist.PrefixStore(f"wsync/{epoch}", self._store)
-            self._group = new_group(self._backend, store, rank, size, self._timeout, self._comm)
+            listen = local_addr_towards(host, int(port))
+            self._group = new_group(
+                self._backend, store, rank, size, self._timeout, self._comm, listen
+            )
         except RuntimeError as exc:
             log.warning("weights epoch %d: could not join: %s", epoch, exc)
             self._store = None  # the master may have restarted on the same address

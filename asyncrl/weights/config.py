@@ -29,7 +29,9 @@ class WeightsConfig(Section):
     keep_last: int = Field(default=3, ge=1)
     """Versions kept in `store_dir`; older files are deleted after each write."""
     master_addr: str = "127.0.0.1"
-    """Address at which subscribers reach the trainer's TCPStore (broadcast rendezvous)."""
+    """Address at which subscribers reach the trainer's TCPStore (broadcast rendezvous). The
+    store listens on this address only (it has no authentication), so it must be one of trainer
+    rank 0's own: loopback for a single host, the pod's name or IP on Kubernetes."""
     master_port: int = Field(default=0, ge=0, le=65535)
     """Port of that TCPStore; 0 picks a free one (announced in the `weights` hash)."""
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"

@@ -12,6 +12,7 @@ default (3) ends the process, so a trainer that must outlive a hung subscriber r
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Protocol, cast
 
@@ -49,6 +50,41 @@ def comm_device(backend: str, device: torch.device) -> torch.device:
     return torch.device("cpu") if backend == "gloo" else device
 
 
+def master_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous TCPStore server, listening on `addr` only.
+
+    A TCPStore server on its own listens on every interface; it has no authentication, so the
+    socket is bound here (to `weights.master_addr`, loopback by default) and handed over.
+    """
+    try:
+        sock = socket.create_server((addr, port), backlog=1024)
+    except OSError as exc:
+        raise ValueError(
+            f"weights.master_addr={addr!r}, weights.master_port={port}: cannot listen there "
+            f"({exc.strerror or exc}); give an address of this host"
+        ) from None
+    bound_port = sock.getsockname()[1]
+    # The store owns (and closes) the descriptor from here on.
+    return dist.TCPStore(
+        addr,
+        bound_port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
+        use_libuv=True,
+        master_listen_fd=sock.detach(),
+    )
+
+
+def local_addr_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent): where a gloo peer of a
+    group rooted there should listen — loopback when the publisher is local."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return str(probe.getsockname()[0])
+
+
 def new_group(
     backend: str,
     store: dist.Store,
@@ -56,10 +92,19 @@ def new_group(
     size: int,
     timeout: timedelta,
     device: torch.device,
+    listen_addr: str,
 ) -> Group:
-    """A process group over `store` (give each group its own PrefixStore) for weight sync only."""
+    """A process group over `store` (give each group its own PrefixStore) for weight sync only.
+
+    gloo peers listen on `listen_addr` rather than on the address their host name resolves to,
+    so that a single-host run exposes nothing beyond loopback; nccl and hccl choose their
+    interfaces themselves (`NCCL_SOCKET_IFNAME`, `HCCL_IF_IP`).
+    """
     if backend == "gloo":
-        return cast(Group, dist.ProcessGroupGloo(store, rank, size, timeout))
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=listen_addr)]
+        return cast(Group, dist.ProcessGroupGloo(store, rank, size, opts))
     if backend == "nccl":
         from torch._C._distributed_c10d import ProcessGroupNCCL
 

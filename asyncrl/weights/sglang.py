@@ -56,7 +56,7 @@ from asyncrl.rollout.sglang_engine import RequestFailure, http_json, parse_versi
 from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce, read_hash
 from asyncrl.weights.broadcast import lease_key
 from asyncrl.weights.buckets import FlatBuffer
-from asyncrl.weights.device import comm_device, resolve_backend, synchronize
+from asyncrl.weights.device import comm_device, master_store, resolve_backend, synchronize
 
 if TYPE_CHECKING:
     from asyncrl.keys import Keys
@@ -210,14 +210,7 @@ class SglangPublisher(BackgroundPublisher):
         self._store: dist.TCPStore | None = None
         self._master_addr = cfg.master_addr
         if cfg.type == "broadcast":
-            self._store = dist.TCPStore(
-                cfg.master_addr,
-                cfg.master_port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=self._timeout,
-                use_libuv=True,
-            )
+            self._store = master_store(cfg.master_addr, cfg.master_port, self._timeout)
         else:
             if cfg.store_dir is None:
                 raise ValueError("weights.store_dir is unset: resolve it ({run.dir}/weights) first")
