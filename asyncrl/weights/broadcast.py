@@ -91,6 +91,45 @@ def lease_key(keys: Keys, worker_id: str) -> str:
     return f"{keys.weights}:lease:{worker_id}"
 
 
+class Lease:
+    """A subscriber's registration: `join:{id}` in the weights hash, live while its lease key
+    exists. Its own thread refreshes both every third of `lease_s`, so that a long receive or a
+    slow callback never lets the lease lapse."""
+
+    def __init__(
+        self, client: redis.Redis, keys: Keys, worker_id: str, lease_s: float, info: dict
+    ) -> None:
+        self._client, self._keys, self._id, self._lease_s = client, keys, worker_id, lease_s
+        self._info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **info})
+        self._stop = threading.Event()
+        self._register()
+        self._thread = threading.Thread(target=self._beat, name="weights-lease", daemon=True)
+        self._thread.start()
+
+    def _register(self) -> None:
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(lease_key(self._keys, self._id), "1", px=int(self._lease_s * 1000))
+        pipe.hset(self._keys.weights, f"join:{self._id}", self._info)
+        pipe.execute()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._lease_s / 3):
+            try:
+                self._register()
+            except redis.RedisError as exc:
+                log.warning("weights lease of %s not refreshed: %s", self._id, exc)
+
+    def end(self) -> None:
+        """Unregister at once (with the subscriber's readiness), so that no epoch is proposed to
+        a subscriber that is leaving."""
+        self._stop.set()
+        self._thread.join()
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(lease_key(self._keys, self._id))
+        pipe.hdel(self._keys.weights, f"join:{self._id}", f"ready:{self._id}")
+        pipe.execute()
+
+
 def _post(group: Group, tensors: list[torch.Tensor]) -> list[dist.Work]:
     """Start a broadcast from rank 0 of each tensor, in order; all in flight at once."""
     opts = dist.BroadcastOptions()
@@ -311,7 +350,6 @@ class BroadcastSubscriber(BackgroundSubscriber):
         self._comm = comm_device(self._backend, device)
         self._device = device
         self._timeout = timedelta(seconds=cfg.sync_timeout_s)
-        self._lease_s = cfg.lease_s
         self._doorbell = Doorbell(client, keys.weights)
         self._buffers = _ReceiveBuffers(self._comm)
         self._master: str | None = None
@@ -320,34 +358,11 @@ class BroadcastSubscriber(BackgroundSubscriber):
         self._epoch = -1  # the last epoch whose group this subscriber built
         self._acked = -1  # the last epoch it declared itself ready for
         self._seq = 0  # sends of `_epoch` taken part in
-        self._register()
-        self._heartbeat = threading.Thread(target=self._beat, name="weights-lease", daemon=True)
-        self._heartbeat.start()
+        self._lease = Lease(client, keys, worker_id, cfg.lease_s, {})
         self._start()
 
-    def _register(self) -> None:
-        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(lease_key(self._keys, self._id), "1", px=int(self._lease_s * 1000))
-        pipe.hset(self._keys.weights, f"join:{self._id}", info)
-        pipe.execute()
-
-    def _beat(self) -> None:
-        # Its own thread: a long receive or a slow callback must not let the lease lapse.
-        while not self._stop.wait(self._lease_s / 3):
-            try:
-                self._register()
-            except redis.RedisError as exc:
-                log.warning("weights lease of %s not refreshed: %s", self._id, exc)
-
     def close(self) -> None:
-        self._stop.set()
-        self._heartbeat.join()
-        # Unregister before the loop ends, so no epoch is proposed to a subscriber that is leaving.
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(lease_key(self._keys, self._id))
-        pipe.hdel(self._keys.weights, f"join:{self._id}", f"ready:{self._id}")
-        pipe.execute()
+        self._lease.end()  # before the loop ends
         super().close()
 
     def _leave(self) -> None:

@@ -36,8 +36,6 @@ import logging
 import os
 import re
 import shutil
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +52,7 @@ from safetensors.torch import save_file
 
 from asyncrl.rollout.sglang_engine import RequestFailure, http_json, parse_version
 from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce, read_hash
-from asyncrl.weights.broadcast import lease_key
+from asyncrl.weights.broadcast import Lease, lease_key
 from asyncrl.weights.buckets import FlatBuffer
 from asyncrl.weights.device import comm_device, master_store, resolve_backend, synchronize
 
@@ -495,26 +493,8 @@ class SglangSubscriber:
     ) -> None:
         self._client, self._keys, self._id = client, keys, worker_id
         self._urls = [u.rstrip("/") for u in urls]
-        self._lease_s = cfg.lease_s
         self._http_timeout_s = http_timeout_s
-        self._stop = threading.Event()
-        self._register()
-        self._thread = threading.Thread(target=self._beat, name="weights-lease", daemon=True)
-        self._thread.start()
-
-    def _register(self) -> None:
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "sglang": self._urls}
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(lease_key(self._keys, self._id), "1", px=int(self._lease_s * 1000))
-        pipe.hset(self._keys.weights, f"join:{self._id}", json.dumps(info))
-        pipe.execute()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._lease_s / 3):
-            try:
-                self._register()
-            except redis.RedisError as exc:
-                log.warning("weights lease of %s not refreshed: %s", self._id, exc)
+        self._lease = Lease(client, keys, worker_id, cfg.lease_s, {"sglang": self._urls})
 
     @property
     def version(self) -> int | None:
@@ -542,9 +522,4 @@ class SglangSubscriber:
             time.sleep(_POLL_S)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(lease_key(self._keys, self._id))
-        pipe.hdel(self._keys.weights, f"join:{self._id}")
-        pipe.execute()
+        self._lease.end()
