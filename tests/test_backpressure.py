@@ -5,11 +5,11 @@ The trainer is made slow by stopping it (SIGSTOP) for most of each cycle — a l
 I/O stall — while two rollout workers run. Sampled every 0.1 s, the groups released and not yet
 trained, dropped or dead-lettered never exceed admission's bound, (η + 1) × G with a checkpoint
 after every step (otherwise up to `checkpoint_every` − 1 more steps of trained, not yet acked
-groups), and by the end of each stall they sit at the bound: the workers have filled the queue
-and wait — unless the stall caught the trainer between acking a step and releasing the next
-prompts (admission runs in the trainer too), so the test asserts what holds in every case: the
-workers have taken every released prompt. The streams' lengths stay within the bound plus the entries acked since their last
-trim, which a consumer does when it reads (at most every `queue.trim_every_s`, here always).
+groups). By the end of each stall the workers have taken every released prompt and wait, and
+mostly the queue then sits at the bound — not always: a stall may catch the trainer between
+acking a step and releasing the next prompts (admission runs in the trainer too). The streams'
+lengths stay within the bound plus the entries acked since their last trim, which a consumer
+does when it reads (at most every `queue.trim_every_s`, here always).
 
 The other two kinds of backpressure have their own tests in tests/test_queue.py: producers pause
 near Redis `maxmemory` (test_producer_pauses_under_memory_pressure_instead_of_raising), and

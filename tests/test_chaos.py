@@ -21,6 +21,7 @@ FAULTS = 20
 # dearest: this deck gets 20 mixed faults into the time budget.
 DECK = {"worker": 3, "redis": 3, "trainer": 1}
 
+
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory: pytest.TempPathFactory, random_model: Path) -> dict[str, Any]:
     return run_chaos(
