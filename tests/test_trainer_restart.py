@@ -217,3 +217,69 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
         restarted.client.close()
     assert ids == [first_id, second_id]
     assert [g.group_id for g in groups] == ["a", "b"]
+
+
+def test_restart_acks_every_ranks_covered_entries_once(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    """A 2-rank trainer died after its checkpoint was durable but before the ranks acked the
+    entries it covers. The restarted trainer — one rank now — acks both ranks' lists as trained,
+    leaves the entry of the unfinished step pending, and a second restart counts nothing twice."""
+    import torch
+
+    from asyncrl.config import load_config
+    from asyncrl.rollout.tiny_model import new_tiny_model
+    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.trainer.main import Trainer
+    from asyncrl.trainer.parallel import full_state
+
+    keys = Keys("covered")
+    run_dir = tmp_path / "run"
+    ids = [
+        redis_client.xadd(keys.trajectories, stream_fields(_group(f"g{i}"))).decode()
+        for i in range(5)
+    ]
+    # As if released and generated: the accounting balances with the entries pending.
+    redis_client.hset(keys.counters, "prompts_released", len(ids))
+    redis_client.xgroup_create(keys.trajectories, TRAJECTORIES_GROUP, id="0")
+    for consumer, n in (("trainer-0", 2), ("trainer-1", 3)):
+        redis_client.xreadgroup(TRAJECTORIES_GROUP, consumer, {keys.trajectories: ">"}, count=n)
+    covered = {"trainer-0": ids[:2], "trainer-1": ids[2:4]}  # ids[4]: the unfinished step's
+    model = new_tiny_model(seed=0)
+    save_checkpoint(
+        run_dir / "checkpoints",
+        model,
+        *full_state(model, torch.optim.AdamW(model.parameters())),
+        TrainerState(step=2, version=2, cursor={"seed": 0}, wall_seconds=1.0, covered=covered),
+        tokenizer_dir=random_model,
+        keep=2,
+    )
+    cfg = load_config(
+        None,
+        [
+            f"run.id={keys.run_id}",
+            f"run.dir={run_dir}",
+            f"redis.url={redis_server.url}",
+            f"model.path={random_model}",
+            "metrics.port=0",
+            "weights.type=store",
+            "trainer.device=cpu",
+            "trainer.max_steps=2",  # nothing left to train: restore, ack, leave
+            "trainer.checkpoint_every=1",
+            "rollout.n=2",
+        ],
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        for _ in range(2):
+            trainer = Trainer(cfg)
+            try:
+                assert trainer.run() == 0
+            finally:
+                trainer.client.close()
+            status = collect_status(redis_client, keys, run_dir)
+            assert status["counters"]["groups_trained"] == 4
+            assert pending_ids(redis_client, keys) == {ids[4]}
+            assert status["balanced"], status
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,10 +1,12 @@
 """One rank of a data-parallel `train_step` run, and the fixed batch both sides train on.
 
-    python tests/trainer_step_proc.py RANK WORLD STORE_FILE OUT_DIR
+    python tests/trainer_step_proc.py RANK WORLD STORE_FILE OUT_DIR PARALLEL
 
 Joins a gloo group through a FileStore, trains every case of `CASES` from the same initial
-weights on this rank's share of `make_groups()` (split by groups, as the trainer splits them) and
-writes `OUT_DIR/{case}-rank{RANK}.pt`: the updated parameters and the step's figures.
+weights on this rank's share of `make_groups()` (split by groups, as the trainer splits them),
+the model replicated (PARALLEL=ddp) or FSDP2-sharded (fsdp), and writes
+`OUT_DIR/{case}-rank{RANK}.pt`: the updated parameters (full tensors; with fsdp on rank 0 only,
+gathered as checkpoints gather them) and the step's figures.
 `tests/test_trainer_step.py` imports this module for the batch and the cases.
 """
 
@@ -22,6 +24,7 @@ from asyncrl.protocol import Sample, TrajectoryGroup
 from asyncrl.rollout.config import SamplingParams
 from asyncrl.rollout.tiny_model import new_tiny_model
 from asyncrl.trainer.batch import group_rows
+from asyncrl.trainer.parallel import full_state, shard
 from asyncrl.trainer.step import train_step
 
 N_GROUPS = 4
@@ -35,6 +38,8 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "token-mean-small-mb": ({"aggregation": "token-mean"}, 24),
     "seq-mean-token-mean-small-mb": ({"aggregation": "seq-mean-token-mean"}, 24),
     "seq-mean-token-sum-norm-small-mb": ({"aggregation": "seq-mean-token-sum-norm"}, 24),
+    # A KL term to a frozen reference model (another seed), sharded like the policy under fsdp.
+    "kl-loss-small-mb": ({"kl_coef": 0.5, "kl_in": "loss"}, 24),
 }
 
 
@@ -77,13 +82,22 @@ def make_groups() -> list[TrajectoryGroup]:
 
 
 def run_case(
-    name: str, groups: list[TrajectoryGroup], world: torch.distributed.ProcessGroup | None
+    name: str,
+    groups: list[TrajectoryGroup],
+    world: torch.distributed.ProcessGroup | None,
+    parallel: str = "ddp",
 ) -> dict[str, Any]:
     """Train one step of case `name` on `groups` from the seed-0 tiny model."""
     overrides, micro_batch_tokens = CASES[name]
     algo = AlgoConfig(**overrides)
     torch.manual_seed(0)
     model = new_tiny_model(seed=0)
+    ref_model = new_tiny_model(seed=2).requires_grad_(False) if algo.kl_coef else None
+    if parallel == "fsdp":
+        assert world is not None
+        for module in (model, ref_model):
+            if module is not None:
+                shard(module, torch.device("cpu"), world.size())
     # SGD: the update is linear in the gradient, so weights agree as closely as gradients do.
     # (Adam's first step is about lr·sign(g): float rounding of a gradient near 0 would flip it.)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -97,10 +111,15 @@ def run_case(
         micro_batch_tokens=micro_batch_tokens,
         grad_clip=1.0,
         current_version=CURRENT_VERSION,
+        ref_model=ref_model,
         world=world,
     )
+    if parallel == "fsdp":
+        params = full_state(model, optimizer)[0]
+    else:
+        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": params,
         "loss": stats.loss,
         "grad_norm": stats.grad_norm,
         "tokens": stats.tokens,
@@ -109,7 +128,7 @@ def run_case(
     }
 
 
-def main(rank: int, world_size: int, store_file: str, out_dir: Path) -> None:
+def main(rank: int, world_size: int, store_file: str, out_dir: Path, parallel: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -120,11 +139,11 @@ def main(rank: int, world_size: int, store_file: str, out_dir: Path) -> None:
     mine = groups[rank * per_rank : (rank + 1) * per_rank]
     try:
         for name in CASES:
-            result = run_case(name, mine, dist.group.WORLD)
+            result = run_case(name, mine, dist.group.WORLD, parallel)
             torch.save(result, out_dir / f"{name}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5])

@@ -1,7 +1,8 @@
 """Atomic trainer checkpoints: a Hugging Face model directory plus optimizer, RNG and run state.
 
 Layout: `{run_dir}/checkpoints/step_{step:08d}/` holds `config.json`, `model.safetensors`, the
-tokenizer files (so the folder loads with `from_pretrained`), `optimizer.pt`, `rng.pt` and
+tokenizer files (so the folder loads with `from_pretrained`), `optimizer.pt` (full tensors keyed
+by parameter name, whatever `trainer.parallel` and the rank count were), `rng.pt` and
 `trainer_state.json`. A checkpoint is written to `step_N.tmp`, every file fsynced, then renamed:
 a folder without the `.tmp` suffix is complete. Only then may trajectory entries of its steps be
 acked (DESIGN §9).
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.trainer.parallel import load_optimizer_state
+
 _PREFIX = "step_"
 
 
@@ -31,10 +34,10 @@ class TrainerState:
     """Data cursor (epoch, position, seed) of the prompts released up to this checkpoint."""
     wall_seconds: float
     """Training wall time accumulated over the run's lifetimes."""
-    covered: list[str] = field(default_factory=list)
-    """Trajectory entry ids (rank 0's) trained in the steps since the previous checkpoint. They
-    are acked right after this checkpoint is durable; a trainer killed in between acks them at
-    restart instead of training them again."""
+    covered: dict[str, list[str]] = field(default_factory=dict)
+    """Trajectory entry ids trained in the steps since the previous checkpoint, by the consumer
+    (`trainer-{rank}`) that holds them. They are acked right after this checkpoint is durable; a
+    trainer killed in between acks them at restart instead of training them again."""
 
 
 def _fsync_tree(path: Path) -> None:
@@ -52,23 +55,26 @@ def _fsync_tree(path: Path) -> None:
 def save_checkpoint(
     root: Path,
     model: Any,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
     state: TrainerState,
     *,
     tokenizer_dir: Path | None,
     keep: int,
 ) -> Path:
+    """Write `model`'s config with the full `model_state` and `optimizer_state` (from
+    `parallel.full_state`); rank 0 only."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{state.step:08d}"
     tmp = root / f"{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():
             if f.is_file() and ("token" in f.name or f.name == "special_tokens_map.json"):
                 shutil.copy2(f, tmp / f.name)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     # The data order is derived from the cursor, not from RNG state, so torch's RNG is all the
     # randomness a resumed step needs (dropout, if a model has it).
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
@@ -91,10 +97,12 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.removeprefix(_PREFIX)))
 
 
-def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Restore optimizer and RNG from `path` (the model is loaded from the same folder by the
-    caller) and return the run state."""
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> TrainerState:
+    """Restore optimizer and RNG from `path` (the caller loaded `model` from the same folder and
+    placed it; every rank calls this) and return the run state."""
+    load_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))

@@ -35,6 +35,12 @@ class TrainerConfig(Section):
     """Device of the trainer; auto picks cuda, then npu, then cpu."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trained model."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Layout of the model over several trainer ranks: `ddp` keeps a whole copy (and optimizer)
+    on each rank and all-reduces the gradients; `fsdp` shards parameters, gradients and optimizer
+    state with FSDP2 per decoder layer, for models that do not fit one device (the reference model
+    of `algo.kl_coef` too). Checkpoints and published weights hold full tensors either way. One
+    rank trains unsharded whatever the value. `fsdp` needs `trainer.eval_every=0`."""
     peak_flops: float | None = Field(default=None, gt=0)
     """Peak FLOP/s of one trainer device, for the estimated MFU (6 × params × tokens / time /
     (ranks × peak)); unset reports no MFU."""

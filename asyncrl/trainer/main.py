@@ -5,6 +5,12 @@ Order of durability (DESIGN §9): a step's trajectory entries stay pending on th
 and counted as trained. A trainer killed between checkpoints restarts from the last one, re-reads
 its pending entries first and trains on them again, so each trajectory shapes the surviving model
 exactly once. Restored weights are published under a new version, never a reused one.
+
+With several ranks, every decision that leads into a collective is taken together: ranks agree
+after each read whether all have their share, whether one was told to stop (SIGTERM) or waited in
+vain, so a signal to any one rank stops them all at the same point, none left alone in a
+collective. A checkpoint records every rank's trained-but-unacked entry ids (gathered to rank 0),
+and a restarted rank 0 acks those the previous trainer did not, on behalf of all ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 import signal
 import time
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +39,7 @@ from asyncrl.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from asyncrl.trainer.parallel import full_parameters, full_state, shard
 from asyncrl.trainer.step import train_step
 
 log = logging.getLogger("asyncrl.trainer")
@@ -53,7 +60,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def dist_backend(device: torch.device) -> str:
-    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+    """The trainer group's backend: the device's, and gloo for the small CPU tensors of the
+    bookkeeping collectives (normalisers, stop flags, entry ids) that NCCL / HCCL cannot carry."""
+    from asyncrl.device import backend_of
+
+    if device.type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device.type}:{backend_of(device.type)}"
+
+
+def consumer_name(rank: int) -> str:
+    """The stable trajectory consumer of a trainer rank (DESIGN §3)."""
+    return f"trainer-{rank}"
 
 
 class Trainer:
@@ -82,10 +100,12 @@ class Trainer:
                 f"the number of trainer ranks ({self.world_size})"
             )
         self.local_groups = cfg.trainer.groups_per_step // self.world_size
+        # One rank has nothing to shard.
+        self.sharded = cfg.trainer.parallel == "fsdp" and self.world_size > 1
         self.max_staleness = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
         self.stopping = False
         self.client = connect(cfg.redis)
-        self.name = f"trainer-{self.rank}"
+        self.name = consumer_name(self.rank)
         self.metrics = RoleMetrics("trainer", self.name)
         # The trainer's own Redis calls wait out outages like the queue's do.
         self.redis = RedisGuard(
@@ -100,15 +120,15 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         dtype = getattr(torch, cfg.trainer.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dtype)
-        self.model.to(self.device)  # type: ignore[arg-type]
         self.n_params = sum(p.numel() for p in self.model.parameters())
         if cfg.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self._place(self.model)
         self.ref_model = None
         if cfg.algo.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-            self.ref_model.to(self.device)  # type: ignore[arg-type]
             self.ref_model.eval().requires_grad_(False)
+            self._place(self.ref_model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.trainer.lr,
@@ -116,14 +136,14 @@ class Trainer:
             weight_decay=cfg.trainer.weight_decay,
         )
         self.task = build_task(cfg.task, self.tokenizer)
-        self.covered_at_restart: list[str] = []
+        self.covered_at_restart: dict[str, list[str]] = {}
         self.step = 0
         self.wall_offset = 0.0
         cursor = Cursor(seed=cfg.run.seed)
         if ckpts:
-            state = load_checkpoint(ckpts[-1], self.optimizer)
+            state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
             self.step, self.wall_offset = state.step, state.wall_seconds
-            self.covered_at_restart = state.covered if self.rank == 0 else []
+            self.covered_at_restart = state.covered if self.rank == 0 else {}
             cursor = Cursor(**state.cursor)
             log.info("resumed from %s (step %d)", ckpts[-1].name, self.step)
         published = self.redis.call(
@@ -203,6 +223,60 @@ class Trainer:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def _place(self, module: torch.nn.Module) -> None:
+        """Move `module` to the device: whole, or as FSDP shards."""
+        if self.sharded:
+            shard(module, self.device, self.world_size)
+        else:
+            module.to(self.device)
+
+    def _any(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over the ranks (one small all-reduce)."""
+        if self.world is None:
+            return list(flags)
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
+        return [bool(v) for v in t.tolist()]
+
+    def _gather_ids(self, ids: list[str]) -> dict[str, list[str]]:
+        """Every rank's entry ids by consumer name, complete on rank 0. They travel as JSON in
+        byte tensors padded to the longest: nothing is pickled."""
+        if self.world is None:
+            return {self.name: list(ids)}
+        data = torch.frombuffer(bytearray(json.dumps(ids).encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.world)
+        longest = max(int(n) for n in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.world)
+        return {
+            consumer_name(r): json.loads(t[: int(n)].numpy().tobytes())
+            for r, (t, n) in enumerate(zip(gathered, sizes, strict=True))
+        }
+
+    def _ack_covered(self) -> None:
+        """Rank 0 at restart: ack the entries trained into the checkpoint we resumed from whose
+        ack did not happen before the previous trainer died. Rank 0 first takes each list over
+        from its consumer (XCLAIM, which returns only ids still pending: those already acked are
+        neither acked nor counted again), so it also serves ranks that no longer exist."""
+        for consumer, ids in self.covered_at_restart.items():
+            held = self._take_over(ids) if ids else []
+            if held:
+                log.info("acking %d entries of %s trained before the restart", len(held), consumer)
+                self.consumer.ack(held, counters={"groups_trained": len(held)})
+
+    def _take_over(self, ids: list[str]) -> list[str]:
+        """Those of `ids` still pending, now pending on this rank's consumer."""
+
+        def claim() -> list[str]:
+            stream, group = self.keys.trajectories, TRAJECTORIES_GROUP
+            reply = self.client.xclaim(stream, group, self.name, 0, list(ids), justid=True)
+            return [i.decode() for i in cast(list[bytes], reply)]
+
+        return self.redis.call(claim, "take over trained entries")
+
     def _decode(self, fields: dict[bytes, bytes]) -> TrajectoryGroup:
         data = fields.get(b"data")
         if data is None:
@@ -229,70 +303,83 @@ class Trainer:
         return self.wall_offset + time.monotonic() - self.t0
 
     def _publish(self) -> float:
-        """Hand the current weights to the publisher; returns the blocking seconds."""
-        blocking = 0.0
-        if self.rank == 0:
-            blocking = self.publisher.publish(self.model, self.version)
-            self.redis.call(
-                lambda: self.client.set(self.keys.version, self.version), "publish the version"
-            )
-            self.metrics.policy_version.set(self.version)
+        """Hand the current weights to rank 0's publisher; returns the seconds it blocked. A
+        sharded model's full tensors are gathered first, with every rank taking part."""
+        start = time.perf_counter()
+        params = full_parameters(self.model) if self.sharded else self.model
+        if self.rank != 0:
+            return 0.0
+        gathered = time.perf_counter() - start
+        blocking = gathered + self.publisher.publish(params, self.version)
+        self.redis.call(
+            lambda: self.client.set(self.keys.version, self.version), "publish the version"
+        )
+        self.metrics.policy_version.set(self.version)
         return blocking
 
     # -- reading -------------------------------------------------------------------------------
 
-    def _collect(self) -> tuple[list[TrajectoryGroup], list[int], list[str]]:
-        """This rank's share of usable groups for the next step, their staleness and entry ids.
+    def _collect(self) -> tuple[list[TrajectoryGroup], list[int], list[str]] | None:
+        """This rank's share of usable groups for the next step, their staleness and entry ids;
+        None when the trainer is to stop.
 
-        The ids join `self.unacked` only once the step has run: a SIGTERM while collecting must
-        leave the groups collected so far pending (re-read after a restart), not ack them as
-        trained at the final checkpoint.
+        After every read (at most `redis.block_ms`) the ranks agree whether all have their share,
+        whether one was told to stop, or whether one got nothing for `trainer.wait_timeout_s`; so
+        a SIGTERM on any one rank stops all within a read, each leaving from here, and the step's
+        collectives run on all ranks or on none. A rank with its share reads no further but keeps
+        agreeing (and rank 0 releasing prompts: stale drops elsewhere free budget).
+
+        The ids join `self.unacked` only once the step has run: a stop while collecting leaves
+        the groups collected so far pending (re-read after a restart), not acked as trained at
+        the final checkpoint.
         """
         groups: list[TrajectoryGroup] = []
         staleness: list[int] = []
         ids: list[str] = []
         waited_since = time.monotonic()
-        while len(groups) < self.local_groups:
-            if self.stopping:
-                raise _Stop
-            if self.admission is not None:
+        while True:
+            if not self.stopping and self.admission is not None:
                 release = partial(self.admission.release, self.step, self.version)
                 self.redis.call(release, "release prompts")
-            with self.metrics.time_phase("queue_wait"):
-                deliveries = self.consumer.read(
-                    self.local_groups - len(groups), self.cfg.redis.block_ms
-                )
-            if not deliveries:
-                if time.monotonic() - waited_since > self.cfg.trainer.wait_timeout_s:
-                    raise SystemExit(
-                        "no trajectory for trainer.wait_timeout_s="
-                        f"{self.cfg.trainer.wait_timeout_s} seconds: are rollout workers running?"
+            if not self.stopping and len(groups) < self.local_groups:
+                with self.metrics.time_phase("queue_wait"):
+                    deliveries = self.consumer.read(
+                        self.local_groups - len(groups), self.cfg.redis.block_ms
                     )
-                continue
-            waited_since = time.monotonic()
-            for d in deliveries:
-                g: TrajectoryGroup = d.value
-                lag = self.version - g.min_version
-                if lag > self.max_staleness:
-                    self.consumer.ack([d.id], counters={"groups_dropped_stale": 1})
-                    self.metrics.trajectories_dropped["stale"].inc()
-                    continue
-                groups.append(g)
-                staleness.append(lag)
-                ids.append(d.id)
-        return groups, staleness, ids
+                if deliveries:
+                    waited_since = time.monotonic()
+                for d in deliveries:
+                    g: TrajectoryGroup = d.value
+                    lag = self.version - g.min_version
+                    if lag > self.max_staleness:
+                        self.consumer.ack([d.id], counters={"groups_dropped_stale": 1})
+                        self.metrics.trajectories_dropped["stale"].inc()
+                        continue
+                    groups.append(g)
+                    staleness.append(lag)
+                    ids.append(d.id)
+            short = len(groups) < self.local_groups
+            starved = short and time.monotonic() - waited_since > self.cfg.trainer.wait_timeout_s
+            short, stop, starved = self._any(short, self.stopping, starved)
+            if stop:
+                return None
+            if starved:
+                raise SystemExit(
+                    "no trajectory for trainer.wait_timeout_s="
+                    f"{self.cfg.trainer.wait_timeout_s} seconds: are rollout workers running?"
+                )
+            if not short:
+                return groups, staleness, ids
 
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.heartbeat.start()
-        if self.covered_at_restart:
-            # Trained into the checkpoint we resumed from, but the ack did not happen before the
-            # previous trainer died: ack them now (a no-op for ids no longer pending).
-            self.consumer.ack(
-                self.covered_at_restart, counters={"groups_trained": len(self.covered_at_restart)}
-            )
+        if self.rank == 0:
+            self._ack_covered()
+        if self.world is not None:
+            dist.barrier(self.world)  # no rank reads its pending entries before those acks
         self._publish()
         log.info(
             "trainer %s: step %d, version %d, %d rank(s), mode %s",
@@ -304,11 +391,12 @@ class Trainer:
         )
         try:
             while self.step < self.cfg.trainer.max_steps:
-                try:
-                    groups, staleness, ids = self._collect()
-                except _Stop:
+                waited_from = time.monotonic()
+                collected = self._collect()
+                if collected is None:
                     break
-                self._train(groups, staleness)
+                groups, staleness, ids = collected
+                self._train(groups, staleness, time.monotonic() - waited_from)
                 self.unacked.extend(ids)
                 if self.step % self.cfg.trainer.checkpoint_every == 0:
                     self._checkpoint()
@@ -326,7 +414,9 @@ class Trainer:
     def _on_sigterm(self, *_: object) -> None:
         self.stopping = True
 
-    def _train(self, groups: list[TrajectoryGroup], staleness: list[int]) -> None:
+    def _train(
+        self, groups: list[TrajectoryGroup], staleness: list[int], wait_seconds: float
+    ) -> None:
         t_start = time.monotonic()
         sampling = self.cfg.rollout.sampling
         rows = group_rows(groups, self.cfg.algo, sampling.max_new_tokens)
@@ -372,6 +462,8 @@ class Trainer:
             "grad_norm": stats.grad_norm,
             "lr": lr,
             "step_seconds": step_seconds,
+            # Collecting this step's groups: idle time when the rollouts are the bottleneck.
+            "wait_seconds": wait_seconds,
             "weight_publish_blocking_seconds": blocking,
             "weight_sync_seconds": self.last_sync_seconds,
             **stats.weight_quantiles,
@@ -388,7 +480,10 @@ class Trainer:
         )
 
     def _checkpoint(self) -> None:
+        """Collective: every rank contributes its entry ids and (sharded) state; rank 0 writes."""
         with self.metrics.time_phase("checkpoint"):
+            covered = self._gather_ids(self.unacked)
+            model_state, optimizer_state = full_state(self.model, self.optimizer)
             if self.rank == 0:
                 assert self.admission is not None
                 state = TrainerState(
@@ -396,12 +491,13 @@ class Trainer:
                     version=self.version,
                     cursor=self.admission.cursor.as_dict(),
                     wall_seconds=self.wall_seconds(),
-                    covered=list(self.unacked),
+                    covered=covered,
                 )
                 save_checkpoint(
                     self.run_dir / "checkpoints",
                     self.model,
-                    self.optimizer,
+                    model_state,
+                    optimizer_state,
                     state,
                     tokenizer_dir=self.tokenizer_dir,
                     keep=self.cfg.trainer.keep_checkpoints,
@@ -431,10 +527,6 @@ class Trainer:
         if self.jsonl is not None:
             self.jsonl.write(line)
         log.info("step %d eval accuracy %.3f", self.step, acc)
-
-
-class _Stop(Exception):
-    """SIGTERM arrived while waiting for data: checkpoint what was trained and leave."""
 
 
 def run_trainer(cfg: Config) -> int:

@@ -7,7 +7,9 @@ and the update is the truncated-IS policy gradient weighted by behaviour_weights
 
 Normalisers (token count, non-empty rows, response horizon) are summed over micro-batches and
 all-reduced over ranks before any loss is computed, and gradients are summed (not averaged) over
-ranks, so N ranks give the update of one rank on the whole batch.
+ranks — by one all-reduce here, or by FSDP's reduce-scatter for a sharded model — so N ranks give
+the update of one rank on the whole batch. Every rank runs the same number of forward and backward
+passes (padding with empty micro-batches), which a sharded model's collectives need.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from asyncrl.algo.losses import aggregate, gspo_loss, kl_penalty, ppo_loss
 from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
 from asyncrl.trainer.batch import MicroBatch, Row, collate
 from asyncrl.trainer.packing import pack_microbatches
+from asyncrl.trainer.parallel import global_value, is_sharded
 
 
 @dataclass
@@ -171,9 +174,10 @@ def train_step(
     keys = list(sums)
     totals = dict(zip(keys, _all_reduce([sums[k] for k in keys], world), strict=True))
     params = [p for p in model.parameters() if p.requires_grad]
-    if world is not None:
-        _all_reduce_grads(params, world)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if world is not None and not is_sharded(model):
+        _all_reduce_grads(params, world)  # FSDP has reduce-scattered them in backward
+    # Over sharded gradients the norm is a DTensor: the global norm, the same on every rank.
+    grad_norm = global_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = max(g_tokens, 1.0)

@@ -1,0 +1,92 @@
+"""How the trained model is laid out over the trainer ranks (`trainer.parallel`).
+
+- `ddp`: every rank holds the whole model and optimizer; `train_step` sums the gradients over
+  ranks with one all-reduce.
+- `fsdp`: FSDP2 (`fully_shard`) on every decoder layer and on the root, for models that do not fit
+  one device: parameters, gradients and optimizer state are sharded over the ranks, and FSDP
+  reduce-scatters the gradients. They are summed, not averaged (divide factor 1), because the loss
+  already uses global normalisers — as in `ddp`, N ranks make the update of one.
+
+Whatever the layout, checkpoints and published weights hold full tensors, in one format, so a run
+may change its layout or rank count across a restart. Gathering full tensors from shards is a
+collective: every rank calls `full_parameters` / `full_state`, rank 0 gets the tensors (on the
+CPU) and the other ranks empty results.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+
+def shard(module: torch.nn.Module, device: torch.device, world_size: int) -> None:
+    """FSDP2-wrap `module` in place: each block Hugging Face keeps whole (`_no_split_modules`,
+    the decoder layers), then the root. Shards move to `device`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    blocks = set(getattr(module, "_no_split_modules", None) or ())
+    for sub in list(module.modules()):
+        if type(sub).__name__ in blocks:
+            fully_shard(sub, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            # A plain SUM: a custom factor otherwise means PREMUL_SUM, which gloo (and hccl)
+            # lack.
+            sub.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def global_value(t: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (e.g. the grad norm of sharded gradients)."""
+    from torch.distributed.tensor import DTensor
+
+    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def full_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in `named_parameters()` order, for the weight publisher. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+    if not state:
+        return []
+    # The state dict also lists tied aliases: publish what `named_parameters()` would.
+    return [(name, state[name]) for name, _ in model.named_parameters()]
+
+
+def full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full model and optimizer state dicts (optimizer state keyed by parameter name) for a
+    checkpoint. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    # Gathered copies no longer share storage, so `save_pretrained` would store tied aliases
+    # (lm_head beside the embedding) twice: keep what loading expects.
+    names = {n for n, _ in model.named_parameters()}
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
+    return {k: v for k, v in model_state.items() if k not in aliases}, optimizer_state
+
+
+def load_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Restore a `full_state` optimizer dict; each rank keeps its own shard of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(
+        model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True)
+    )
