@@ -163,6 +163,26 @@ def test_killed_subscriber_is_dropped_and_a_newcomer_catches_up(harness: Harness
     assert versions(harness.client, RUN, "a") == [0, 1, 2]
 
 
+def test_a_member_dying_before_it_joins_costs_its_lease_not_the_sync_timeout(
+    harness: Harness,
+) -> None:
+    # b says it is ready for the epoch, then dies before building its end of the group: the
+    # collective's rendezvous would wait the sync timeout for it, holding up everyone.
+    harness.spawn("a")
+    harness.spawn("b", args=("--die-joining",))
+    pub = harness.publish_to({"a", "b"})
+    params = make_params(1)
+    started = time.monotonic()
+    pub.publish(params.items(), 0)
+    failed = harness.records.get(timeout=30)
+    assert not failed.ok and failed.sync_s < CFG.sync_timeout_s
+    harness.hold(["a"], 0, fingerprint(params))
+    took = time.monotonic() - started
+    # The gate notices the lapsed lease (1.5 s) and a is served by a group rebuilt without b.
+    assert took < CFG.sync_timeout_s, took
+    assert harness.records.get(timeout=30).ok
+
+
 def test_versions_published_during_a_slow_send_are_coalesced(harness: Harness) -> None:
     harness.spawn("a", args=("--slow-s", "1.0"))
     pub = harness.publish_to({"a"})

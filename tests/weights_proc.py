@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import torch
 
 from asyncrl.keys import Keys
 from asyncrl.weights import WeightsConfig, build_subscriber
+from asyncrl.weights.broadcast import BroadcastSubscriber
 from asyncrl.weights.buckets import checksum_tensors
 
 HELPER = Path(__file__)
@@ -131,7 +133,12 @@ def main() -> None:
     parser.add_argument("--sync-timeout-s", type=float, default=5.0)
     parser.add_argument("--lease-s", type=float, default=1.5)
     parser.add_argument("--slow-s", type=float, default=0.0, help="sleep in on_weights")
+    parser.add_argument(
+        "--die-joining", action="store_true", help="SIGKILL itself once it is a member, unjoined"
+    )
     args = parser.parse_args()
+    if args.die_joining:
+        BroadcastSubscriber._join = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     logging.basicConfig(level=logging.INFO, format=f"{args.worker} %(levelname)s %(message)s")
     torch.set_num_threads(1)
 

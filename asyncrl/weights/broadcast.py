@@ -26,7 +26,11 @@ PUBLISH on the channel of the same name (the doorbell subscribers block on).
 Forming epoch e: the publisher proposes it to the live subscribers, waits until each has set
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
 `epoch` and `members` = those ready, and all of them build the group. A subscriber that was left
-out stays registered and is proposed again at the next boundary.
+out stays registered and is proposed again at the next boundary. Building goes through a gate in
+the TCPStore (prefix `wsync/{e}`): each member sets `arrived/{rank}` and waits for `go`, which the
+publisher sets to 1 once all have arrived, or to 0 as soon as a missing member's lease lapses.
+A member that dies after saying ready then costs its lease (`weights.lease_s`), not the sync
+timeout that the collective's own rendezvous would wait out, for everyone.
 
 One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the
 flat buffer in buckets, and a trailer holding the checksum, all posted at once so that they
@@ -252,10 +256,32 @@ class BroadcastPublisher(BackgroundPublisher):
         log.info("weights epoch %d: %d subscriber(s)", epoch, len(members))
         if members:
             store = dist.PrefixStore(f"wsync/{epoch}", self._store)
+            gone = self._await_arrival(store, members)
+            store.set("go", "0" if gone else "1")
+            if gone:
+                raise RuntimeError(f"weights epoch {epoch}: {gone} left before the group was built")
             self._group = new_group(
                 self._backend, store, 0, len(members) + 1, self._timeout, self._device, self._addr
             )
         self._broken = False
+
+    def _await_arrival(self, store: dist.Store, members: list[str]) -> list[str]:
+        """Wait until every member has arrived at the gate; the members whose lease lapsed
+        first (or that the sync timeout gave up on)."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            missing = [m for i, m in enumerate(members, 1) if not store.check([f"arrived/{i}"])]
+            if not missing:
+                return []
+            if time.monotonic() > deadline:
+                return missing
+            pipe = self._client.pipeline(transaction=False)
+            for worker in missing:
+                pipe.exists(lease_key(self._keys, worker))
+            gone = [m for m, alive in zip(missing, pipe.execute(), strict=True) if not alive]
+            if gone:
+                return gone
+            time.sleep(_READY_POLL_S)
 
     def _release(self) -> None:
         if self._group is not None:
@@ -423,6 +449,10 @@ class BroadcastSubscriber(BackgroundSubscriber):
                     host, int(port), is_master=False, timeout=self._timeout, use_libuv=True
                 )
             store = dist.PrefixStore(f"wsync/{epoch}", self._store)
+            store.set(f"arrived/{rank}", "1")
+            store.wait(["go"], self._timeout)
+            if store.get("go") != b"1":
+                raise RuntimeError("the publisher called the epoch off: a member left")
             listen = local_addr_towards(host, int(port))
             self._group = new_group(
                 self._backend, store, rank, size, self._timeout, self._comm, listen
