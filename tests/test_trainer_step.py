@@ -152,3 +152,38 @@ def test_lag0_figures_count_only_responses_of_the_current_weights() -> None:
     mixed = generate(swap_at=3)  # tokens 0-2 by version 0, the rest stamped 1
     assert all(list(s.versions[:3]) == [0, 0, 0] and (s.versions[3:] == 1).all() for s in mixed)
     assert lag0(mixed) == (0, None)
+
+
+def test_rows_without_trained_tokens_cost_no_compute_and_change_nothing() -> None:
+    """A group whose rewards are all equal is masked out (`filter_zero_variance`): the step
+    skips its rows' forward and backward, and the update is the one without that group."""
+    import dataclasses
+
+    from asyncrl.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    groups = proc.make_groups()
+    flat = dataclasses.replace(
+        groups[0], samples=[dataclasses.replace(s, reward=1.0) for s in groups[0].samples]
+    )
+    algo = AlgoConfig()
+    results = []
+    for batch in (groups, [*groups, flat]):
+        rows = group_rows(batch, algo, proc.SAMPLING.max_new_tokens)
+        model = proc.new_tiny_model(seed=0)
+        stats = train_step(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            rows,
+            algo=algo,
+            sampling=proc.SAMPLING,
+            micro_batch_tokens=100_000,
+            grad_clip=1.0,
+            current_version=3,
+        )
+        results.append((stats, [p.detach().clone() for p in model.parameters()]))
+    (base, base_params), (with_flat, flat_params) = results
+    assert with_flat.processed_tokens == base.processed_tokens
+    assert with_flat.tokens == base.tokens
+    for a, b in zip(base_params, flat_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)

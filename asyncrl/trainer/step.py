@@ -94,10 +94,13 @@ def train_step(
 ) -> StepStats:
     """Forward/backward over packed micro-batches of `rows`, all-reduce, clip, step."""
     model.train()
-    local_tokens = float(sum(r.loss_mask.sum() for r in rows))
-    local_seqs = float(sum(1 for r in rows if r.loss_mask.any()))
-    bins = [b for b in pack_microbatches([r.length for r in rows], micro_batch_tokens)[0] if b]
     horizon_local = max((r.length - r.n_prompt for r in rows), default=1)
+    # Rows without a trained token (zero-variance groups once most answers are right) change
+    # neither the loss nor its normalisers: skipping them saves their forward and backward.
+    rows = [r for r in rows if r.loss_mask.any()]
+    local_tokens = float(sum(r.loss_mask.sum() for r in rows))
+    local_seqs = float(len(rows))
+    bins = [b for b in pack_microbatches([r.length for r in rows], micro_batch_tokens)[0] if b]
     g_tokens, g_seqs = _all_reduce([local_tokens, local_seqs], world)
     # Every rank runs the same number of micro-batches; missing ones are fully masked dummies.
     n_bins, horizon = (
