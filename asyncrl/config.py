@@ -55,7 +55,15 @@ class RolloutConfig(Section):
     n: int = Field(default=8, ge=1)
     """Samples generated per prompt (the group size)."""
     prompts_per_batch: int = Field(default=4, ge=1)
-    """Prompt groups a worker takes from the stream and generates as one batch."""
+    """Most prompt groups a worker takes from the stream in one read."""
+    max_inflight_episodes: int | None = Field(default=None, ge=1)
+    """Episodes a worker runs at once (n per prompt group). Multi-turn episodes that wait on
+    their environment leave the engine to the others, so a slow environment wants many; a
+    worker reads prompts while `n` more fit. None: prompts_per_batch × n (one batch at a time,
+    as single-turn tasks need)."""
+    turn_batch_wait_s: float = Field(default=0.02, ge=0.0)
+    """Longest time a multi-turn episode ready for its next turn waits for others coming back
+    from their environments, so that they share one generate call (fewer, larger batches)."""
     engine: EngineConfig = Field(default_factory=lambda: TorchEngineConfig())
     """The generation engine."""
     sampling: SamplingParams = Field(default_factory=SamplingParams)
@@ -112,10 +120,17 @@ class Config(Section):
             )
         if self.weights.store_dir is None:
             self.weights.store_dir = self.run.path / "weights"
-        if self.model.build_tiny and self.task.type != "arithmetic":
-            raise ValueError("model.build_tiny needs task.type=arithmetic (its warm-up task)")
+        if self.model.build_tiny and self.task.type not in ("arithmetic", "agentic"):
+            raise ValueError(
+                "model.build_tiny needs task.type=arithmetic or agentic (its warm-up task)"
+            )
         if self.algo.advantage in ("grpo", "drgrpo", "rloo") and self.rollout.n < 2:
             raise ValueError("rollout.n must be ≥ 2: group advantages need several samples")
+        if self.trainer.parallel == "fsdp" and self.trainer.eval_every:
+            raise ValueError(
+                "trainer.eval_every must be 0 with trainer.parallel=fsdp: evaluation runs on "
+                "rank 0 alone, and a sharded model computes only with all ranks together"
+            )
         return self
 
     def redacted(self) -> dict[str, Any]:
@@ -135,6 +150,14 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
             raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {key}")
         node = child
     node[parts[-1]] = value
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """The config tree of dotted keys, e.g. {"run.id": "x"} → {"run": {"id": "x"}}."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        _set_dotted(tree, key, value)
+    return tree
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

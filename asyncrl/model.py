@@ -18,7 +18,7 @@ class ModelConfig(Section):
     starts from it and rollout engines load it; no hub downloads."""
     build_tiny: bool = False
     """Build the offline tiny quickstart model (Qwen2 architecture, warmed on the arithmetic
-    task) at `path` if it is absent. Needs `task.type: arithmetic`."""
+    task) at `path` if it is absent. Needs `task.type: arithmetic` or `agentic`."""
 
 
 def is_complete(path: Path) -> bool:

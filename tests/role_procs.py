@@ -17,19 +17,14 @@ from typing import Any
 
 import yaml
 
+from asyncrl.config import nest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def write_config(path: Path, settings: dict[str, Any]) -> Path:
     """A config file from dotted keys, e.g. {"run.id": "x", "trainer.max_steps": 5}."""
-    tree: dict[str, Any] = {}
-    for key, value in settings.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    path.write_text(yaml.safe_dump(tree))
+    path.write_text(yaml.safe_dump(nest(settings)))
     return path
 
 

@@ -98,7 +98,9 @@ def minimal_loop(cfg_path: str, max_seconds: float) -> tuple[float | None, list]
     return time_to_target(evals), evals
 
 
-def asyncrl_run(cfg_path: str, max_seconds: float) -> tuple[float | None, list]:
+def launch_all(cfg_path: str, timeout_s: float, *overrides: str) -> list[dict]:
+    """Run `asyncrl launch --role all` on `cfg_path` with `overrides` in a temporary run
+    directory; the lines of its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [
@@ -113,10 +115,14 @@ def asyncrl_run(cfg_path: str, max_seconds: float) -> tuple[float | None, list]:
             "--progress",
             "quiet",
             f"run.dir={run_dir}",
-            "run.id=bench-quickstart",
+            *overrides,
         ]
-        subprocess.run(cmd, check=True, timeout=max_seconds + 120, stdout=subprocess.DEVNULL)
-        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        subprocess.run(cmd, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def asyncrl_run(cfg_path: str, max_seconds: float) -> tuple[float | None, list]:
+    lines = launch_all(cfg_path, max_seconds + 120, "run.id=bench-quickstart")
     evals = [(d["wall_seconds"], d["eval_accuracy"]) for d in lines if "eval_accuracy" in d]
     return time_to_target(evals), evals
 

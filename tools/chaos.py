@@ -73,6 +73,7 @@ from typing import Any, cast
 import redis
 import yaml
 
+from asyncrl.config import nest
 from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import is_balanced, stream_depths
@@ -127,14 +128,7 @@ def settings(
 
 
 def write_config(path: Path, flat: dict[str, Any]) -> Path:
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    path.write_text(yaml.safe_dump(tree))
+    path.write_text(yaml.safe_dump(nest(flat)))
     return path
 
 

@@ -209,4 +209,44 @@ class DatasetTaskConfig(Section):
     """How a response is scored against the answer."""
 
 
-TaskConfig = Annotated[ArithmeticTaskConfig | DatasetTaskConfig, Field(discriminator="type")]
+class AgenticTaskConfig(Section):
+    """Multi-turn episodes: `turns` questions `a+b=`, one per turn. Each answer goes to a tool
+    (the environment) that takes a log-normally distributed time before it returns the next
+    question, so episode times spread over tens of times; see `asyncrl.rollout.agentic`."""
+
+    type: Literal["agentic"] = "agentic"
+    """Task backend."""
+
+    digits: int = Field(default=2, ge=1, le=9)
+    """Digits of each operand (2: 10..99)."""
+
+    turns: int = Field(default=3, ge=1, le=16)
+    """Questions per episode. The context grows by a question and an answer every turn and
+    must fit the model's positions (the tiny model has 128)."""
+
+    eval_size: int = Field(default=500, ge=1)
+    """Held-out episodes, whose questions are never in the train split."""
+
+    train_size: int = Field(default=100_000, ge=1)
+    """Most train episodes; fewer when the pair space is smaller (2 digits, 3 turns: 2,200)."""
+
+    seed: int = 0
+    """Seed of the split; keep it fixed so that eval scores stay comparable across runs."""
+
+    tool_latency_median_s: float = Field(default=0.2, ge=0.0)
+    """Median seconds of one tool call (the wait before each observation and the verdict)."""
+
+    tool_latency_sigma: float = Field(default=1.0, ge=0.0)
+    """σ of the log of a tool call's seconds; 0: every call takes the median. At 1 the
+    slowest of a thousand calls takes about 20× the median."""
+
+    latency_seed: int = 0
+    """Seed of the latency draws; an episode draws from (latency_seed, its episode id)."""
+
+    reward: RewardConfig = Field(default_factory=ExactRewardConfig)
+    """How each answer is scored against its sum; the episode's reward is the mean over turns."""
+
+
+TaskConfig = Annotated[
+    ArithmeticTaskConfig | DatasetTaskConfig | AgenticTaskConfig, Field(discriminator="type")
+]

@@ -7,11 +7,16 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, assert_never, overload
+from typing import TYPE_CHECKING, Protocol, assert_never, overload, runtime_checkable
 
 import numpy as np
 
-from asyncrl.rollout.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
+from asyncrl.rollout.config import (
+    AgenticTaskConfig,
+    ArithmeticTaskConfig,
+    DatasetTaskConfig,
+    TaskConfig,
+)
 from asyncrl.rollout.rewards import build_reward
 
 if TYPE_CHECKING:
@@ -56,6 +61,37 @@ class Task(Protocol):
 
     def score(self, item: PromptItem, response_text: str) -> float:
         """Reward of a decoded response (special tokens removed)."""
+        ...
+
+
+class Environment(Protocol):
+    """What one multi-turn episode talks to between the policy's turns.
+
+    `step` is a coroutine: a tool awaits its I/O (an HTTP call, a sandbox, a judge) for as long
+    as it takes, and blocking work goes through `asyncio.to_thread`. The rollout worker runs the
+    steps of all its episodes on one event loop beside the generating thread, so thousands of
+    episodes can wait at once for the price of a timer each, not a thread each, while the engine
+    serves the others (`asyncrl.rollout.episodes`).
+    """
+
+    async def step(self, response_text: str) -> list[int] | None:
+        """Take the policy's turn (special tokens removed); return the observation's token ids
+        to append to the context before the next turn, or None when the episode is over."""
+        ...
+
+    def reward(self) -> float:
+        """The episode's reward; called once `step` has returned None."""
+        ...
+
+
+@runtime_checkable
+class EpisodicTask(Task, Protocol):
+    """A task whose prompts start multi-turn episodes. A plain `Task` is the one-turn case:
+    its response is scored with `score` and no environment is involved."""
+
+    def environment(self, item: PromptItem, episode_id: str) -> Environment:
+        """A fresh environment for one episode of `item`; `episode_id` is unique per episode
+        and seeds anything random in it."""
         ...
 
 
@@ -248,5 +284,9 @@ def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
             return ArithmeticTask(cfg, tokenizer)
         case DatasetTaskConfig():
             return DatasetTask(cfg, tokenizer)
+        case AgenticTaskConfig():
+            from asyncrl.rollout.agentic import AgenticTask  # it builds on this module
+
+            return AgenticTask(cfg, tokenizer)
         case _:
             assert_never(cfg)

@@ -1,9 +1,12 @@
-"""The rollout role: take prompt groups, generate n samples each, score, publish, then ack.
+"""The rollout role: take prompt groups, run n episodes each, score, publish, then ack.
 
-Publishing a trajectory group and acking its prompt happen in one Redis transaction, so a
-worker killed at any moment leaves either a whole group or a prompt that is still pending and is
-re-claimed once its heartbeat expires (DESIGN §9). SIGTERM drains: the batch in progress is
-finished and published, anything read but not started stays pending for another worker.
+Up to `rollout.max_inflight_episodes` episodes run at once (`asyncrl.rollout.episodes`): while
+some wait on their environment, the engine generates for the others, and prompts are read as
+room frees up. Each group is published as soon as its n episodes have ended. Publishing a
+trajectory group and acking its prompt happen in one Redis transaction, so a worker killed at
+any moment leaves either a whole group or a prompt that is still pending and is re-claimed once
+its heartbeat expires (DESIGN §9). SIGTERM drains: episodes in flight are finished and their
+groups published; prompts read but not started stay pending for another worker.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,15 +25,19 @@ from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
-    Sample,
     TrajectoryGroup,
     decode_prompt,
     stream_fields,
 )
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.config import SglangEngineConfig
-from asyncrl.rollout.sglang_engine import EngineError
+from asyncrl.rollout.episodes import EpisodeScheduler, FailedGroup, FinishedGroup
 from asyncrl.rollout.tasks import PromptItem
+
+if TYPE_CHECKING:
+    from asyncrl.queue import Delivery
+
+    Prompt = Delivery[PromptGroup]
 
 log = logging.getLogger("asyncrl.rollout")
 
@@ -100,7 +107,7 @@ class RolloutWorker:
             self.client,
             self.keys.worker("rollout", self.id),
             cfg.rollout.heartbeat_ttl_s,
-            lambda: {"version": self.engine.version, "tokens": self.tokens},
+            lambda: {"version": self.engine.version, "tokens": self.episodes.tokens},
         )
         self.consumer = Consumer(
             self.client,
@@ -116,7 +123,23 @@ class RolloutWorker:
             on_outage=self.metrics.redis_outage,
         )
         self.limits = Limits(max_message_bytes=cfg.queue.max_message_bytes)
-        self.tokens = 0
+        rollout = cfg.rollout
+        self.max_inflight = rollout.max_inflight_episodes or rollout.prompts_per_batch * rollout.n
+        self.episodes: EpisodeScheduler[Prompt] = EpisodeScheduler(
+            self.engine,
+            self.task,
+            self.tokenizer,
+            rollout.sampling,
+            batch_wait_s=rollout.turn_batch_wait_s,
+            on_generate=self._on_generate,
+        )
+        self.waiting: list[Prompt] = []
+        """Prompt deliveries read but not started: waiting for newer weights."""
+        self.read_at: dict[str, float] = {}
+        """When each waiting delivery was read (monotonic)."""
+        # Generation-side staleness bound: see `_admit`.
+        self.max_lag = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
+        self.max_hold_s = 2 * cfg.weights.sync_timeout_s
         if cfg.metrics.port:
             serve(cfg.metrics.host, cfg.metrics.port, self._health)
 
@@ -161,15 +184,21 @@ class RolloutWorker:
             self._wait_engine_version(target)
         log.info("rollout %s ready at version %d", self.id, self.engine.version)
         try:
-            while not self.stopping:
-                with self.metrics.time_phase("queue_wait"):
-                    deliveries = self.consumer.read(
-                        self.cfg.rollout.prompts_per_batch, self.cfg.redis.block_ms
-                    )
-                if deliveries:
-                    self._process(deliveries)
+            while not self.stopping or self.episodes.inflight:
+                if not self.stopping:
+                    self._admit()
+                if not self.episodes.inflight:
+                    if self.waiting:
+                        time.sleep(0.005)  # newer weights are on the way
+                    continue
+                # With room for more groups, come back soon to read them; else only a returning
+                # environment step (or SIGTERM, checked every second) has anything to do.
+                room = self._room() >= self.cfg.rollout.n
+                finished, failed = self.episodes.advance(0.05 if room else 1.0)
+                self._publish(finished, failed)
         finally:
             self.heartbeat.stop()
+            self.episodes.close()
             self.subscriber.close()
             close = getattr(self.engine, "close", None)
             if close is not None:
@@ -177,89 +206,78 @@ class RolloutWorker:
         return 0
 
     def _wait_engine_version(self, version: int) -> None:
-        """Block until the engine generates with at least `version` (sync mode, bootstrap)."""
+        """Block until the engine generates with at least `version` (bootstrap)."""
         # An idle engine applies staged weights at once, so only the subscriber is waited on.
         while self.engine.version < version and not self.stopping:
             time.sleep(0.005)
 
-    def _drop_failed(
-        self,
-        deliveries: list[Any],
-        prompts: list[PromptGroup],
-        flat: list[list[int]],
-        exc: EngineError,
-    ) -> tuple[list[Any], list[PromptGroup], list[list[int]], list[Any]]:
-        """Dead-letter the groups with a failed sample; keep the others for publishing."""
-        kept: tuple[list[Any], list[PromptGroup], list[list[int]], list[Any]] = ([], [], [], [])
-        offset = 0
-        for d, p in zip(deliveries, prompts, strict=True):
-            part = exc.generations[offset : offset + p.n]
-            if len(part) == p.n and all(g is not None for g in part):
-                kept[0].append(d)
-                kept[1].append(p)
-                kept[2].extend(flat[offset : offset + p.n])
-                kept[3].extend(part)
-            else:
-                self.consumer.dead_letter(d.id, d.fields, f"engine_{exc.reason}", exc.detail)
-            offset += p.n
-        return kept
+    def _room(self) -> int:
+        """Episodes that may still start; prompts held for their weights count as n each."""
+        held = self.episodes.inflight + len(self.waiting) * self.cfg.rollout.n
+        return self.max_inflight - held
 
-    def _process(self, deliveries: list[Any]) -> None:
-        prompts: list[PromptGroup] = [d.value for d in deliveries]
-        if self.cfg.run.mode == "sync":
-            self._wait_engine_version(max(p.release_version for p in prompts))
-        created = time.time()
-        flat: list[list[int]] = []
-        for p in prompts:
-            ids = [int(t) for t in p.prompt_ids] or self.tokenizer(p.prompt)["input_ids"]
-            flat.extend([ids] * p.n)
-        t0 = time.monotonic()
-        with self.metrics.time_phase("generate"):
-            try:
-                gens: list[Any] = self.engine.generate(flat, self.cfg.rollout.sampling)
-            except EngineError as exc:
-                deliveries, prompts, flat, gens = self._drop_failed(deliveries, prompts, flat, exc)
-                if not deliveries:
-                    return
-        n_tokens = sum(len(g.token_ids) for g in gens)
-        self.tokens += n_tokens
-        self.metrics.generated(n_tokens, time.monotonic() - t0)
-        with self.metrics.time_phase("score"):
-            texts = self.tokenizer.batch_decode(
-                [g.token_ids.tolist() for g in gens], skip_special_tokens=True
-            )
-            groups, offset = [], 0
-            for d, p in zip(deliveries, prompts, strict=True):
-                item = PromptItem(p.prompt_id, p.prompt, flat[offset], p.answer)
-                samples = [
-                    Sample(
-                        response_ids=g.token_ids,
-                        logprobs=g.logprobs,
-                        versions=g.versions,
-                        reward=float(self.task.score(item, text)),
-                        finish=g.finish,
-                    )
-                    for g, text in zip(
-                        gens[offset : offset + p.n], texts[offset : offset + p.n], strict=True
-                    )
-                ]
-                offset += p.n
-                groups.append(
-                    TrajectoryGroup(
-                        run=self.keys.run_id,
-                        group_id=d.id,
-                        prompt_id=p.prompt_id,
-                        release_version=p.release_version,
-                        worker=self.id,
-                        created_at=created,
-                        finished_at=time.time(),
-                        prompt_ids=np.asarray(item.prompt_ids, np.int32),
-                        samples=samples,
-                    )
+    def _admit(self) -> None:
+        """Read prompts while there is room (without waiting when episodes are in flight), and
+        start those whose weights are fresh enough.
+
+        A group is trained at its release version or later, so one generated with weights older
+        than `release_version − η` is dropped as stale for sure: such a prompt waits for newer
+        weights instead (the generation side of the staleness bound; sync mode is η = 0). A
+        worker whose weight sync is stuck must not hold its prompts, and with them admission's
+        budget, forever: after twice `weights.sync_timeout_s` it generates anyway, and the
+        trainer drops what turns out stale, which frees the budget."""
+        busy = bool(self.episodes.inflight or self.waiting)
+        count = min(self.cfg.rollout.prompts_per_batch, self._room() // self.cfg.rollout.n)
+        if count > 0 or not busy:
+            with self.metrics.time_phase("queue_wait"):
+                self.waiting.extend(
+                    self.consumer.read(max(count, 1), 0 if busy else self.cfg.redis.block_ms)
                 )
+        held = []
+        now = time.monotonic()
+        for d in self.waiting:
+            p: PromptGroup = d.value
+            read_at = self.read_at.setdefault(d.id, now)
+            fresh = self.engine.version >= p.release_version - self.max_lag
+            if not fresh and (self.max_lag == 0 or now - read_at < self.max_hold_s):
+                held.append(d)
+                continue
+            self.read_at.pop(d.id)
+            ids = [int(t) for t in p.prompt_ids] or self.tokenizer(p.prompt)["input_ids"]
+            self.episodes.start(d, PromptItem(p.prompt_id, p.prompt, ids, p.answer), p.n, d.id)
+        self.waiting = held
+
+    def _on_generate(self, tokens: int, seconds: float) -> None:
+        self.metrics.time_seconds["generate"].inc(seconds)
+        self.metrics.generated(tokens, seconds)
+
+    def _publish(
+        self, finished: list[FinishedGroup[Prompt]], failed: list[FailedGroup[Prompt]]
+    ) -> None:
+        """Dead-letter the failed groups; publish the finished ones and ack their prompts in one
+        transaction."""
+        for f in failed:
+            self.consumer.dead_letter(f.tag.id, f.tag.fields, f.reason, f.detail)
+        if not finished:
+            return
+        now = time.time()
+        groups = [
+            TrajectoryGroup(
+                run=self.keys.run_id,
+                group_id=f.tag.id,
+                prompt_id=f.item.prompt_id,
+                release_version=f.tag.value.release_version,
+                worker=self.id,
+                created_at=f.created_at,
+                finished_at=now,
+                prompt_ids=np.asarray(f.item.prompt_ids, np.int32),
+                samples=f.samples,
+            )
+            for f in finished
+        ]
         with self.metrics.time_phase("publish"):
             self.consumer.ack(
-                [d.id for d in deliveries],
+                [f.tag.id for f in finished],
                 also_add=[(self.keys.trajectories, stream_fields(g)) for g in groups],
                 counters={"groups_published": len(groups)},
             )

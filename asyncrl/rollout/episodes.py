@@ -1,0 +1,298 @@
+"""Episodes in flight: many multi-turn episodes at once, so that waiting on environments does not
+idle the engine.
+
+An episode is in one of three places: ready for a generation turn, inside its environment (a
+task on the scheduler's event loop thread, possibly awaiting a tool), or ended. Each `advance`
+takes back the environment steps that returned, then runs one `engine.generate` over every
+ready episode, so the engine always batches whatever is ready while the rest wait. A group (the
+n episodes of one prompt) is handed back as soon as its last episode ends. A plain `Task` gives
+one-turn episodes scored inline, with no event loop involved: the single-turn path is one
+generate and one score.
+
+The response of a multi-turn sample holds every turn in order. Generated tokens keep the
+behaviour log-prob and policy version the engine recorded, so a weight swap between turns shows
+as a version step; observation tokens get loss mask 0, log-prob 0 and the version of the token
+before them, so versions stay non-decreasing and the trainer does not learn to predict them.
+
+Worked example (a 2-turn episode, weights v3 → v4 swapped while the tool ran):
+
+    tokens    4  6  <eos> | <bos> 5  6  +  7  8  = | 1  3  4  <eos>
+    versions  3  3  3     | 3     3  3  3  3  3  3 | 4  4  4  4
+    loss_mask 1  1  1     | 0     0  0  0  0  0  0 | 1  1  1  1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from asyncrl.protocol import Sample
+from asyncrl.rollout.config import SamplingParams
+from asyncrl.rollout.engine import Generation, RolloutEngine
+from asyncrl.rollout.tasks import Environment, EpisodicTask, PromptItem, Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
+
+
+@dataclass
+class FinishedGroup(Generic[T]):
+    """All n episodes of a prompt, ended."""
+
+    tag: T
+    """What the caller started the group with (the worker: its stream delivery)."""
+    item: PromptItem
+    samples: list[Sample]
+    """One per episode, in episode order."""
+    created_at: float
+    """Unix seconds when the group's episodes started."""
+
+
+@dataclass
+class FailedGroup(Generic[T]):
+    """A group given up because a generation or an environment step failed."""
+
+    tag: T
+    reason: str
+    """Short stable code: `engine_{reason}` of an EngineError, or `env_error`."""
+    detail: str
+
+
+@dataclass
+class _Group(Generic[T]):
+    tag: T
+    item: PromptItem
+    samples: list[Sample | None]
+    created_at: float
+    failed: bool = False
+
+    @property
+    def done(self) -> bool:
+        return all(s is not None for s in self.samples)
+
+
+@dataclass
+class _Episode:
+    group: _Group[Any]
+    index: int
+    env: Environment | None
+    context: list[int]
+    ids: list[np.ndarray] = field(default_factory=list)
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    versions: list[np.ndarray] = field(default_factory=list)
+    mask: list[np.ndarray] = field(default_factory=list)
+    turns: int = 0
+    finish: str = "length"
+
+    def add_turn(self, gen: Generation) -> None:
+        self.ids.append(gen.token_ids)
+        self.logprobs.append(gen.logprobs)
+        self.versions.append(gen.versions)
+        self.mask.append(np.ones(len(gen.token_ids), np.uint8))
+        self.context.extend(gen.token_ids.tolist())
+        self.turns += 1
+        self.finish = gen.finish
+
+    def observe(self, ids: list[int]) -> None:
+        n = len(ids)
+        self.ids.append(np.asarray(ids, np.int32))
+        self.logprobs.append(np.zeros(n, np.float32))
+        self.versions.append(np.full(n, self.versions[-1][-1], np.int32))
+        self.mask.append(np.zeros(n, np.uint8))
+        self.context.extend(ids)
+
+    def sample(self, reward: float) -> Sample:
+        mask = np.concatenate(self.mask)
+        return Sample(
+            response_ids=np.concatenate(self.ids).astype(np.int32),
+            logprobs=np.concatenate(self.logprobs).astype(np.float32),
+            versions=np.concatenate(self.versions).astype(np.int32),
+            reward=float(reward),
+            finish="stop" if self.finish == "stop" else "length",
+            meta={} if self.env is None else {"turns": self.turns},
+            # One-turn samples keep the wire as it was: no mask means every token is trained on.
+            loss_mask=None if mask.all() else mask,
+        )
+
+
+class EpisodeScheduler(Generic[T]):
+    """Runs the episodes of started groups; one thread (the caller's) drives generation.
+
+    `start` begins a group's n episodes, `advance` moves every episode on by at most one step and
+    returns the groups that ended. `inflight` counts the episodes of groups not yet returned.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        task: Task,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingParams,
+        *,
+        batch_wait_s: float = 0.0,
+        on_generate: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._task = task
+        self._episodic = task if isinstance(task, EpisodicTask) else None
+        self._tokenizer = tokenizer
+        self._sampling = sampling
+        self._on_generate = on_generate
+        self._batch_wait_s = batch_wait_s
+        # Environment steps await their tools on one event loop thread: a waiting episode costs
+        # a timer, where a thread each would cost a millisecond of CPU per step in switching.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._steps: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+        self._ready: list[_Episode] = []
+        self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
+        self._at_env = 0  # episodes inside their environment now
+        self._returned: queue.SimpleQueue[tuple[_Episode, list[int] | Exception | None]] = (
+            queue.SimpleQueue()
+        )
+        self._groups: list[_Group[T]] = []
+        self._failed: list[FailedGroup[T]] = []
+        self.inflight = 0
+        self.tokens = 0
+        """Tokens generated so far (observations not counted)."""
+
+    def start(self, tag: T, item: PromptItem, n: int, episode_prefix: str) -> None:
+        """Begin the n episodes of `item`; episode i's environment gets the id
+        `{episode_prefix}/{i}`."""
+        group: _Group[T] = _Group(tag, item, [None] * n, time.time())
+        self._groups.append(group)
+        for i in range(n):
+            env = None
+            if self._episodic is not None:
+                env = self._episodic.environment(item, f"{episode_prefix}/{i}")
+            self._make_ready(_Episode(group, i, env, list(item.prompt_ids)))
+        self.inflight += n
+
+    def advance(self, wait_s: float) -> tuple[list[FinishedGroup[T]], list[FailedGroup[T]]]:
+        """Take back returned environment steps (waiting up to `wait_s` for one when no episode
+        is ready for a turn), generate one turn for every ready episode, and return the groups
+        that ended or failed since the last call."""
+        self._take_back(wait_s if not self._ready else 0.0)
+        # Every generate call pays its decode steps' fixed overhead once, so ready episodes wait
+        # a little for others coming back from their environments to share one.
+        deadline = self._ready_since + self._batch_wait_s
+        while self._ready and self._at_env and (left := deadline - time.monotonic()) > 0:
+            self._take_back(left)
+        if self._ready:
+            self._generate()
+        finished: list[FinishedGroup[T]] = []
+        for g in self._groups:
+            if g.done and not g.failed:
+                samples = [s for s in g.samples if s is not None]
+                finished.append(FinishedGroup(g.tag, g.item, samples, g.created_at))
+                self.inflight -= len(samples)
+        self._groups = [g for g in self._groups if not g.done and not g.failed]
+        failed, self._failed = self._failed, []
+        return finished, failed
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _fail(self, group: _Group[T], reason: str, detail: str) -> None:
+        if group.failed:
+            return
+        group.failed = True
+        self.inflight -= len(group.samples)
+        self._failed.append(FailedGroup(group.tag, reason, detail))
+        # Its other episodes are dropped now; those inside an environment are ignored on return.
+        self._ready = [ep for ep in self._ready if ep.group is not group]
+
+    def _take_back(self, wait_s: float) -> None:
+        returned = []
+        if wait_s > 0:
+            try:
+                returned.append(self._returned.get(timeout=wait_s))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                returned.append(self._returned.get_nowait())
+            except queue.Empty:
+                break
+        self._at_env -= len(returned)
+        for ep, result in returned:
+            if ep.group.failed:
+                continue
+            if isinstance(result, Exception):
+                self._fail(ep.group, "env_error", f"{type(result).__name__}: {result}")
+            elif result is None:
+                assert ep.env is not None
+                ep.group.samples[ep.index] = ep.sample(ep.env.reward())
+            else:
+                ep.observe(result)
+                self._make_ready(ep)
+
+    def _generate(self) -> None:
+        from asyncrl.rollout.sglang_engine import EngineError
+
+        batch, self._ready = self._ready, []
+        t0 = time.monotonic()
+        try:
+            gens: list[Generation | None] = list(
+                self._engine.generate([ep.context for ep in batch], self._sampling)
+            )
+        except EngineError as exc:
+            gens = exc.generations or [None] * len(batch)
+            for ep, gen in zip(batch, gens, strict=True):
+                if gen is None:
+                    self._fail(ep.group, f"engine_{exc.reason}", exc.detail)
+        done = [(ep, g) for ep, g in zip(batch, gens, strict=True) if g is not None]
+        n_tokens = sum(len(g.token_ids) for _, g in done)
+        self.tokens += n_tokens
+        if self._on_generate is not None:
+            self._on_generate(n_tokens, time.monotonic() - t0)
+        done = [(ep, g) for ep, g in done if not ep.group.failed]
+        texts = self._tokenizer.batch_decode(
+            [g.token_ids.tolist() for _, g in done], skip_special_tokens=True
+        )
+        to_env = []
+        for (ep, gen), text in zip(done, texts, strict=True):
+            ep.add_turn(gen)
+            if ep.env is None:
+                ep.group.samples[ep.index] = ep.sample(self._task.score(ep.group.item, text))
+            else:
+                to_env.append((ep, text))
+        if to_env:
+            self._at_env += len(to_env)
+            self._event_loop().call_soon_threadsafe(self._spawn, to_env)
+
+    def _make_ready(self, ep: _Episode) -> None:
+        if not self._ready:
+            self._ready_since = time.monotonic()
+        self._ready.append(ep)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="env-loop", daemon=True).start()
+        return self._loop
+
+    def _spawn(self, steps: list[tuple[_Episode, str]]) -> None:
+        """On the loop thread: start the environment steps of one generate call."""
+        assert self._loop is not None
+        for ep, text in steps:
+            task = self._loop.create_task(self._env_step(ep, text))
+            self._steps.add(task)
+            task.add_done_callback(self._steps.discard)
+
+    async def _env_step(self, ep: _Episode, text: str) -> None:
+        assert ep.env is not None
+        try:
+            result: list[int] | Exception | None = await ep.env.step(text)
+        except Exception as exc:  # a failing tool fails its group, never the worker
+            result = exc
+        self._returned.put((ep, result))

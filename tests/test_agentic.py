@@ -1,0 +1,260 @@
+"""The agentic task and the episode scheduler: hand-worked episodes (tokens, masks, versions
+across a weight swap, rewards), many episodes in flight behind a slow tool, and failures."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
+from asyncrl.rollout.agentic import AgenticTask, LogNormalLatency
+from asyncrl.rollout.config import AgenticTaskConfig, ArithmeticTaskConfig, SamplingParams
+from asyncrl.rollout.engine import Generation
+from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
+from asyncrl.rollout.sglang_engine import EngineError
+from asyncrl.rollout.tasks import ArithmeticTask, PromptItem, build_task
+from asyncrl.rollout.tiny_model import BOS_ID, EOS_ID, build_tokenizer
+
+PARAMS = SamplingParams(max_new_tokens=4)
+
+
+def digit(d: int) -> int:
+    return 3 + d  # the tiny vocabulary: <pad> <bos> <eos> 0..9 + =
+
+
+PLUS, EQ = 13, 14
+
+
+class ScriptedEngine:
+    """Answers every prompt with `reply`, log-prob −0.5 per token, at `version`."""
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply = reply
+        self.version = 0
+        self.batches: list[int] = []
+        self.fail_at: set[int] = set()
+        """Prompt indices of the next call that fail (EngineError with partial results)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        self.batches.append(len(prompts))
+        n = len(self.reply)
+        gens = [
+            Generation(
+                token_ids=np.array(self.reply, np.int32),
+                logprobs=np.full(n, -0.5, np.float32),
+                versions=np.full(n, self.version, np.int32),
+                finish="stop",
+            )
+            for _ in prompts
+        ]
+        if self.fail_at:
+            partial = [None if i in self.fail_at else g for i, g in enumerate(gens)]
+            self.fail_at = set()
+            raise EngineError("timeout", "scripted failure", partial)
+        return gens
+
+
+def run_until_done(
+    sched: EpisodeScheduler[str], groups: int, timeout_s: float = 30.0
+) -> list[FinishedGroup[str]]:
+    done: list[FinishedGroup[str]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(done) < groups:
+        assert time.monotonic() < deadline, "episodes did not finish"
+        finished, failed = sched.advance(0.05)
+        assert not failed
+        done.extend(finished)
+    return done
+
+
+def test_agentic_items_split_and_first_turn_score() -> None:
+    tok = build_tokenizer()
+    task = AgenticTask(AgenticTaskConfig(turns=3, eval_size=10, train_size=20), tok)
+    train, held_out = task.train_items(0, 0), task.eval_items()
+    assert (len(train), len(held_out)) == (20, 10)
+    item = train[0]
+    questions = item.prompt_id.split(";")
+    assert len(questions) == 3
+    assert item.prompt == questions[0] + "="
+    assert item.prompt_ids == tok(item.prompt)["input_ids"]
+    for q, scripted in zip(questions, item.answer.split(";"), strict=True):
+        a, b = map(int, q.split("+"))
+        assert scripted == f"{a}+{b}={a + b}"
+    seen = {q for it in train for q in it.prompt_id.split(";")}
+    assert not seen & {q for it in held_out for q in it.prompt_id.split(";")}
+    first = sum(map(int, questions[0].split("+")))
+    assert task.score(item, str(first)) == 1.0
+    assert task.score(item, str(first + 1)) == 0.0
+    # Registered in the factory by config `type`.
+    built = build_task(AgenticTaskConfig(turns=2, eval_size=5, train_size=5), tok)
+    assert isinstance(built, AgenticTask)
+    with pytest.raises(ValueError, match=r"task\.eval_size"):
+        AgenticTask(AgenticTaskConfig(turns=8, eval_size=1100), tok)
+
+
+def test_lognormal_latency_median_spread_and_seed() -> None:
+    fixed = LogNormalLatency(0.25, 0.0, np.random.default_rng(0))
+    assert [fixed.draw() for _ in range(3)] == [0.25, 0.25, 0.25]
+    assert LogNormalLatency(0.0, 1.0, np.random.default_rng(0)).draw() == 0.0
+    draws = [LogNormalLatency(0.2, 1.0, np.random.default_rng(7)).draw() for _ in range(2)]
+    assert draws[0] == draws[1]  # seeded
+    many = np.array(
+        [LogNormalLatency(0.2, 1.0, np.random.default_rng(i)).draw() for i in range(2000)]
+    )
+    assert 0.17 < np.median(many) < 0.23
+    assert many.max() / many.min() > 100  # tens of times apart, and more
+
+
+def test_episode_tokens_masks_versions_and_reward_hand_worked() -> None:
+    tok = build_tokenizer()
+    task = AgenticTask(
+        AgenticTaskConfig(turns=2, eval_size=1, train_size=1, tool_latency_median_s=0.0), tok
+    )
+    item = PromptItem("12+34;56+78", "12+34=", tok("12+34=")["input_ids"], "12+34=46;56+78=134")
+    engine = ScriptedEngine([digit(4), digit(6), EOS_ID])  # "46": right, then wrong
+    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS)
+    engine.version = 3
+    sched.start("g", item, 2, "entry-1")
+    assert sched.inflight == 2
+    assert sched.advance(0.0) == ([], [])  # turn 1 generated; both episodes at the tool
+    engine.version = 4  # a weight swap between the turns
+    (group,) = run_until_done(sched, 1)
+    sched.close()
+    assert sched.inflight == 0
+    # Turn 1 of both episodes in one generate call; turn 2 as they came back from the tool.
+    assert engine.batches[0] == 2 and sum(engine.batches) == 4
+    obs = [BOS_ID, digit(5), digit(6), PLUS, digit(7), digit(8), EQ]
+    answer = [digit(4), digit(6), EOS_ID]
+    for s in group.samples:
+        assert s.response_ids.tolist() == answer + obs + answer
+        assert s.loss_mask is not None
+        assert s.loss_mask.tolist() == [1] * 3 + [0] * 7 + [1] * 3
+        assert s.versions.tolist() == [3] * 3 + [3] * 7 + [4] * 3
+        assert s.logprobs.tolist() == [-0.5] * 3 + [0.0] * 7 + [-0.5] * 3
+        assert s.reward == 0.5
+        assert s.meta == {"turns": 2}
+    # The wire accepts it: versions non-decreasing, logprobs ≤ 0, mask 0/1.
+    wire = TrajectoryGroup(
+        run="r",
+        group_id="entry-1",
+        prompt_id=item.prompt_id,
+        release_version=3,
+        worker="w",
+        created_at=group.created_at,
+        finished_at=time.time(),
+        prompt_ids=np.asarray(item.prompt_ids, np.int32),
+        samples=group.samples,
+    )
+    back = decode_group(encode_group(wire), current_version=4)
+    assert back.samples[0].loss_mask.tolist() == group.samples[0].loss_mask.tolist()  # type: ignore[union-attr]
+
+
+def test_single_turn_task_is_one_generate_and_inline_score() -> None:
+    tok = build_tokenizer()
+    task = ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=2), tok)
+    items = list(task.train_items(0, 0))
+    engine = ScriptedEngine([digit(4), digit(6), EOS_ID])
+    sched: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tok, PARAMS)
+    for i, item in enumerate(items):
+        sched.start(i, item, 3, f"e{i}")
+    finished, failed = sched.advance(0.0)
+    sched.close()
+    assert engine.batches == [6] and not failed and sched.inflight == 0
+    assert [f.tag for f in finished] == [0, 1]
+    for f in finished:
+        want = 1.0 if f.item.answer == "46" else 0.0
+        for s in f.samples:
+            assert s.loss_mask is None and s.meta == {}
+            assert s.response_ids.tolist() == [digit(4), digit(6), EOS_ID]
+            assert s.reward == want
+
+
+def test_failed_generation_fails_only_its_group() -> None:
+    tok = build_tokenizer()
+    task = AgenticTask(
+        AgenticTaskConfig(turns=2, eval_size=1, train_size=4, tool_latency_median_s=0.0), tok
+    )
+    items = list(task.train_items(0, 0))[:2]
+    engine = ScriptedEngine([digit(1), EOS_ID])
+    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS)
+    sched.start("a", items[0], 2, "a")
+    sched.start("b", items[1], 2, "b")
+    engine.fail_at = {3}  # the second episode of group b
+    finished, failed = sched.advance(0.0)
+    assert finished == [] and [(f.tag, f.reason) for f in failed] == [("b", "engine_timeout")]
+    assert sched.inflight == 2
+    (group,) = run_until_done(sched, 1)
+    sched.close()
+    assert group.tag == "a" and len(group.samples) == 2 and sched.inflight == 0
+
+
+class _BrokenTool:
+    async def step(self, response_text: str) -> list[int] | None:
+        raise ConnectionError("tool down")
+
+    def reward(self) -> float:
+        return 0.0
+
+
+class _BrokenToolTask(ArithmeticTask):
+    def environment(self, item: PromptItem, episode_id: str) -> _BrokenTool:
+        return _BrokenTool()
+
+
+def test_failing_tool_fails_its_group_not_the_scheduler() -> None:
+    tok = build_tokenizer()
+    task = _BrokenToolTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
+    sched: EpisodeScheduler[str] = EpisodeScheduler(
+        ScriptedEngine([digit(1), EOS_ID]), task, tok, PARAMS
+    )
+    sched.start("x", task.train_items(0, 0)[0], 2, "x")
+    failed = []
+    deadline = time.monotonic() + 10
+    while not failed:
+        assert time.monotonic() < deadline
+        finished, failed = sched.advance(0.05)
+        assert not finished
+    sched.close()
+    assert [(f.tag, f.reason) for f in failed] == [("x", "env_error")]
+    assert "tool down" in failed[0].detail and sched.inflight == 0
+
+
+def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(random_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.config import TorchEngineConfig
+    from asyncrl.rollout.engine import build_engine
+
+    groups, n, turns, latency = 12, 2, 3, 0.4
+    tok = AutoTokenizer.from_pretrained(random_model)
+    task = AgenticTask(
+        AgenticTaskConfig(
+            turns=turns,
+            eval_size=1,
+            train_size=groups,
+            tool_latency_median_s=latency,
+            tool_latency_sigma=0.0,
+        ),
+        tok,
+    )
+    engine = build_engine(TorchEngineConfig(), model_path=str(random_model))
+    sched: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tok, PARAMS)
+    t0 = time.monotonic()
+    for i, item in enumerate(list(task.train_items(0, 0))[:groups]):
+        sched.start(i, item, n, f"e{i}")
+    assert sched.inflight == groups * n
+    done = run_until_done(sched, groups)
+    elapsed = time.monotonic() - t0
+    sched.close()
+    # Every episode waited turns × latency on its tool; run one after another they would take
+    # groups × n × turns × latency (28.8 s), group after group groups × turns × latency (14.4 s).
+    assert turns * latency <= elapsed < 0.35 * groups * turns * latency, elapsed
+    for g in done:
+        for s in g.samples:
+            assert s.meta == {"turns": turns}
+            assert s.loss_mask is not None and (s.loss_mask == 0).sum() > 0
+            assert (np.diff(s.versions) >= 0).all()
+            assert (s.logprobs[s.loss_mask == 0] == 0).all()
