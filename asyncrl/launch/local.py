@@ -23,6 +23,7 @@ import yaml
 
 from asyncrl.config import Config
 from asyncrl.keys import Keys
+from asyncrl.launch.process import wait_or_kill
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.redis_conn import split_password
 
@@ -76,13 +77,8 @@ class Child:
             self.proc.send_signal(signal.SIGTERM)
 
     def wait(self, timeout_s: float) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            wait_or_kill(self.proc, timeout_s)
 
 
 def run_local(cfg: Config, args: argparse.Namespace) -> int:

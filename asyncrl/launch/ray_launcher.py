@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import yaml
 
 from asyncrl.config import Config
 from asyncrl.keys import Keys
+from asyncrl.launch import process
 from asyncrl.launch.local import prepare_run_dir
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.redis_conn import split_password
@@ -107,16 +107,10 @@ class RoleProcess:
         """SIGTERM (the roles drain on it), SIGKILL after `timeout_s`; the exit status."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        status = process.stop(self.proc, timeout_s)
         if self.config_path is not None:
             Path(self.config_path).unlink(missing_ok=True)
-        return self.proc.returncode
+        return status
 
 
 @cache

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from asyncrl.launch import process
 
 
 def find_redis_server() -> str:
@@ -175,12 +176,7 @@ class RedisServer:
         """Graceful: SIGTERM makes redis fsync the AOF and exit."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        process.stop(self.proc, timeout_s)
         self._reap()
 
     def kill(self) -> None:
