@@ -19,16 +19,17 @@ every question reads like the prompts the quickstart model was warmed on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from asyncrl.rollout.config import AgenticTaskConfig, ArithmeticTaskConfig
 from asyncrl.rollout.rewards import RewardFn, build_reward
-from asyncrl.rollout.tasks import ArithmeticTask, PromptItem
+from asyncrl.rollout.tasks import ArithmeticTask, LazyItems, PromptItem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,6 +57,7 @@ class AgenticTask:
             )
         self._cfg = cfg
         self._tokenizer = tokenizer
+        self._script = functools.lru_cache(maxsize=1024)(self._tokenize_script)
         self._reward = build_reward(cfg.reward)
         self._questions = ArithmeticTask(
             ArithmeticTaskConfig(
@@ -69,10 +71,32 @@ class AgenticTask:
         )
 
     def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
-        return _Episodes(self._questions.train_items(seed, epoch), self._cfg.turns)
+        return self._episodes(self._questions.train_pairs(seed, epoch))
 
     def eval_items(self) -> Sequence[PromptItem]:
-        return _Episodes(self._questions.eval_items(), self._cfg.turns)
+        return self._episodes(self._questions.eval_pairs())
+
+    def _episodes(self, pairs: np.ndarray) -> Sequence[PromptItem]:
+        """Consecutive runs of `turns` questions as episode items; a partial run at the end is
+        left out."""
+        return LazyItems(
+            functools.partial(self._episode, pairs), np.arange(len(pairs) // self._cfg.turns)
+        )
+
+    def _episode(self, pairs: np.ndarray, index: int) -> PromptItem:
+        # Only the first question is tokenised here: the others are tokenised by the worker
+        # that runs the episode, once per group (`_script`).
+        turns = self._cfg.turns
+        questions = [
+            self._questions.question(p) for p in pairs[index * turns : (index + 1) * turns]
+        ]
+        prompt = f"{questions[0][0]}="
+        return PromptItem(
+            prompt_id=_SEP.join(q for q, _ in questions),
+            prompt=prompt,
+            prompt_ids=self._tokenizer(prompt)["input_ids"],
+            answer=_SEP.join(f"{q}={a}" for q, a in questions),
+        )
 
     def score(self, item: PromptItem, response_text: str) -> float:
         """A single response scored against the first question: what held-out evaluation,
@@ -84,40 +108,16 @@ class AgenticTask:
         latency = LogNormalLatency(
             self._cfg.tool_latency_median_s, self._cfg.tool_latency_sigma, rng
         )
-        script = [tuple(q.split("=", 1)) for q in item.answer.split(_SEP)]
-        return ArithmeticToolEnvironment(
-            [(f"{q}=", a) for q, a in script], self._tokenizer, self._reward, latency
-        )
+        answers, observations = self._script(item.answer)
+        return ArithmeticToolEnvironment(answers, observations, self._reward, latency)
 
-
-class _Episodes(Sequence[PromptItem]):
-    """Consecutive runs of `turns` questions as episode items; a partial run at the end is
-    left out."""
-
-    def __init__(self, questions: Sequence[PromptItem], turns: int) -> None:
-        self._questions = questions
-        self._turns = turns
-
-    def __len__(self) -> int:
-        return len(self._questions) // self._turns
-
-    @overload
-    def __getitem__(self, index: int) -> PromptItem: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[PromptItem]: ...
-    def __getitem__(self, index: int | slice) -> PromptItem | list[PromptItem]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
-        start = (index % len(self)) * self._turns
-        qs = self._questions[start : start + self._turns]
-        return PromptItem(
-            prompt_id=_SEP.join(q.prompt_id for q in qs),
-            prompt=qs[0].prompt,
-            prompt_ids=qs[0].prompt_ids,
-            answer=_SEP.join(f"{q.prompt}{q.answer}" for q in qs),
-        )
+    def _tokenize_script(self, answer: str) -> tuple[list[str], list[list[int]]]:
+        """An episode's answers, and its later questions as token ids: tokenised once for the
+        n episodes of a group."""
+        pairs = [q.split("=", 1) for q in answer.split(_SEP)]
+        later = [f"{q}=" for q, _ in pairs[1:]]
+        observations = self._tokenizer(later)["input_ids"] if later else []
+        return [a for _, a in pairs], observations
 
 
 class LogNormalLatency:
@@ -142,13 +142,15 @@ class ArithmeticToolEnvironment:
 
     def __init__(
         self,
-        script: list[tuple[str, str]],
-        tokenizer: PreTrainedTokenizerBase,
+        answers: list[str],
+        observations: list[list[int]],
         reward: RewardFn,
         latency: LogNormalLatency,
     ) -> None:
-        self._script = script
-        self._tokenizer = tokenizer
+        if len(observations) != len(answers) - 1:
+            raise ValueError(f"{len(answers)} questions need {len(answers) - 1} observations")
+        self._answers = answers
+        self._observations = observations
         self._reward = reward
         self._latency = latency
         self._turn = 0
@@ -157,17 +159,16 @@ class ArithmeticToolEnvironment:
         """Seconds this episode spent in tool calls so far."""
 
     async def step(self, response_text: str) -> list[int] | None:
-        if self._turn >= len(self._script):
+        if self._turn >= len(self._answers):
             raise RuntimeError("step after the episode ended")
         wait = self._latency.draw()
         await asyncio.sleep(wait)
         self.waited_s += wait
-        self._score += self._reward(response_text, self._script[self._turn][1])
+        self._score += self._reward(response_text, self._answers[self._turn])
         self._turn += 1
-        if self._turn == len(self._script):
+        if self._turn == len(self._answers):
             return None
-        ids: list[int] = self._tokenizer(self._script[self._turn][0])["input_ids"]
-        return ids
+        return self._observations[self._turn - 1]
 
     def reward(self) -> float:
-        return self._score / len(self._script)
+        return self._score / len(self._answers)

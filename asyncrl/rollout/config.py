@@ -27,6 +27,17 @@ class TorchEngineConfig(Section):
     seed: int = 0
     """Seed of the engine's sampling generator (one stream over the engine's lifetime)."""
 
+    prefix_cache_tokens: int = Field(default=0, ge=0)
+    """Tokens of KV kept after each sequence ends, so that a request extending it (an episode's
+    next turn) prefills only the tokens added since; least recently stored evicted first. 0: no
+    cache (single-turn tasks never hit it)."""
+
+    prefix_cache_stale: bool = False
+    """Reuse cached KV computed by weights older than the loaded ones, as running sequences do
+    across a weight swap. False: a swap drops every entry the new weights did not compute, so a
+    token's version names the weights behind its whole context (SGLang's `retract` flushes its
+    cache the same way)."""
+
 
 class SglangEngineConfig(Section):
     """SGLang servers driven over HTTP (`asyncrl.rollout.sglang_engine`); nothing of SGLang is

@@ -95,7 +95,7 @@ class EpisodicTask(Task, Protocol):
         ...
 
 
-class _Items(Sequence[PromptItem]):
+class LazyItems(Sequence[PromptItem]):
     """Items built on access: position i is `make(order[i])`. Tokenising lazily keeps a large
     split cheap to hold and to re-permute every epoch."""
 
@@ -145,19 +145,31 @@ class ArithmeticTask:
         self._eval, self._train = drawn[: cfg.eval_size], drawn[cfg.eval_size :]
 
     def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
-        return _Items(self._item, self._train[_epoch_order(len(self._train), seed, epoch)])
+        return LazyItems(self._item, self.train_pairs(seed, epoch))
 
     def eval_items(self) -> Sequence[PromptItem]:
-        return _Items(self._item, self._eval)
+        return LazyItems(self._item, self._eval)
+
+    def train_pairs(self, seed: int, epoch: int) -> np.ndarray:
+        """The train split's pairs in the order of `epoch`."""
+        return self._train[_epoch_order(len(self._train), seed, epoch)]
+
+    def eval_pairs(self) -> np.ndarray:
+        return self._eval
+
+    def question(self, pair: int) -> tuple[str, str]:
+        """("a+b", "sum") of a pair."""
+        a, b = (self._low + x for x in divmod(int(pair), self._span))
+        return f"{a}+{b}", str(a + b)
 
     def score(self, item: PromptItem, response_text: str) -> float:
         return self._reward(response_text, item.answer)
 
     def _item(self, pair: int) -> PromptItem:
-        a, b = (self._low + x for x in divmod(pair, self._span))
-        prompt = f"{a}+{b}="
+        question, answer = self.question(pair)
+        prompt = f"{question}="
         ids = self._tokenizer(prompt)["input_ids"]
-        return PromptItem(prompt_id=f"{a}+{b}", prompt=prompt, prompt_ids=ids, answer=str(a + b))
+        return PromptItem(prompt_id=question, prompt=prompt, prompt_ids=ids, answer=answer)
 
 
 class DatasetError(ValueError):
@@ -190,11 +202,11 @@ class DatasetTask:
 
     def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
         rows = self._train
-        return _Items(lambda i: self._item(rows[i]), _epoch_order(len(rows), seed, epoch))
+        return LazyItems(lambda i: self._item(rows[i]), _epoch_order(len(rows), seed, epoch))
 
     def eval_items(self) -> Sequence[PromptItem]:
         rows = self._eval
-        return _Items(lambda i: self._item(rows[i]), np.arange(len(rows)))
+        return LazyItems(lambda i: self._item(rows[i]), np.arange(len(rows)))
 
     def score(self, item: PromptItem, response_text: str) -> float:
         return self._reward(response_text, item.answer)

@@ -2,13 +2,24 @@
 
 A hand-written decode loop rather than `model.generate`: it records per-token behaviour log-probs
 and versions, swaps weights between decode steps, drops finished rows from the batch, and is
-faster than `generate` at small sizes (less per-step overhead; see tools/bench_engine.py).
+faster than `generate` at small sizes (less per-step overhead; see tools/bench_engine.py). With a
+prefix cache, a request that extends an earlier sequence (an episode's next turn) prefills only
+the tokens added since.
+
+Batch layout, with prefix KV (rows right-aligned, `.` padding, `c` cached, `f` fed at step 0):
+
+    row 0 (cached 4 of 7)   . . c c c c | f f f     P = 6 cached columns,
+    row 1 (no cache, 3)     . . . . . . | f f f     S = 3 fed columns: the longest uncached tail;
+    row 2 (cached 6 of 8)   . c c c c c | c f f  <- a row whose uncached tail is shorter than S
+                                                   feeds some cached tokens again
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -16,6 +27,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from asyncrl.rollout.config import TorchEngineConfig
 from asyncrl.rollout.engine import Generation
+from asyncrl.rollout.prefix_cache import CachedPrefix, PrefixCache
 from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
 
 
@@ -34,6 +46,8 @@ class TorchEngine:
         max_batch_size: int = 256,
         seed: int = 0,
         version: int = 0,
+        prefix_cache_tokens: int = 0,
+        prefix_cache_stale: bool = False,
     ) -> None:
         self.model = model
         self.eos_token_ids = tuple(eos_token_ids)
@@ -51,6 +65,12 @@ class TorchEngine:
         self._lock = threading.Lock()  # guards _pending and _busy
         self._pending: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._busy = False
+        self._prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        self._prefix_stale = prefix_cache_stale
+        self.prefill_tokens = 0
+        """Prompt tokens fed to the model so far (padding not counted)."""
+        self.reused_tokens = 0
+        """Prompt tokens whose KV came from the prefix cache instead."""
 
     @classmethod
     def from_config(
@@ -68,6 +88,8 @@ class TorchEngine:
             eos_token_ids=eos_ids,
             max_batch_size=cfg.max_batch_size,
             seed=cfg.seed,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
+            prefix_cache_stale=cfg.prefix_cache_stale,
         )
 
     @property
@@ -138,6 +160,8 @@ class TorchEngine:
                 self._targets[name].copy_(tensor)
         self._version = version
         self._pending = None
+        if self._prefixes is not None and not self._prefix_stale:
+            self._prefixes.drop_older(version)
 
     def _step_version(self, step: int) -> int:
         if self.before_step is not None:
@@ -151,16 +175,46 @@ class TorchEngine:
         self, prompts: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor
     ) -> list[Generation]:
         device = self._generator.device
-        rows, width, steps = len(prompts), max(map(len, prompts)), params.max_new_tokens
-        input_ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+        version = self._step_version(0)
+        cached = [self._match_prefix(p, version) for p in prompts]
+        lengths_in = [len(p) for p in prompts]
+        # S, the columns fed at step 0: the longest uncached tail among the rows with a cache hit.
+        # A row without one and longer than that has its head prefilled first, on its own.
+        tails = [n - c.length for n, c in zip(lengths_in, cached, strict=True) if c is not None]
+        fed = max(tails) if tails else max(lengths_in)
+        heads = [
+            r
+            for r, (n, c) in enumerate(zip(lengths_in, cached, strict=True))
+            if c is None and n > fed
+        ]
+        if heads:
+            prefilled = self._prefill([prompts[r][: lengths_in[r] - fed] for r in heads], version)
+            for r, kv in zip(heads, prefilled, strict=True):
+                cached[r] = kv
+        used = [
+            max(0, n - fed) if c is not None else 0 for n, c in zip(lengths_in, cached, strict=True)
+        ]
+        rows, prefix, steps = len(prompts), max(used), params.max_new_tokens
+        width = prefix + fed
+        input_ids, _ = self._left_padded([p[max(0, len(p) - fed) :] for p in prompts], fed)
         # Mask over prompt + every response slot; row r's response token t sits at width + t.
         mask = torch.zeros(rows, width + steps, dtype=torch.bool, device=device)
-        for r, prompt in enumerate(prompts):
-            input_ids[r, width - len(prompt) :] = torch.tensor(prompt, device=device)
-            mask[r, width - len(prompt) : width] = True
-        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        for r, n in enumerate(lengths_in):
+            mask[r, width - n : width] = True
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)[:, prefix:]
         # Without padding (e.g. equal-length prompts) attention is plain causal: no mask to build.
         padded = not bool(mask[:, :width].all())
+        cache = DynamicCache(config=self.model.config)
+        if prefix:
+            self._fill_cache(cache, cached, used, prefix)
+        # Oldest weights behind each row's keys, for the prefix it leaves in the cache.
+        oldest = [
+            min(version, c.version) if c is not None and u else version
+            for c, u in zip(cached, used, strict=True)
+        ]
+        reused = sum(used) - sum(used[r] for r in heads)
+        self.prefill_tokens += sum(lengths_in) - reused
+        self.reused_tokens += reused
 
         tokens = torch.zeros(rows, steps, dtype=torch.long, device=device)
         logprobs = torch.zeros(rows, steps, dtype=torch.float32, device=device)
@@ -168,9 +222,9 @@ class TorchEngine:
         lengths = torch.full((rows,), steps, dtype=torch.long, device=device)
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)
         active = torch.arange(rows, device=device)  # batch row -> original row
-        cache = DynamicCache(config=self.model.config)
         for t in range(steps):
-            version = self._step_version(t)
+            if t:
+                version = self._step_version(t)
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask[:, : width + t] if padded else None,
@@ -184,10 +238,13 @@ class TorchEngine:
             tokens[active, t] = token[:, 0]
             logprobs[active, t] = logp.gather(-1, token)[:, 0]
             versions[active, t] = version
-            done = torch.isin(token[:, 0], stop_ids)
+            stop = torch.isin(token[:, 0], stop_ids)
+            lengths[active[stop]] = t + 1
+            stopped[active[stop]] = True
+            done = stop if t < steps - 1 else torch.ones_like(stop)
             if done.any():
-                lengths[active[done]] = t + 1
-                stopped[active[done]] = True
+                if self._prefixes is not None:
+                    self._keep_prefixes(cache, done, active, width, t, prompts, tokens, oldest)
                 keep = ~done
                 if not keep.any():
                     break
@@ -212,3 +269,88 @@ class TorchEngine:
             )
             for r, (n, stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))
         ]
+
+    def _match_prefix(self, prompt: list[int], version: int) -> CachedPrefix | None:
+        if self._prefixes is None:
+            return None
+        return self._prefixes.match(prompt, 0 if self._prefix_stale else version)
+
+    def _left_padded(self, seqs: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`seqs` right-aligned in `width` columns (id 0 before them), and where they are."""
+        device = self._generator.device
+        mask = _columns([len(seq) for seq in seqs], width, device)
+        ids = torch.zeros(mask.shape, dtype=torch.long, device=device)
+        # Row-major order of the mask's True cells is the order of the concatenated tokens.
+        ids[mask] = torch.tensor(list(itertools.chain.from_iterable(seqs)), device=device)
+        return ids, mask
+
+    def _prefill(self, heads: list[list[int]], version: int) -> list[CachedPrefix]:
+        """KV of `heads` from one forward pass."""
+        width = max(map(len, heads))
+        ids, mask = self._left_padded(heads, width)
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv = _token_major(cache, torch.arange(len(heads)), width)
+        return [CachedPrefix(kv[r, width - len(h) :].clone(), version) for r, h in enumerate(heads)]
+
+    def _fill_cache(
+        self, cache: DynamicCache, cached: list[CachedPrefix | None], used: list[int], prefix: int
+    ) -> None:
+        """Put each row's first `used` tokens of cached KV into the `prefix` columns before the
+        fed ones, right-aligned like the rows."""
+        src = torch.cat(
+            [c.kv[:u] for c, u in zip(cached, used, strict=True) if c is not None and u]
+        )
+        _, layers, _, heads, dim = src.shape
+        buf = src.new_zeros(len(used), prefix, layers, 2, heads, dim)
+        buf[_columns(used, prefix, src.device)] = src
+        for layer in range(layers):
+            # [rows, columns, heads, dim] -> the cache's [rows, heads, columns, dim]
+            keys = buf[:, :, layer, 0].transpose(1, 2).contiguous()
+            values = buf[:, :, layer, 1].transpose(1, 2).contiguous()
+            cache.update(keys, values, layer)
+
+    def _keep_prefixes(
+        self,
+        cache: DynamicCache,
+        leaving: torch.Tensor,
+        active: torch.Tensor,
+        width: int,
+        t: int,
+        prompts: list[list[int]],
+        tokens: torch.Tensor,
+        oldest: list[int],
+    ) -> None:
+        """Store the KV of the batch rows `leaving` after step t: their prompt and the response
+        tokens fed so far (all but the one sampled at t, which was never fed)."""
+        assert self._prefixes is not None
+        rows = leaving.nonzero()[:, 0]
+        kv = _token_major(cache, rows, width + t)
+        response = tokens[active[rows], :t].tolist()
+        for i, r in enumerate(active[rows].tolist()):
+            entry = CachedPrefix(kv[i, width - len(prompts[r]) :].clone(), oldest[r])
+            self._prefixes.put(prompts[r] + response[i], entry)
+
+
+def _columns(used: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """[rows, width] mask of each row's last `used` columns."""
+    counts = torch.tensor(used, device=device)
+    return torch.arange(width, device=device) >= (width - counts)[:, None]
+
+
+def _token_major(cache: DynamicCache, rows: torch.Tensor, end: int) -> torch.Tensor:
+    """The cache's first `end` columns of batch rows `rows`, as
+    [rows, columns, layers, 2, kv_heads, head_dim]."""
+    # After a forward pass every layer holds its keys and values.
+    kv = [cast("tuple[torch.Tensor, torch.Tensor]", (lay.keys, lay.values)) for lay in cache.layers]  # type: ignore[union-attr]
+    per_layer = [
+        torch.stack((keys[rows, :, :end], values[rows, :, :end]), dim=1) for keys, values in kv
+    ]  # each [rows, 2, heads, columns, dim]
+    return torch.stack(per_layer, dim=1).permute(0, 4, 1, 2, 3, 5)
