@@ -165,6 +165,7 @@ def trainer(
     try:
         yield t
     finally:
+        t.prefetch.close()
         t.publisher.close()
         t.client.close()
 
@@ -186,11 +187,12 @@ def collect(trainer: Trainer, client: redis.Redis, fields: list[dict[bytes | str
     dlq_before = client.xrange(keys.dlq)
     ids = [client.xadd(keys.trajectories, f).decode() for f in fields]  # type: ignore[union-attr]
     groups, staleness, got_ids = trainer._collect()
+    trainer.prefetch.flush()  # stale drops are acked on the reading thread
     after = read_counters(client, keys)
     grown = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     new_dlq = client.xrange(keys.dlq)[len(dlq_before) :]
     # The step "runs" and checkpoints: ack the collected groups like the trainer does.
-    assert trainer.consumer.ack(got_ids, counters={"groups_trained": len(got_ids)})
+    assert trainer.prefetch.ack(got_ids, {"groups_trained": len(got_ids)})
     return groups, staleness, got_ids, ids, grown, new_dlq
 
 

@@ -14,6 +14,7 @@ skips one, whatever checkpoint it restarts from.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,11 +82,21 @@ class Admission:
         self.cursor = cursor
         self._items = task.train_items(cursor.seed, cursor.epoch)
         self._cursor_unknown = False
+        self._lock = threading.Lock()
 
     def release(self, step: int, version: int) -> int:
         """Release as many groups as the bound allows now; returns how many. May be called again
         after it raised (a Redis outage): the transaction may or may not have been applied, so
         the cursor is then re-read from Redis, which holds the truth."""
+        with self._lock:
+            return self._release(step, version)
+
+    def cursor_dict(self) -> dict[str, int]:
+        """The cursor after the last release (`release` may run on another thread)."""
+        with self._lock:
+            return self.cursor.as_dict()
+
+    def _release(self, step: int, version: int) -> int:
         if self._cursor_unknown:
             self.cursor = load_cursor(self.client, self.keys, self.cursor)
             self._items = self.task.train_items(self.cursor.seed, self.cursor.epoch)

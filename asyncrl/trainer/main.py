@@ -40,6 +40,7 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
 )
 from asyncrl.trainer.parallel import full_parameters, full_state, shard
+from asyncrl.trainer.prefetch import Prefetcher
 from asyncrl.trainer.step import train_step
 
 log = logging.getLogger("asyncrl.trainer")
@@ -216,6 +217,11 @@ class Trainer:
                 serve(cfg.metrics.host, cfg.metrics.port, self._health)
             self.metrics.staleness_bound.set(self.max_staleness)
             self.run_gauges = RunGauges(self.metrics, self.client, self.keys).start()
+        self.released_for = (self.step, self.version)
+        """Step and version prompts are released for: set once the weights are published."""
+        self.prefetch = Prefetcher(
+            self.consumer, self.local_groups, read_ahead=False, before_read=self._release
+        )
         self.unacked: list[str] = []
         self.evaluator: Any = None
         self.last_sync_seconds: float | None = None
@@ -276,6 +282,13 @@ class Trainer:
             return [i.decode() for i in cast(list[bytes], reply)]
 
         return self.redis.call(claim, "take over trained entries")
+
+    def _release(self) -> None:
+        """Rank 0, on the prefetch thread: release the prompts the budget allows now."""
+        if self.stopping or self.admission is None:
+            return
+        release = partial(self.admission.release, *self.released_for)
+        self.redis.call(release, "release prompts")
 
     def _decode(self, fields: dict[bytes, bytes]) -> TrajectoryGroup:
         data = fields.get(b"data")
@@ -338,26 +351,27 @@ class Trainer:
         ids: list[str] = []
         waited_since = time.monotonic()
         while True:
-            if not self.stopping and self.admission is not None:
-                release = partial(self.admission.release, self.step, self.version)
-                self.redis.call(release, "release prompts")
             if not self.stopping and len(groups) < self.local_groups:
                 with self.metrics.time_phase("queue_wait"):
-                    deliveries = self.consumer.read(
-                        self.local_groups - len(groups), self.cfg.redis.block_ms
+                    deliveries = self.prefetch.take(
+                        self.local_groups - len(groups), self.cfg.redis.block_ms / 1000
                     )
                 if deliveries:
                     waited_since = time.monotonic()
+                stale = []
                 for d in deliveries:
                     g: TrajectoryGroup = d.value
                     lag = self.version - g.min_version
                     if lag > self.max_staleness:
-                        self.consumer.ack([d.id], counters={"groups_dropped_stale": 1})
-                        self.metrics.trajectories_dropped["stale"].inc()
+                        stale.append(d.id)
                         continue
                     groups.append(g)
                     staleness.append(lag)
                     ids.append(d.id)
+                if stale:
+                    # Not waited for: the reading thread applies it before its next read.
+                    self.prefetch.ack(stale, {"groups_dropped_stale": len(stale)}, wait=False)
+                    self.metrics.trajectories_dropped["stale"].inc(len(stale))
             short = len(groups) < self.local_groups
             starved = short and time.monotonic() - waited_since > self.cfg.trainer.wait_timeout_s
             short, stop, starved = self._any(short, self.stopping, starved)
@@ -392,6 +406,9 @@ class Trainer:
         try:
             while self.step < self.cfg.trainer.max_steps:
                 waited_from = time.monotonic()
+                # Nothing read ahead for a step that will not run: it would stay pending.
+                last = self.step + 1 == self.cfg.trainer.max_steps
+                self.prefetch.set_read_ahead(self.world is None and not last)
                 collected = self._collect()
                 if collected is None:
                     break
@@ -405,6 +422,7 @@ class Trainer:
             if self.unacked or self.step % self.cfg.trainer.checkpoint_every:
                 self._checkpoint()
         finally:
+            self.prefetch.close()
             self.heartbeat.stop()
             if self.publisher is not None:
                 self.publisher.close()
@@ -440,6 +458,8 @@ class Trainer:
         self.step += 1
         self.version += 1
         blocking = self._publish()
+        # Only now: in sync mode the next prompts must not go out before the weights.
+        self.released_for = (self.step, self.version)
         step_seconds = time.monotonic() - t_start
         if self.rank != 0:
             return
@@ -489,7 +509,7 @@ class Trainer:
                 state = TrainerState(
                     step=self.step,
                     version=self.version,
-                    cursor=self.admission.cursor.as_dict(),
+                    cursor=self.admission.cursor_dict(),
                     wall_seconds=self.wall_seconds(),
                     covered=covered,
                 )
@@ -506,7 +526,7 @@ class Trainer:
                 dist.barrier(self.world)
             # The checkpoint holding these steps is durable: now they count as trained.
             if self.unacked:
-                self.consumer.ack(self.unacked, counters={"groups_trained": len(self.unacked)})
+                self.prefetch.ack(self.unacked, {"groups_trained": len(self.unacked)})
                 self.unacked = []
 
     def _evaluate(self) -> None:

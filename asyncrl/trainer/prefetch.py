@@ -1,0 +1,150 @@
+"""Reading ahead: the trainer's next groups are read and decoded while it trains.
+
+A thread is the consumer's only user. With `read_ahead` it keeps up to `capacity` deliveries
+buffered; without, it reads only what a waiting `take` asks for. Reads block for short spells, so
+that acks handed to the thread (stale drops, the checkpoint's acks) wait at most one spell, and
+`before_read` runs at every spell whether the thread reads or not (rank 0 releases prompts there,
+so that they go out while the step trains rather than after it). Buffered deliveries are pending
+on the consumer like any read but not yet trained: a trainer that stops leaves them pending, and
+they are read again after a restart.
+
+Read-ahead is for a single trainer rank: ranks read from one consumer group, and a rank that read
+its next share early could hold entries another rank needs to finish the current step (in sync
+mode, the only entries there are).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+from asyncrl.queue import Consumer, Delivery
+
+T = TypeVar("T")
+
+READ_BLOCK_MS = 50
+"""Longest blocking read: the most an ack waits for the thread to come back from Redis."""
+
+
+class Prefetcher(Generic[T]):
+    def __init__(
+        self,
+        consumer: Consumer[T],
+        capacity: int,
+        *,
+        read_ahead: bool = True,
+        before_read: Callable[[], None] = lambda: None,
+        block_ms: int = READ_BLOCK_MS,
+    ) -> None:
+        self._consumer = consumer
+        self._capacity = capacity
+        self._read_ahead = read_ahead
+        self._wanted = 0  # what a waiting `take` asks for
+        self._before_read = before_read
+        self._block_ms = block_ms
+        self._buffer: deque[Delivery[T]] = deque()
+        self._acks: deque[tuple[list[str], Mapping[str, int], Future[bool]]] = deque()
+        self._changed = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+
+    def start(self) -> Prefetcher[T]:
+        """Start the thread (the first `take` or `ack` does if nothing did): before, the consumer
+        is the caller's to use."""
+        with self._changed:
+            if self._thread.ident is None and not self._closed:
+                self._thread.start()
+        return self
+
+    def set_read_ahead(self, on: bool) -> None:
+        """Off: from now on read only what a `take` asks for (what is buffered stays)."""
+        with self._changed:
+            self._read_ahead = on
+            self._changed.notify_all()
+
+    def take(self, count: int, timeout_s: float) -> list[Delivery[T]]:
+        """Up to `count` buffered deliveries, oldest first; waits up to `timeout_s` for one."""
+        deadline = time.monotonic() + timeout_s
+        self.start()
+        with self._changed:
+            self._wanted = count
+            self._changed.notify_all()
+            try:
+                while not self._buffer and self._error is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return []
+                    self._changed.wait(left)
+                self._raise()
+                taken = [self._buffer.popleft() for _ in range(min(count, len(self._buffer)))]
+            finally:
+                self._wanted = 0
+            self._changed.notify_all()  # room to read into
+        return taken
+
+    def ack(
+        self, ids: list[str], counters: Mapping[str, int] | None = None, *, wait: bool = True
+    ) -> bool | None:
+        """`Consumer.ack` on the thread; with `wait`, its result once applied."""
+        done: Future[bool] = Future()
+        self.start()
+        with self._changed:
+            self._raise()
+            self._acks.append((ids, counters or {}, done))
+            self._changed.notify_all()
+        return done.result() if wait else None
+
+    def flush(self) -> None:
+        """Wait until the acks handed over so far are applied."""
+        self.ack([])
+
+    def close(self) -> None:
+        """Stop after the acks handed over so far; buffered deliveries stay pending."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the prefetch thread failed") from self._error
+
+    def _run(self) -> None:
+        acks: list[tuple[list[str], Mapping[str, int], Future[bool]]] = []
+        try:
+            while True:
+                with self._changed:
+                    if not self._acks and not self._closed and self._room() <= 0:
+                        self._changed.wait(self._block_ms / 1000)
+                    acks = list(self._acks)
+                    self._acks.clear()
+                    closed = self._closed
+                while acks:
+                    ids, counters, done = acks[0]
+                    done.set_result(not ids or self._consumer.ack(ids, counters=counters))
+                    acks.pop(0)
+                if closed:
+                    return
+                self._before_read()
+                room = self._room()
+                if room > 0:
+                    got = self._consumer.read(room, self._block_ms)
+                    with self._changed:
+                        self._buffer.extend(got)
+                        self._changed.notify_all()
+        except BaseException as exc:
+            with self._changed:
+                self._error = exc
+                for _, _, done in [*acks, *self._acks]:
+                    done.set_exception(exc)
+                self._changed.notify_all()
+
+    def _room(self) -> int:
+        wanted = self._capacity if self._read_ahead else self._wanted
+        return wanted - len(self._buffer)

@@ -1,0 +1,129 @@
+"""The trainer's reading thread against a real redis-server: read-ahead bounds, reads on demand,
+acks on the thread, errors handed to the caller, prompt release at every spell."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from test_queue import GROUP, STREAM, add, consumer, counter
+
+from asyncrl.queue import RawFields
+from asyncrl.trainer.prefetch import Prefetcher
+
+
+def pending(client: redis.Redis) -> int:
+    return int(client.xpending(STREAM, GROUP)["pending"])
+
+
+def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def closing(redis_client: redis.Redis) -> Iterator[list[Prefetcher[Any]]]:
+    """Prefetchers to close after the test; the consumer group exists from the start."""
+    redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    started: list[Prefetcher[Any]] = []
+    yield started
+    for p in started:
+        p.close()
+
+
+def test_read_ahead_fills_up_to_capacity(
+    redis_client: redis.Redis, closing: list[Prefetcher[Any]]
+) -> None:
+    ids = add(redis_client, 10)
+    p = Prefetcher(consumer(redis_client, "c"), 4).start()
+    closing.append(p)
+    wait_for(lambda: pending(redis_client) == 4)
+    time.sleep(0.2)
+    assert pending(redis_client) == 4  # no further than the capacity
+    assert [d.id for d in p.take(3, 1.0)] == ids[:3]
+    wait_for(lambda: pending(redis_client) == 7)  # refilled behind the take
+    assert [d.id for d in p.take(10, 1.0)] == ids[3:7]
+
+
+def test_without_read_ahead_only_what_is_asked(
+    redis_client: redis.Redis, closing: list[Prefetcher[Any]]
+) -> None:
+    ids = add(redis_client, 10)
+    releases = 0
+
+    def release() -> None:
+        nonlocal releases
+        releases += 1
+
+    p = Prefetcher(consumer(redis_client, "c"), 4, read_ahead=False, before_read=release)
+    closing.append(p.start())
+    time.sleep(0.5)
+    assert pending(redis_client) == 0
+    assert releases >= 5  # every spell, even with nothing to read (50 ms spells)
+    assert [d.id for d in p.take(2, 1.0)] == ids[:2]
+    time.sleep(0.2)
+    assert pending(redis_client) == 2
+
+
+def test_take_waits_for_new_entries_and_times_out(
+    redis_client: redis.Redis, closing: list[Prefetcher[Any]]
+) -> None:
+    p = Prefetcher(consumer(redis_client, "c"), 4).start()
+    closing.append(p)
+    t0 = time.monotonic()
+    assert p.take(4, 0.3) == []
+    assert time.monotonic() - t0 >= 0.3
+    (entry,) = add(redis_client, 1)
+    assert [d.id for d in p.take(4, 5.0)] == [entry]
+
+
+def test_acks_run_on_the_thread_in_order(
+    redis_client: redis.Redis, closing: list[Prefetcher[Any]]
+) -> None:
+    add(redis_client, 6)
+    p = Prefetcher(consumer(redis_client, "c"), 6).start()
+    closing.append(p)
+    got = []
+    while len(got) < 6:
+        got += p.take(6, 1.0)
+    assert p.ack([got[0].id], {"dropped": 1}, wait=False) is None
+    assert p.ack([d.id for d in got[1:4]], {"trained": 3}) is True
+    assert counter(redis_client, "dropped") == 1 and counter(redis_client, "trained") == 3
+    assert pending(redis_client) == 2
+    # Acked already: not applied twice.
+    assert p.ack([got[1].id], {"trained": 1}) is False
+    assert counter(redis_client, "trained") == 3
+
+
+def test_close_applies_queued_acks_and_leaves_buffered_entries_pending(
+    redis_client: redis.Redis, closing: list[Prefetcher[Any]]
+) -> None:
+    add(redis_client, 5)
+    p = Prefetcher(consumer(redis_client, "c"), 5).start()
+    taken = p.take(2, 1.0)
+    wait_for(lambda: pending(redis_client) == 5)
+    p.ack([d.id for d in taken], {"trained": len(taken)}, wait=False)
+    p.close()
+    assert counter(redis_client, "trained") == len(taken)
+    assert pending(redis_client) == 5 - len(taken)
+
+
+def test_a_failing_read_reaches_the_caller(
+    redis_client: redis.Redis, closing: list[Prefetcher[Any]]
+) -> None:
+    def decode(fields: RawFields) -> Any:
+        raise RuntimeError("decoder bug")
+
+    add(redis_client, 1)
+    p = Prefetcher(consumer(redis_client, "c", decode=decode), 2).start()
+    closing.append(p)
+    with pytest.raises(RuntimeError, match="prefetch thread failed") as info:
+        p.take(1, 5.0)
+    assert "decoder bug" in str(info.value.__cause__)
+    with pytest.raises(RuntimeError, match="prefetch thread failed"):
+        p.ack(["0-1"])
