@@ -16,7 +16,11 @@ Figures (the last line is JSON with them):
   step's wait is the pipeline fill: worker start-up and the first groups). The extra
   `trainer_idle_fraction_async_after_fill` leaves the fill out: waits of steps 2..S over the
   wall time from the start of step 1's training.
-- `final_reward_*`: mean `reward_mean` of the last quarter of the steps (at least 3).
+- `final_reward_*`: the final policy's mean reward on the held-out episodes (`task.eval_size`
+  of them, `rollout.n` samples each, the training sampling, tools answering at once), from the
+  run's last checkpoint. `train_reward_last_quarter_*`: mean `reward_mean` of the training
+  batches of the last quarter of the steps (at least 3); in async mode those batches come from
+  policies up to η versions old, so that figure trails the policy's own.
 - `weight_publish_blocking_fraction_*`: Σ weight_publish_blocking_seconds / Σ step_seconds.
 - `ideal_async_s`: the perfect-overlap bound of the async run, from its own measurements:
 
@@ -41,23 +45,29 @@ from typing import Any
 
 import redis
 from bench_quickstart import launch_all
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config import load_config
+from asyncrl.config import Config, load_config
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.model import ensure_model
 from asyncrl.protocol import decode_group
+from asyncrl.rollout.episodes import EpisodeScheduler
+from asyncrl.rollout.tasks import build_task
+from asyncrl.rollout.torch_engine import TorchEngine
+from asyncrl.trainer.checkpoint import list_checkpoints
 
 PROBE = "bench-probe"
 
 
 def run_mode(
-    client: redis.Redis, url: str, cfg_path: str, mode: str, overrides: list[str]
+    client: redis.Redis, url: str, cfg_path: str, mode: str, overrides: list[str], tmp: Path
 ) -> dict[str, Any]:
-    """One run; its step lines, the (created, finished) interval of every published group and
-    the run's counters."""
+    """One run; its step lines, the (created, finished) interval of every published group, the
+    run's counters and its final policy's held-out reward."""
     keys = Keys(f"bench-async-{mode}")
     client.xgroup_create(keys.trajectories, PROBE, id="0", mkstream=True)
+    run_dir = tmp / mode
     lines = launch_all(
         cfg_path,
         1800,
@@ -66,14 +76,41 @@ def run_mode(
         f"redis.url={url}",
         "metrics.port=0",
         *overrides,
+        run_dir=run_dir,
     )
     groups = [decode_group(f[b"data"]) for _, f in client.xrange(keys.trajectories)]
     counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}  # type: ignore[union-attr]
+    cfg = load_config(cfg_path, overrides)
     return {
         "steps": [d for d in lines if "reward_mean" in d],
         "intervals": [(g.created_at, g.finished_at) for g in groups],
         "counters": counters,
+        "eval_reward": held_out_reward(cfg, list_checkpoints(run_dir / "checkpoints")[-1]),
     }
+
+
+def held_out_reward(cfg: Config, checkpoint: Path) -> float:
+    """Mean reward of `checkpoint`'s policy over the task's held-out episodes, `rollout.n`
+    samples each, with the training sampling; the tools answer at once."""
+    cfg = cfg.model_copy(
+        update={"task": cfg.task.model_copy(update={"tool_latency_median_s": 0.0})}
+    )
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    task = build_task(cfg.task, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], seed=cfg.run.seed + 1)
+    episodes: EpisodeScheduler[int] = EpisodeScheduler(
+        engine, task, tokenizer, cfg.rollout.sampling
+    )
+    for i, item in enumerate(task.eval_items()):
+        episodes.start(i, item, cfg.rollout.n, f"eval/{i}")
+    rewards: list[float] = []
+    while episodes.inflight:
+        finished, failed = episodes.advance(0.1)
+        assert not failed, failed
+        rewards += [s.reward for g in finished for s in g.samples]
+    episodes.close()
+    return sum(rewards) / len(rewards)
 
 
 def peak_in_flight(intervals: list[tuple[float, float]]) -> int:
@@ -99,7 +136,8 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
         "idle_fraction": waited / wall,
         "idle_fraction_after_fill": (waited - steps[0]["wait_seconds"])
         / (wall - steps[0]["wall_seconds"] + steps[0]["step_seconds"]),
-        "final_reward": sum(s["reward_mean"] for s in last) / len(last),
+        "train_reward_last_quarter": sum(s["reward_mean"] for s in last) / len(last),
+        "final_reward": run["eval_reward"],
         "publish_blocking_fraction": sum(s["weight_publish_blocking_seconds"] for s in steps)
         / stepped,
         "step_seconds_mean": stepped / len(steps),
@@ -117,10 +155,13 @@ def main() -> None:
         server = RedisServer(data_dir=Path(tmp) / "redis").start()
         try:
             client = redis.Redis.from_url(server.url)
-            sync = run_mode(client, server.url, args.config, "sync", args.overrides)
-            async_ = run_mode(client, server.url, args.config, "async", args.overrides)
+            runs = [
+                run_mode(client, server.url, args.config, mode, args.overrides, Path(tmp))
+                for mode in ("sync", "async")
+            ]
         finally:
             server.stop()
+    sync, async_ = runs
     s, a = summarize(sync), summarize(async_)
     intervals = async_["intervals"]
     mean_group_s = sum(b - t for t, b in intervals) / len(intervals)
@@ -148,6 +189,8 @@ def main() -> None:
                 "trainer_idle_fraction_async": round(a["idle_fraction"], 3),
                 "final_reward_sync": round(s["final_reward"], 4),
                 "final_reward_async": round(a["final_reward"], 4),
+                "train_reward_last_quarter_sync": round(s["train_reward_last_quarter"], 4),
+                "train_reward_last_quarter_async": round(a["train_reward_last_quarter"], 4),
                 "weight_publish_blocking_fraction_sync": round(s["publish_blocking_fraction"], 4),
                 "weight_publish_blocking_fraction_async": round(a["publish_blocking_fraction"], 4),
                 "trainer_idle_fraction_async_after_fill": round(a["idle_fraction_after_fill"], 3),

@@ -98,11 +98,13 @@ def minimal_loop(cfg_path: str, max_seconds: float) -> tuple[float | None, list]
     return time_to_target(evals), evals
 
 
-def launch_all(cfg_path: str, timeout_s: float, *overrides: str) -> list[dict]:
-    """Run `asyncrl launch --role all` on `cfg_path` with `overrides` in a temporary run
-    directory; the lines of its metrics.jsonl."""
+def launch_all(
+    cfg_path: str, timeout_s: float, *overrides: str, run_dir: Path | None = None
+) -> list[dict]:
+    """Run `asyncrl launch --role all` on `cfg_path` with `overrides` in `run_dir` (default: a
+    temporary one); the lines of its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir = run_dir or Path(tmp) / "run"
         cmd = [
             sys.executable,
             "-m",

@@ -219,8 +219,10 @@ class Trainer:
             self.run_gauges = RunGauges(self.metrics, self.client, self.keys).start()
         self.released_for = (self.step, self.version)
         """Step and version prompts are released for: set once the weights are published."""
+        # Two steps' worth read ahead: the groups that turn stale while buffered are replaced
+        # from the buffer, not by a read after the step has started.
         self.prefetch = Prefetcher(
-            self.consumer, self.local_groups, read_ahead=False, before_read=self._release
+            self.consumer, 2 * self.local_groups, read_ahead=False, before_read=self._release
         )
         self.unacked: list[str] = []
         self.evaluator: Any = None
