@@ -40,7 +40,7 @@ def test_read_ahead_fills_up_to_capacity(
     redis_client: redis.Redis, closing: list[Prefetcher[Any]]
 ) -> None:
     ids = add(redis_client, 10)
-    p = Prefetcher(consumer(redis_client, "c"), 4).start()
+    p = Prefetcher(consumer(redis_client, "c"), read_ahead=4).start()
     closing.append(p)
     wait_for(lambda: pending(redis_client) == 4)
     time.sleep(0.2)
@@ -60,7 +60,7 @@ def test_without_read_ahead_only_what_is_asked(
         nonlocal releases
         releases += 1
 
-    p = Prefetcher(consumer(redis_client, "c"), 4, read_ahead=False, before_read=release)
+    p = Prefetcher(consumer(redis_client, "c"), before_read=release)
     closing.append(p.start())
     time.sleep(0.5)
     assert pending(redis_client) == 0
@@ -73,7 +73,7 @@ def test_without_read_ahead_only_what_is_asked(
 def test_take_waits_for_new_entries_and_times_out(
     redis_client: redis.Redis, closing: list[Prefetcher[Any]]
 ) -> None:
-    p = Prefetcher(consumer(redis_client, "c"), 4).start()
+    p = Prefetcher(consumer(redis_client, "c"), read_ahead=4).start()
     closing.append(p)
     t0 = time.monotonic()
     assert p.take(4, 0.3) == []
@@ -86,7 +86,7 @@ def test_acks_run_on_the_thread_in_order(
     redis_client: redis.Redis, closing: list[Prefetcher[Any]]
 ) -> None:
     add(redis_client, 6)
-    p = Prefetcher(consumer(redis_client, "c"), 6).start()
+    p = Prefetcher(consumer(redis_client, "c"), read_ahead=6).start()
     closing.append(p)
     got = []
     while len(got) < 6:
@@ -104,7 +104,7 @@ def test_close_applies_queued_acks_and_leaves_buffered_entries_pending(
     redis_client: redis.Redis, closing: list[Prefetcher[Any]]
 ) -> None:
     add(redis_client, 5)
-    p = Prefetcher(consumer(redis_client, "c"), 5).start()
+    p = Prefetcher(consumer(redis_client, "c"), read_ahead=5).start()
     taken = p.take(2, 1.0)
     wait_for(lambda: pending(redis_client) == 5)
     p.ack([d.id for d in taken], {"trained": len(taken)}, wait=False)
@@ -120,7 +120,7 @@ def test_a_failing_read_reaches_the_caller(
         raise RuntimeError("decoder bug")
 
     add(redis_client, 1)
-    p = Prefetcher(consumer(redis_client, "c", decode=decode), 2).start()
+    p = Prefetcher(consumer(redis_client, "c", decode=decode), read_ahead=2).start()
     closing.append(p)
     with pytest.raises(RuntimeError, match="prefetch thread failed") as info:
         p.take(1, 5.0)

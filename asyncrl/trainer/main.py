@@ -218,12 +218,10 @@ class Trainer:
             self.metrics.staleness_bound.set(self.max_staleness)
             self.run_gauges = RunGauges(self.metrics, self.client, self.keys).start()
         self.released_for = (self.step, self.version)
-        """Step and version prompts are released for: set once the weights are published."""
-        # Two steps' worth read ahead: the groups that turn stale while buffered are replaced
-        # from the buffer, not by a read after the step has started.
-        self.prefetch = Prefetcher(
-            self.consumer, 2 * self.local_groups, read_ahead=False, before_read=self._release
-        )
+        """Step and version prompts are released for: set once the step's weights are published
+        (sync mode's prompts must not precede them) and its groups acked (the bound counts
+        unacked ones as not yet trained)."""
+        self.prefetch = Prefetcher(self.consumer, before_read=self._release)
         self.unacked: list[str] = []
         self.evaluator: Any = None
         self.last_sync_seconds: float | None = None
@@ -284,6 +282,15 @@ class Trainer:
             return [i.decode() for i in cast(list[bytes], reply)]
 
         return self.redis.call(claim, "take over trained entries")
+
+    def _read_ahead(self) -> int:
+        """Deliveries to read ahead of the current step: two steps' worth, so that groups which
+        turn stale while buffered are replaced from the buffer rather than by a read once the
+        step has begun; none for steps that will not run (they would stay pending); none with
+        several ranks (see `trainer/prefetch.py`)."""
+        if self.world is not None:
+            return 0
+        return min(2, self.cfg.trainer.max_steps - self.step - 1) * self.local_groups
 
     def _release(self) -> None:
         """Rank 0, on the prefetch thread: release the prompts the budget allows now."""
@@ -408,9 +415,9 @@ class Trainer:
         try:
             while self.step < self.cfg.trainer.max_steps:
                 waited_from = time.monotonic()
-                # Nothing read ahead for a step that will not run: it would stay pending.
-                last = self.step + 1 == self.cfg.trainer.max_steps
-                self.prefetch.set_read_ahead(self.world is None and not last)
+                # Released only now, after the last step's acks, as the bound counts them.
+                self.released_for = (self.step, self.version)
+                self.prefetch.set_read_ahead(self._read_ahead())
                 collected = self._collect()
                 if collected is None:
                     break
@@ -460,8 +467,6 @@ class Trainer:
         self.step += 1
         self.version += 1
         blocking = self._publish()
-        # Only now: in sync mode the next prompts must not go out before the weights.
-        self.released_for = (self.step, self.version)
         step_seconds = time.monotonic() - t_start
         if self.rank != 0:
             return

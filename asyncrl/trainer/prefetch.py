@@ -1,7 +1,7 @@
 """Reading ahead: the trainer's next groups are read and decoded while it trains.
 
-A thread is the consumer's only user. With `read_ahead` it keeps up to `capacity` deliveries
-buffered; without, it reads only what a waiting `take` asks for. Reads block for short spells, so
+A thread is the consumer's only user. It keeps `read_ahead` deliveries buffered beyond what a
+waiting `take` asks for. Reads block for short spells, so
 that acks handed to the thread (stale drops, the checkpoint's acks) wait at most one spell, and
 `before_read` runs at every spell whether the thread reads or not (rank 0 releases prompts there,
 so that they go out while the step trains rather than after it). Buffered deliveries are pending
@@ -34,14 +34,12 @@ class Prefetcher(Generic[T]):
     def __init__(
         self,
         consumer: Consumer[T],
-        capacity: int,
         *,
-        read_ahead: bool = True,
+        read_ahead: int = 0,
         before_read: Callable[[], None] = lambda: None,
         block_ms: int = READ_BLOCK_MS,
     ) -> None:
         self._consumer = consumer
-        self._capacity = capacity
         self._read_ahead = read_ahead
         self._wanted = 0  # what a waiting `take` asks for
         self._before_read = before_read
@@ -61,10 +59,11 @@ class Prefetcher(Generic[T]):
                 self._thread.start()
         return self
 
-    def set_read_ahead(self, on: bool) -> None:
-        """Off: from now on read only what a `take` asks for (what is buffered stays)."""
+    def set_read_ahead(self, count: int) -> None:
+        """Deliveries to keep buffered beyond what a waiting `take` asks for (0: read only on
+        demand); what is buffered already stays."""
         with self._changed:
-            self._read_ahead = on
+            self._read_ahead = count
             self._changed.notify_all()
 
     def take(self, count: int, timeout_s: float) -> list[Delivery[T]]:
@@ -146,5 +145,4 @@ class Prefetcher(Generic[T]):
                 self._changed.notify_all()
 
     def _room(self) -> int:
-        wanted = self._capacity if self._read_ahead else self._wanted
-        return wanted - len(self._buffer)
+        return self._wanted + self._read_ahead - len(self._buffer)
