@@ -6,10 +6,10 @@ I/O stall — while two rollout workers run. Sampled every 0.1 s, the groups rel
 trained, dropped or dead-lettered never exceed admission's bound, (η + 1) × G with a checkpoint
 after every step (otherwise up to `checkpoint_every` − 1 more steps of trained, not yet acked
 groups). By the end of each stall the workers have taken every released prompt and wait, and
-the queue reaches the bound — not at every stall: one may catch the trainer between acking a
-step and releasing the next prompts (its reading thread releases them, within one 50 ms read).
-The streams' lengths stay within the bound plus the entries acked since their last trim, which
-a consumer does when it reads (at most every `queue.trim_every_s`, here always).
+mostly the queue then sits at the bound — not always: a stall may catch the trainer between
+acking a step and releasing the next prompts (admission runs in the trainer too). The streams'
+lengths stay within the bound plus the entries acked since their last trim, which a consumer
+does when it reads (at most every `queue.trim_every_s`, here always).
 
 The other two kinds of backpressure have their own tests in tests/test_queue.py: producers pause
 near Redis `maxmemory` (test_producer_pauses_under_memory_pressure_instead_of_raising), and
@@ -129,9 +129,9 @@ def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
     assert steps >= CYCLES, "the trainer should step between its stalls"
     assert max(q for q, _, _ in samples) <= bound, samples
     # The workers wait on admission, not the other way: by the end of every stall they have
-    # taken every released prompt, and the queue reaches the bound.
+    # taken every released prompt, and mostly the queue is then full.
     assert waiting_at_stall_end == [0] * CYCLES, (waiting_at_stall_end, at_stall_end)
-    assert any(q == bound for q, _, _ in at_stall_end), at_stall_end
+    assert sum(q == bound for q, _, _ in at_stall_end) > CYCLES // 2, at_stall_end
     # Each consumer trims when it reads; the trainer reads right after acking a step, so at
     # most that step's entries are acked and still in the stream.
     longest = max(max(p, t) for _, p, t in samples)

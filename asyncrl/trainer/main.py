@@ -293,7 +293,8 @@ class Trainer:
         return min(2, self.cfg.trainer.max_steps - self.step - 1) * self.local_groups
 
     def _release(self) -> None:
-        """Rank 0, on the prefetch thread: release the prompts the budget allows now."""
+        """Rank 0: release the prompts the budget allows now (after each step, and at every read
+        of the prefetch thread: budget freed by stale drops)."""
         if self.stopping or self.admission is None:
             return
         release = partial(self.admission.release, *self.released_for)
@@ -415,8 +416,10 @@ class Trainer:
         try:
             while self.step < self.cfg.trainer.max_steps:
                 waited_from = time.monotonic()
-                # Released only now, after the last step's acks, as the bound counts them.
+                # Released only now, after the last step's acks, as the bound counts them; here
+                # rather than on the reading thread, which may be in a read for 50 ms.
                 self.released_for = (self.step, self.version)
+                self._release()
                 self.prefetch.set_read_ahead(self._read_ahead())
                 collected = self._collect()
                 if collected is None:
