@@ -235,9 +235,10 @@ def test_every_dashboard_and_alert_series_has_data(
             f"run.dir={tmp_path / 'run'}",
             f"model.path={warm_model}",
             "rollout.workers=1",
-            "trainer.max_steps=6",
+            # Evals every 2 of 12 steps: several 1 s scrapes see the eval gauge set.
+            "trainer.max_steps=12",
             "trainer.checkpoint_every=3",
-            "trainer.eval_every=3",
+            "trainer.eval_every=2",
             "trainer.eval_size=100",
             f"metrics.port={metrics_port}",
         ],

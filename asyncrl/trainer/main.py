@@ -434,6 +434,9 @@ class Trainer:
             if self.unacked or self.step % self.cfg.trainer.checkpoint_every:
                 self._checkpoint()
         finally:
+            # Stopping already: a later SIGTERM must not kill the exit (Python restores the
+            # default disposition of handled signals while it finalises).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.prefetch.close()
             self.heartbeat.stop()
             if self.publisher is not None:
