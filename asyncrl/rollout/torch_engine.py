@@ -199,8 +199,7 @@ class TorchEngine:
         input_ids, _ = self._left_padded([p[max(0, len(p) - fed) :] for p in prompts], fed)
         # Mask over prompt + every response slot; row r's response token t sits at width + t.
         mask = torch.zeros(rows, width + steps, dtype=torch.bool, device=device)
-        for r, n in enumerate(lengths_in):
-            mask[r, width - n : width] = True
+        mask[:, :width] = _columns(lengths_in, width, device)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)[:, prefix:]
         # Without padding (e.g. equal-length prompts) attention is plain causal: no mask to build.
         padded = not bool(mask[:, :width].all())
