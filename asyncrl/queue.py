@@ -28,6 +28,7 @@ for redis-py.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -104,7 +105,9 @@ class RedisGuard:
     mark the start and end of each, so metrics can show Redis being down, and `outages` counts
     them. A refused password or ACL is raised at once, not waited out. A full Redis (an OOM reply,
     or memory above the watermark of a `MemoryGauge`) pauses the call the same way. Waits log at
-    most every few seconds and poll `should_stop`, which ends them with `Stopped`.
+    most every few seconds and poll `should_stop`, which ends them with `Stopped`. Threads may
+    share a guard (the trainer's reader and main loop do): an outage is counted once, started by
+    the first call that fails and ended by the first that succeeds.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class RedisGuard:
         self._should_stop = should_stop
         self._on_outage = on_outage
         self._next_log = 0.0  # shared by all calls: a producer pausing at every add logs rarely
+        self._lock = threading.Lock()
         self.outages = 0
         self.down = False
         """True while the current call is failing because Redis is unreachable."""
@@ -159,11 +163,7 @@ class RedisGuard:
                 raise
             except self._transient as exc:
                 reason, outage = f"Redis unreachable ({type(exc).__name__}: {exc})", True
-                if not self.down:
-                    self.down = True
-                    self.outages += 1
-                    if self._on_outage is not None:
-                        self._on_outage(True)
+                self._mark_down(True, what, started)
             now = time.monotonic()
             if now >= self._next_log:
                 verb = "retrying" if outage else "pausing"
@@ -174,11 +174,22 @@ class RedisGuard:
             self._sleep(delay)
             delay = min(delay * 2, self._max_s if outage else _FULL_WAIT_MAX_S)
         if self.down:
-            self.down = False
-            log.warning("%s: Redis reachable again after %.1fs", what, time.monotonic() - started)
-            if self._on_outage is not None:
-                self._on_outage(False)
+            self._mark_down(False, what, started)
         return result
+
+    def _mark_down(self, down: bool, what: str, started: float) -> None:
+        with self._lock:
+            if self.down == down:
+                return  # another thread saw this transition first
+            self.down = down
+            if down:
+                self.outages += 1
+            else:
+                log.warning(
+                    "%s: Redis reachable again after %.1fs", what, time.monotonic() - started
+                )
+            if self._on_outage is not None:
+                self._on_outage(down)
 
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

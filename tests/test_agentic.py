@@ -258,3 +258,40 @@ def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(random_model: Pat
             assert s.loss_mask is not None and (s.loss_mask == 0).sum() > 0
             assert (np.diff(s.versions) >= 0).all()
             assert (s.logprobs[s.loss_mask == 0] == 0).all()
+
+
+def test_close_cancels_episodes_waiting_on_their_tools(
+    random_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker stopping with episodes at their tools leaves no task pending and no loop thread."""
+    import gc
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.config import TorchEngineConfig
+    from asyncrl.rollout.engine import build_engine
+
+    tok = AutoTokenizer.from_pretrained(random_model)
+    task = AgenticTask(
+        AgenticTaskConfig(turns=3, eval_size=1, train_size=4, tool_latency_median_s=60.0),
+        tok,
+    )
+    engine = build_engine(TorchEngineConfig(), model_path=str(random_model))
+    sched: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tok, PARAMS)
+    for i, item in enumerate(list(task.train_items(0, 0))[:4]):
+        sched.start(i, item, 2, f"e{i}")
+    sched.advance(0.0)  # first turns generated; the 8 episodes now wait a minute on their tools
+    deadline = time.monotonic() + 10
+    while len(sched._steps) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the loop thread starts the steps
+    steps = list(sched._steps)
+    assert len(steps) == 8 and not any(t.done() for t in steps)
+    t0 = time.monotonic()
+    sched.close()
+    assert time.monotonic() - t0 < 5
+    assert all(t.cancelled() for t in steps)  # not left pending on a stopped loop
+    del steps
+    gc.collect()  # a pending task collected here is what asyncio reports as destroyed
+    assert not [t for t in threading.enumerate() if t.name == "env-loop"]
+    assert "destroyed" not in caplog.text

@@ -18,6 +18,7 @@ from asyncrl.queue import (
     Producer,
     QueueConfig,
     RawFields,
+    RedisGuard,
     Stopped,
     stream_stats,
     trim_acked,
@@ -349,6 +350,30 @@ def test_consumer_and_producer_survive_redis_restart(redis_server: RedisServer) 
     assert counter(client, "groups_trained") == acked == len(delivered)
     assert pending_ids(client) == []
     assert outages[:2] == [True, False] and c.outages >= 1 and producer.outages == 1
+    client.close()
+
+
+def test_threads_sharing_a_guard_count_one_outage(redis_server: RedisServer) -> None:
+    """The trainer's reader thread and main loop share one guard: an outage both see is one
+    outage, opened and closed once (the redis_up gauge follows `on_outage`)."""
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    events: list[bool] = []
+    guard = RedisGuard(reconnect_max_s=0.05, on_outage=events.append)
+    redis_server.stop()
+    answered: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda: answered.append(guard.call(client.ping, "ping")))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # every thread is now retrying
+    assert guard.down and answered == []
+    redis_server.start()
+    for t in threads:
+        t.join(15)
+    assert answered == [True] * 4
+    assert events == [True, False] and guard.outages == 1 and not guard.down
     client.close()
 
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -58,16 +60,24 @@ from asyncrl.rollout.torch_engine import TorchEngine
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 PROBE = "bench-probe"
+MODES = ("sync", "async")
 
 
 def run_mode(
-    client: redis.Redis, url: str, cfg_path: str, mode: str, overrides: list[str], tmp: Path
+    client: redis.Redis,
+    url: str,
+    cfg_path: str,
+    mode: str,
+    overrides: list[str],
+    tmp: Path,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One run; its step lines, the (created, finished) interval of every published group, the
     run's counters and its final policy's held-out reward."""
-    keys = Keys(f"bench-async-{mode}")
+    keys = Keys(f"bench-async-{mode}-{seed}")
     client.xgroup_create(keys.trajectories, PROBE, id="0", mkstream=True)
-    run_dir = tmp / mode
+    run_dir = tmp / keys.run_id
+    overrides = [*overrides, f"run.seed={seed}"]
     lines = launch_all(
         cfg_path,
         1800,
@@ -144,61 +154,116 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def pool_figures(
+    run: dict[str, Any], groups_per_step: int, summary: dict[str, float]
+) -> dict[str, float]:
+    """The perfect-overlap bound of one async run from its own measurements (docstring above)."""
+    intervals = run["intervals"]
+    mean_group_s = sum(b - t for t, b in intervals) / len(intervals)
+    capacity = peak_in_flight(intervals)
+    trained = len(run["steps"]) * groups_per_step
+    generation_s = trained * mean_group_s / capacity
+    ideal = summary["fill_s"] + max(summary["busy_s"], generation_s)
+    return {
+        "mean_group_s": mean_group_s,
+        "peak_groups_in_flight": capacity,
+        "generation_s": generation_s,
+        "groups_trained": trained,
+        "ideal_s": ideal,
+        "overlap_efficiency": ideal / summary["wall_s"],
+    }
+
+
+def mode_figures(mode: str, runs: list[dict[str, Any]], groups_per_step: int) -> dict[str, float]:
+    """One mode's figures over its seeds: medians of the timings, mean and sd of the reward."""
+    summaries = [summarize(r) for r in runs]
+    if mode == "async":
+        for run, summary in zip(runs, summaries, strict=True):
+            summary |= pool_figures(run, groups_per_step, summary)
+    for seed, (run, summary) in enumerate(zip(runs, summaries, strict=True)):
+        print(f"{mode} seed {seed}: {json.dumps({k: round(v, 4) for k, v in summary.items()})}")
+        print(f"{mode} seed {seed} counters: {json.dumps(run['counters'])}")
+    out = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+    rewards = [s["final_reward"] for s in summaries]
+    out["final_reward"] = statistics.fmean(rewards)
+    out["final_reward_sd"] = statistics.stdev(rewards) if len(rewards) > 1 else float("nan")
+    out["groups_dropped_stale"] = statistics.median(
+        r["counters"].get("groups_dropped_stale", 0) for r in runs
+    )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/agentic.yaml")
-    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to both runs")
+    ap.add_argument(
+        "--seeds", type=int, default=1, help="runs per mode, run.seed = 0 … N − 1 (default 1)"
+    )
+    ap.add_argument("--only", choices=MODES, help="run this mode alone and print its figures")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
-    ensure_model(cfg)  # built once, before either clock starts
+    ensure_model(cfg)  # built once, before any clock starts
+    modes = [args.only] if args.only else list(MODES)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(data_dir=Path(tmp) / "redis").start()
         try:
             client = redis.Redis.from_url(server.url)
-            runs = [
-                run_mode(client, server.url, args.config, mode, args.overrides, Path(tmp))
-                for mode in ("sync", "async")
-            ]
+            for seed in range(args.seeds):
+                for mode in modes:
+                    runs[mode].append(
+                        run_mode(
+                            client, server.url, args.config, mode, args.overrides, Path(tmp), seed
+                        )
+                    )
         finally:
             server.stop()
-    sync, async_ = runs
-    s, a = summarize(sync), summarize(async_)
-    intervals = async_["intervals"]
-    mean_group_s = sum(b - t for t, b in intervals) / len(intervals)
-    capacity = peak_in_flight(intervals)
-    trained = len(async_["steps"]) * cfg.trainer.groups_per_step
-    generation_s = trained * mean_group_s / capacity
-    ideal = a["fill_s"] + max(a["busy_s"], generation_s)
-    for name, run, summary in (("sync", sync, s), ("async", async_, a)):
-        print(f"{name}: {json.dumps({k: round(v, 4) for k, v in summary.items()})}")
-        print(f"{name} counters: {json.dumps(run['counters'])}")
-    print(
-        f"async pool: mean group {mean_group_s:.2f} s, peak {capacity} groups in flight, "
-        f"generation needs {generation_s:.1f} s for {trained} groups; trainer busy "
-        f"{a['busy_s']:.1f} s, fill {a['fill_s']:.1f} s"
-    )
-    print(
-        json.dumps(
-            {
-                "sync_s": round(s["wall_s"], 2),
-                "async_s": round(a["wall_s"], 2),
-                "speedup": round(s["wall_s"] / a["wall_s"], 2),
-                "ideal_async_s": round(ideal, 2),
-                "overlap_efficiency": round(ideal / a["wall_s"], 3),
-                "trainer_idle_fraction_sync": round(s["idle_fraction"], 3),
-                "trainer_idle_fraction_async": round(a["idle_fraction"], 3),
-                "final_reward_sync": round(s["final_reward"], 4),
-                "final_reward_async": round(a["final_reward"], 4),
-                "train_reward_last_quarter_sync": round(s["train_reward_last_quarter"], 4),
-                "train_reward_last_quarter_async": round(a["train_reward_last_quarter"], 4),
-                "weight_publish_blocking_fraction_sync": round(s["publish_blocking_fraction"], 4),
-                "weight_publish_blocking_fraction_async": round(a["publish_blocking_fraction"], 4),
-                "trainer_idle_fraction_async_after_fill": round(a["idle_fraction_after_fill"], 3),
-                "groups_dropped_stale_async": async_["counters"].get("groups_dropped_stale", 0),
-                "steps": len(async_["steps"]),
-            }
+    fig = {m: mode_figures(m, runs[m], cfg.trainer.groups_per_step) for m in modes}
+    if "async" in fig:
+        a = fig["async"]
+        print(
+            f"async pool (medians): mean group {a['mean_group_s']:.2f} s, peak "
+            f"{a['peak_groups_in_flight']:.0f} groups in flight, generation needs "
+            f"{a['generation_s']:.1f} s for {a['groups_trained']:.0f} "
+            f"groups; trainer busy {a['busy_s']:.1f} s, fill {a['fill_s']:.1f} s"
         )
-    )
+    both = len(fig) == 2
+    result: dict[str, float] = {}
+    if both:
+        s, a = fig["sync"], fig["async"]
+        result |= {
+            "sync_s": s["wall_s"],
+            "async_s": a["wall_s"],
+            "speedup": s["wall_s"] / a["wall_s"],
+        }
+    if "async" in fig:
+        a = fig["async"]
+        result |= {"ideal_async_s": a["ideal_s"], "overlap_efficiency": a["overlap_efficiency"]}
+    for key, name in (
+        ("idle_fraction", "trainer_idle_fraction"),
+        ("final_reward", "final_reward"),
+        ("final_reward_sd", "final_reward_sd"),
+        ("train_reward_last_quarter", "train_reward_last_quarter"),
+        ("publish_blocking_fraction", "weight_publish_blocking_fraction"),
+        ("wall_s", "wall_s"),
+    ):
+        result |= {f"{name}_{m}": f[key] for m, f in fig.items()}
+    if "async" in fig:
+        result |= {
+            "trainer_idle_fraction_async_after_fill": fig["async"]["idle_fraction_after_fill"],
+            "groups_dropped_stale_async": fig["async"]["groups_dropped_stale"],
+        }
+    if both:
+        s, a = fig["sync"], fig["async"]
+        result |= {
+            "final_reward_gap": a["final_reward"] - s["final_reward"],
+            "final_reward_gap_se": math.sqrt(
+                (s["final_reward_sd"] ** 2 + a["final_reward_sd"] ** 2) / args.seeds
+            ),
+        }
+    result |= {"seeds": args.seeds, "steps": len(next(iter(runs.values()))[0]["steps"])}
+    print(json.dumps({k: round(v, 4) for k, v in result.items()}))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ Worked example (a 2-turn episode, weights v3 → v4 swapped while the tool ran):
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_CLOSE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -151,6 +154,7 @@ class EpisodeScheduler(Generic[T]):
         # Environment steps await their tools on one event loop thread: a waiting episode costs
         # a timer, where a thread each would cost a millisecond of CPU per step in switching.
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self._steps: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self._ready: list[_Episode] = []
         self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
@@ -199,8 +203,25 @@ class EpisodeScheduler(Generic[T]):
         return finished, failed
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """Cancel the environment steps still awaiting their tools and end the loop thread."""
+        if self._loop is None:
+            return
+        cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(), self._loop)
+        try:
+            cancelled.result(timeout=_CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("environment steps ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._loop_thread is not None:
+            self._loop_thread.join(_CLOSE_TIMEOUT_S)
+        if not self._loop.is_running():
+            self._loop.close()
+        self._loop = self._loop_thread = None
+
+    async def _cancel_steps(self) -> None:
+        for task in self._steps:
+            task.cancel()
+        await asyncio.gather(*self._steps, return_exceptions=True)
 
     def _fail(self, group: _Group[T], reason: str, detail: str) -> None:
         if group.failed:
@@ -278,7 +299,10 @@ class EpisodeScheduler(Generic[T]):
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="env-loop", daemon=True).start()
+            self._loop_thread = threading.Thread(
+                target=self._loop.run_forever, name="env-loop", daemon=True
+            )
+            self._loop_thread.start()
         return self._loop
 
     def _spawn(self, steps: list[tuple[_Episode, str]]) -> None:
