@@ -18,6 +18,7 @@ together with it.
 | asyncrl_behaviour_weight_mean, asyncrl_behaviour_weight_capped_fraction | gauge | | trainer |
 | asyncrl_clip_fraction, asyncrl_reward_mean, asyncrl_eval_accuracy | gauge | | trainer |
 | asyncrl_tokens_generated_total | counter | | rollout |
+| asyncrl_rollout_prompt_tokens_total | counter | source: prefilled, cached | rollout |
 | asyncrl_rollout_tokens_per_second | gauge (engine, last batch) | | rollout |
 | asyncrl_train_step_seconds | histogram | | trainer |
 | asyncrl_train_steps_total | counter | | trainer |
@@ -106,6 +107,7 @@ PHASES = (
     "eval",
 )
 POOLS = ("rollout", "trainer")
+PROMPT_SOURCES = ("prefilled", "cached")
 OUTCOMES = tuple(name.removeprefix("prompts_").removeprefix("groups_") for name in COUNTERS)
 
 _L = ("role", "worker")
@@ -155,6 +157,11 @@ _CLIP = _gauge("asyncrl_clip_fraction", "Fraction of response tokens whose ratio
 _REWARD = _gauge("asyncrl_reward_mean", "Mean reward of the groups of the last step.")
 _EVAL = _gauge("asyncrl_eval_accuracy", "Accuracy on the held-out set at the last eval.")
 _TOKENS = _counter("asyncrl_tokens_generated_total", "Response tokens generated.")
+_PROMPT_TOKENS = _counter(
+    "asyncrl_rollout_prompt_tokens_total",
+    "Prompt tokens of engine calls, by source: prefilled, or cached (keys from the prefix cache).",
+    "source",
+)
 _TOKENS_PER_S = _gauge(
     "asyncrl_rollout_tokens_per_second", "Engine generation throughput over the last batch."
 )
@@ -216,6 +223,7 @@ _ROLE_METRICS: dict[str, tuple[str, ...]] = {
         "policy_version",
         "trajectories_produced",
         "tokens_generated",
+        "prompt_tokens",
         "rollout_tokens_per_second",
         "weight_sync_seconds",
         "weight_sync_bytes",
@@ -247,7 +255,8 @@ class RoleMetrics:
     `m.trajectories_produced.inc()`, `m.staleness.observe(2)`, `m.queue_lag["prompts"].set(5)`.
     Per-label families are dicts keyed by the label value (`trajectories_dropped[reason]`,
     `queue_lag[stream]`, `behaviour_weight[quantile]`, `time_seconds[phase]`,
-    `workers_live[pool]`, `run_groups[outcome]`); an unknown value is a KeyError, not a new series.
+    `workers_live[pool]`, `run_groups[outcome]`, `prompt_tokens[source]`); an unknown value is
+    a KeyError, not a new series.
     """
 
     def __init__(self, role: str, worker: str) -> None:
@@ -318,6 +327,10 @@ class RoleMetrics:
     @cached_property
     def tokens_generated(self) -> Counter:
         return self._bind(_TOKENS)
+
+    @cached_property
+    def prompt_tokens(self) -> dict[str, Counter]:
+        return {s: self._bind(_PROMPT_TOKENS, source=s) for s in PROMPT_SOURCES}
 
     @cached_property
     def rollout_tokens_per_second(self) -> Gauge:
@@ -413,9 +426,14 @@ class RoleMetrics:
         if not outage:
             self.redis_reconnects.inc()
 
-    def generated(self, tokens: int, seconds: float) -> None:
-        """One engine batch: `tokens` response tokens in `seconds`."""
+    def generated(
+        self, tokens: int, seconds: float, prompt_tokens: int = 0, cached_tokens: int = 0
+    ) -> None:
+        """One engine batch: `tokens` response tokens in `seconds`, from prompts of
+        `prompt_tokens` tokens of which `cached_tokens` came from the engine's prefix cache."""
         self.tokens_generated.inc(tokens)
+        self.prompt_tokens["cached"].inc(cached_tokens)
+        self.prompt_tokens["prefilled"].inc(prompt_tokens - cached_tokens)
         if seconds > 0:
             self.rollout_tokens_per_second.set(tokens / seconds)
 

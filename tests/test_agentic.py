@@ -295,3 +295,34 @@ def test_close_cancels_episodes_waiting_on_their_tools(
     gc.collect()  # a pending task collected here is what asyncio reports as destroyed
     assert not [t for t in threading.enumerate() if t.name == "env-loop"]
     assert "destroyed" not in caplog.text
+
+
+def test_generate_calls_report_prompt_tokens_from_the_prefix_cache(random_model: Path) -> None:
+    """The worker's `asyncrl_rollout_prompt_tokens_total{source}` comes from these reports."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.config import TorchEngineConfig
+    from asyncrl.rollout.engine import build_engine
+    from asyncrl.rollout.episodes import GenerateCall
+    from asyncrl.rollout.torch_engine import TorchEngine
+
+    tok = AutoTokenizer.from_pretrained(random_model)
+    task = AgenticTask(
+        AgenticTaskConfig(turns=3, eval_size=1, train_size=4, tool_latency_median_s=0.0), tok
+    )
+    engine = build_engine(
+        TorchEngineConfig(prefix_cache_tokens=10_000), model_path=str(random_model)
+    )
+    assert isinstance(engine, TorchEngine)
+    calls: list[GenerateCall] = []
+    sched: EpisodeScheduler[int] = EpisodeScheduler(
+        engine, task, tok, PARAMS, on_generate=calls.append
+    )
+    for i, item in enumerate(list(task.train_items(0, 0))[:4]):
+        sched.start(i, item, 2, f"e{i}")
+    run_until_done(sched, 4)
+    sched.close()
+    assert calls[0].cached_tokens == 0  # first turns: nothing cached yet
+    assert sum(c.cached_tokens for c in calls) == engine.reused_tokens > 0
+    assert sum(c.prompt_tokens for c in calls) == engine.reused_tokens + engine.prefill_tokens
+    assert all(0 <= c.cached_tokens < c.prompt_tokens for c in calls)

@@ -40,6 +40,7 @@ EXPECTED = {
     "asyncrl_reward_mean": "gauge",
     "asyncrl_eval_accuracy": "gauge",
     "asyncrl_tokens_generated": "counter",
+    "asyncrl_rollout_prompt_tokens": "counter",
     "asyncrl_rollout_tokens_per_second": "gauge",
     "asyncrl_train_step_seconds": "histogram",
     "asyncrl_train_steps": "counter",
@@ -88,7 +89,7 @@ def exercise(m: RoleMetrics) -> None:
     m.queue_dead_letter.set(0)
     m.behaviour_weight["0.9"].set(1.3)
     m.eval_accuracy.set(0.5)
-    m.generated(100, 0.5)
+    m.generated(100, 0.5, prompt_tokens=40, cached_tokens=30)
     m.trainer_mfu.set(0.3)
     m.weight_sync_seconds.observe(0.2)
     m.weight_sync_bytes.inc(1 << 20)
@@ -158,6 +159,9 @@ def test_metrics_endpoint_exposes_the_dashboard_names(server: MetricsServer) -> 
     assert value("asyncrl_run_groups", outcome="dead_lettered", **t0) == 0
     assert value("asyncrl_time_seconds_total", phase="train", **t0) >= 0.01
     assert value("asyncrl_tokens_generated_total", role="rollout", worker="test-w1") == 100
+    w1 = {"role": "rollout", "worker": "test-w1"}
+    assert value("asyncrl_rollout_prompt_tokens_total", source="cached", **w1) == 30
+    assert value("asyncrl_rollout_prompt_tokens_total", source="prefilled", **w1) == 10
 
 
 def test_series_exist_only_where_used() -> None:

@@ -86,6 +86,7 @@ def test_next_turn_reuses_prefix_and_stays_exact(
     reference_model = _load(model_dir)
     first = engine.generate(PROMPTS, PARAMS)
     assert engine.reused_tokens == 0 and engine.prefill_tokens == sum(map(len, PROMPTS))
+    assert all(g.cached_tokens == 0 for g in first)
     second_prompts = _next_turn(PROMPTS, first, observations)
     # Fresh prompts in the same batch have nothing cached; the long one has its head prefilled
     # on its own, then joins the batch like a hit.
@@ -96,6 +97,12 @@ def test_next_turn_reuses_prefix_and_stays_exact(
     else:
         assert 0 < engine.reused_tokens < _fed(PROMPTS, first)
     assert engine.reused_tokens + engine.prefill_tokens == sum(map(len, PROMPTS + batch))
+    # Each row reports its own share: a hit at most its previous turn's keys, a fresh row none.
+    assert sum(g.cached_tokens for g in second) == engine.reused_tokens
+    kept = [len(p) + len(g.token_ids) - 1 for p, g in zip(PROMPTS, first, strict=True)]
+    for held, gen in zip(kept, second, strict=False):
+        assert 0 <= gen.cached_tokens <= held
+    assert second[-2].cached_tokens == second[-1].cached_tokens == 0
     for prompt, gen in zip(batch, second, strict=True):
         expected = _reference(reference_model, prompt, gen.token_ids, PARAMS)
         np.testing.assert_allclose(gen.logprobs, expected, rtol=0, atol=1e-5)

@@ -28,6 +28,7 @@ def _item(prompt: list[int], how: str) -> dict[str, Any]:
         "id": "x",
         "finish_reason": {"type": "stop", "matched": EOS},
         "prompt_tokens": len(prompt),
+        "cached_tokens": len(prompt) - 1,  # RadixAttention had all but the last token
         "completion_tokens": len(tokens),
         "output_token_logprobs": triples,
         "weight_version": "3",
@@ -37,8 +38,9 @@ def _item(prompt: list[int], how: str) -> dict[str, Any]:
             {"version": "2", "start": 0, "end": 1},
             {"version": "3", "start": 1, "end": 3},
         ]
-    elif how == "default":
+    elif how == "default":  # an older server: no version, no cache figures
         meta["weight_version"] = "default"
+        meta.pop("cached_tokens")
     elif how == "short":
         meta["output_token_logprobs"] = triples[:2]
         meta.pop("completion_tokens")
@@ -148,6 +150,7 @@ def test_replies_become_generations(servers: list[FakeServer], how: str, version
         assert g.token_ids.dtype == np.int32 and g.versions.dtype == np.int32
         assert g.logprobs.dtype == np.float32 and (g.logprobs == -0.5).all()
         assert g.versions.tolist() == versions and g.finish == "stop"
+    assert [g.cached_tokens for g in gens] == ([0, 0] if how == "default" else [1, 2])
     assert engine.version == 3  # /get_model_info
     engine.close()
 

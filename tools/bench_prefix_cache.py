@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from asyncrl.config import load_config
 from asyncrl.model import ensure_model
 from asyncrl.rollout.engine import build_engine
-from asyncrl.rollout.episodes import EpisodeScheduler
+from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
 from asyncrl.rollout.tasks import build_task
 from asyncrl.rollout.torch_engine import TorchEngine
 
@@ -47,8 +47,8 @@ def run(config: str, overrides: list[str], groups: int, seconds: float, swap_s: 
     assert isinstance(engine, TorchEngine)
     generating = [0.0]
 
-    def on_generate(tokens: int, s: float) -> None:
-        generating[0] += s
+    def on_generate(call: GenerateCall) -> None:
+        generating[0] += call.seconds
 
     episodes: EpisodeScheduler[int] = EpisodeScheduler(
         engine,

@@ -95,6 +95,20 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "Prompt tokens from the prefix cache",
+                "Share of the engines' prompt tokens whose keys came from the prefix cache rather "
+                "than a prefill (multi-turn episodes: every turn after the first).",
+                [
+                    (
+                        "sum by (worker) (rate(asyncrl_rollout_prompt_tokens_total"
+                        f'{{source="cached"}}{RATE})) / sum by (worker) '
+                        f"(rate(asyncrl_rollout_prompt_tokens_total{RATE}))",
+                        "{{worker}}",
+                    )
+                ],
+                unit="percentunit",
+            ),
+            Panel(
                 "Trajectory groups per second",
                 "Groups published by the rollout pool, trained on, and dropped (by reason).",
                 [

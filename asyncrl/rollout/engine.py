@@ -36,6 +36,10 @@ class Generation:
     finish: Literal["stop", "length"]
     """"stop": ended by a stop token (the last token); "length": hit max_new_tokens."""
 
+    cached_tokens: int = 0
+    """Prompt tokens whose keys came from the engine's prefix cache instead of a prefill (0 when
+    the engine keeps none or does not say)."""
+
 
 class RolloutEngine(Protocol):
     """Generates responses and takes new weights while it does.

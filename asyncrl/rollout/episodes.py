@@ -44,6 +44,19 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """What one engine call did, for metrics."""
+
+    seconds: float
+    response_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    """Of `prompt_tokens`, those served from the engine's prefix cache."""
+
+
 _CLOSE_TIMEOUT_S = 10.0
 
 
@@ -142,7 +155,7 @@ class EpisodeScheduler(Generic[T]):
         sampling: SamplingParams,
         *,
         batch_wait_s: float = 0.0,
-        on_generate: Callable[[int, float], None] | None = None,
+        on_generate: Callable[[GenerateCall], None] | None = None,
     ) -> None:
         self._engine = engine
         self._task = task
@@ -275,7 +288,14 @@ class EpisodeScheduler(Generic[T]):
         n_tokens = sum(len(g.token_ids) for _, g in done)
         self.tokens += n_tokens
         if self._on_generate is not None:
-            self._on_generate(n_tokens, time.monotonic() - t0)
+            self._on_generate(
+                GenerateCall(
+                    seconds=time.monotonic() - t0,
+                    response_tokens=n_tokens,
+                    prompt_tokens=sum(len(ep.context) for ep, _ in done),
+                    cached_tokens=sum(g.cached_tokens for _, g in done),
+                )
+            )
         done = [(ep, g) for ep, g in done if not ep.group.failed]
         texts = self._tokenizer.batch_decode(
             [g.token_ids.tolist() for _, g in done], skip_special_tokens=True

@@ -334,11 +334,13 @@ def parse_generation(item: Any, greedy: bool) -> Generation:
     # Greedy draws are certain: log-prob 0, as `sampling_logprobs` records them (SGLang returns
     # the untempered distribution's value). Rounding can leave a sampled one a hair above 0.
     recorded = np.zeros(n) if greedy else np.minimum(logprobs, 0.0)
+    cached = meta.get("cached_tokens")  # RadixAttention's prefix hits; absent on old servers
     return Generation(
         token_ids=tokens,
         logprobs=recorded.astype(np.float32),
         versions=_versions(meta, n),
         finish=kind,
+        cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0,
     )
 
 

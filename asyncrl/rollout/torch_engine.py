@@ -211,7 +211,10 @@ class TorchEngine:
             min(version, c.version) if c is not None and u else version
             for c, u in zip(cached, used, strict=True)
         ]
-        reused = sum(used) - sum(used[r] for r in heads)
+        # The heads' keys were prefilled above, not taken from the cache.
+        head_rows = set(heads)
+        from_cache = [0 if r in head_rows else u for r, u in enumerate(used)]
+        reused = sum(from_cache)
         self.prefill_tokens += sum(lengths_in) - reused
         self.reused_tokens += reused
 
@@ -265,6 +268,7 @@ class TorchEngine:
                 logprobs=logprobs_np[r, :n].copy(),
                 versions=versions_np[r, :n].copy(),
                 finish="stop" if stop else "length",
+                cached_tokens=from_cache[r],
             )
             for r, (n, stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))
         ]

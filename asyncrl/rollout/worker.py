@@ -31,7 +31,12 @@ from asyncrl.protocol import (
 )
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.config import SglangEngineConfig
-from asyncrl.rollout.episodes import EpisodeScheduler, FailedGroup, FinishedGroup
+from asyncrl.rollout.episodes import (
+    EpisodeScheduler,
+    FailedGroup,
+    FinishedGroup,
+    GenerateCall,
+)
 from asyncrl.rollout.tasks import PromptItem
 
 if TYPE_CHECKING:
@@ -247,9 +252,11 @@ class RolloutWorker:
             self.episodes.start(d, PromptItem(p.prompt_id, p.prompt, ids, p.answer), p.n, d.id)
         self.waiting = held
 
-    def _on_generate(self, tokens: int, seconds: float) -> None:
-        self.metrics.time_seconds["generate"].inc(seconds)
-        self.metrics.generated(tokens, seconds)
+    def _on_generate(self, call: GenerateCall) -> None:
+        self.metrics.time_seconds["generate"].inc(call.seconds)
+        self.metrics.generated(
+            call.response_tokens, call.seconds, call.prompt_tokens, call.cached_tokens
+        )
 
     def _publish(
         self, finished: list[FinishedGroup[Prompt]], failed: list[FailedGroup[Prompt]]
