@@ -28,6 +28,10 @@ RELEASED_AT = 3
 PROMPTS = 2
 
 
+def _xreadgroup_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
+
+
 @pytest.mark.slow
 def test_a_worker_holds_prompts_its_weights_are_too_old_for(
     redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
@@ -79,8 +83,11 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
             return sum(int(g["pending"]) for g in info if g["name"].decode() == PROMPTS_GROUP)
 
         wait_until(lambda: taken() == PROMPTS, 60, "the worker reading the prompts", [worker])
+        reads = _xreadgroup_calls(redis_client)
         time.sleep(2.0)
         assert redis_client.xlen(keys.trajectories) == 0, "generated with weights too old"
+        # Holding is waiting for weights, not polling Redis (a 5 ms spin made ~400 reads here).
+        assert _xreadgroup_calls(redis_client) - reads < 100
         publisher.publish(params.items(), RELEASED_AT - ETA - 1)
         time.sleep(2.0)
         assert redis_client.xlen(keys.trajectories) == 0, "generated with weights too old"

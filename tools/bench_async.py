@@ -1,13 +1,16 @@
 """Async against sync on the agentic workload: same config, resources and trainer steps.
 
-    python tools/bench_async.py [--config configs/agentic.yaml] [KEY=VALUE ...]
+    python tools/bench_async.py [--config configs/agentic.yaml] [--seeds N] [--only MODE]
+                                [KEY=VALUE ...]
 
-Runs `asyncrl launch --role all` twice, one after the other on the same machine, against one
-Redis started here: `run.mode=sync` (rollouts wait for the newest weights, η = 0), then async
-(the config's η). Overrides apply to both. Times are the trainer's `wall_seconds` at its last
-step (process start-up before the trainer's clock and the drain after it are excluded on both
-sides). A probe consumer group on each run's trajectories stream, which never acks, keeps every
-published group readable afterwards, so group durations can be measured.
+Runs `asyncrl launch --role all` in `run.mode=sync` (rollouts wait for the newest weights,
+η = 0) and in async mode (the config's η), one run after the other on the same machine, against
+one Redis started here; with `--seeds N` each mode runs N times (`run.seed` 0 … N − 1, modes
+alternating), with `--only` one mode alone. Overrides apply to every run. Times are the
+trainer's `wall_seconds` at its last step (process start-up before the trainer's clock and the
+drain after it are excluded on both sides). A probe consumer group on each run's trajectories
+stream, which never acks, keeps every published group readable afterwards, so group durations
+can be measured.
 
 Figures (the last line is JSON with them):
 
@@ -22,6 +25,10 @@ Figures (the last line is JSON with them):
   batches of the last quarter of the steps (at least 3); in async mode those batches come from
   policies up to η versions old, so that figure trails the policy's own.
 - `weight_publish_blocking_fraction_*`: Σ weight_publish_blocking_seconds / Σ step_seconds.
+- Over several seeds the timings are medians; `final_reward_*` is the mean, `final_reward_sd_*`
+  the standard deviation over seeds, `final_reward_gap` = async − sync and
+  `final_reward_gap_se` its standard error, √((sd_sync² + sd_async²) / N): "equal within noise"
+  means |gap| ≤ 2 × gap_se.
 - `ideal_async_s`: the perfect-overlap bound of the async run, from its own measurements:
 
       ideal = fill + max(busy, S × G × W / C)
@@ -229,14 +236,9 @@ def main() -> None:
             f"groups; trainer busy {a['busy_s']:.1f} s, fill {a['fill_s']:.1f} s"
         )
     both = len(fig) == 2
-    result: dict[str, float] = {}
+    result = {f"{m}_s": f["wall_s"] for m, f in fig.items()}
     if both:
-        s, a = fig["sync"], fig["async"]
-        result |= {
-            "sync_s": s["wall_s"],
-            "async_s": a["wall_s"],
-            "speedup": s["wall_s"] / a["wall_s"],
-        }
+        result["speedup"] = fig["sync"]["wall_s"] / fig["async"]["wall_s"]
     if "async" in fig:
         a = fig["async"]
         result |= {"ideal_async_s": a["ideal_s"], "overlap_efficiency": a["overlap_efficiency"]}
@@ -246,7 +248,6 @@ def main() -> None:
         ("final_reward_sd", "final_reward_sd"),
         ("train_reward_last_quarter", "train_reward_last_quarter"),
         ("publish_blocking_fraction", "weight_publish_blocking_fraction"),
-        ("wall_s", "wall_s"),
     ):
         result |= {f"{name}_{m}": f[key] for m, f in fig.items()}
     if "async" in fig:

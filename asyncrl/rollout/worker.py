@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     Prompt = Delivery[PromptGroup]
 
 log = logging.getLogger("asyncrl.rollout")
+_HOLD_POLL_S = 0.05
 
 
 def default_worker_id() -> str:
@@ -142,6 +144,8 @@ class RolloutWorker:
         """Prompt deliveries read but not started: waiting for newer weights."""
         self.read_at: dict[str, float] = {}
         """When each waiting delivery was read (monotonic)."""
+        self.weights_arrived = threading.Event()
+        """Set by the weight-sync thread, so that a worker holding prompts wakes at once."""
         # Generation-side staleness bound: see `_admit`.
         self.max_lag = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
         self.max_hold_s = 2 * cfg.weights.sync_timeout_s
@@ -162,6 +166,7 @@ class RolloutWorker:
             return
         self.engine.stage_weights(tensors, version)
         self.metrics.policy_version.set(version)
+        self.weights_arrived.set()
 
     def _health(self) -> tuple[bool, str]:
         try:
@@ -194,7 +199,10 @@ class RolloutWorker:
                     self._admit()
                 if not self.episodes.inflight:
                     if self.waiting:
-                        time.sleep(0.005)  # newer weights are on the way
+                        # Every prompt held waits for newer weights: wake when they come, and
+                        # look for new prompts (maybe fresh enough) now and then, not in a spin.
+                        self.weights_arrived.wait(_HOLD_POLL_S)
+                        self.weights_arrived.clear()
                     continue
                 # With room for more groups, come back soon to read them; else only a returning
                 # environment step (or SIGTERM, checked every second) has anything to do.
