@@ -193,7 +193,7 @@ def mode_figures(mode: str, runs: list[dict[str, Any]], groups_per_step: int) ->
     out = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
     rewards = [s["final_reward"] for s in summaries]
     out["final_reward"] = statistics.fmean(rewards)
-    out["final_reward_sd"] = statistics.stdev(rewards) if len(rewards) > 1 else float("nan")
+    out["final_reward_sd"] = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
     out["groups_dropped_stale"] = statistics.median(
         r["counters"].get("groups_dropped_stale", 0) for r in runs
     )
@@ -249,7 +249,8 @@ def main() -> None:
         ("train_reward_last_quarter", "train_reward_last_quarter"),
         ("publish_blocking_fraction", "weight_publish_blocking_fraction"),
     ):
-        result |= {f"{name}_{m}": f[key] for m, f in fig.items()}
+        if key != "final_reward_sd" or args.seeds > 1:  # one seed has no spread
+            result |= {f"{name}_{m}": f[key] for m, f in fig.items()}
     if "async" in fig:
         result |= {
             "trainer_idle_fraction_async_after_fill": fig["async"]["idle_fraction_after_fill"],
@@ -257,12 +258,11 @@ def main() -> None:
         }
     if both:
         s, a = fig["sync"], fig["async"]
-        result |= {
-            "final_reward_gap": a["final_reward"] - s["final_reward"],
-            "final_reward_gap_se": math.sqrt(
+        result["final_reward_gap"] = a["final_reward"] - s["final_reward"]
+        if args.seeds > 1:
+            result["final_reward_gap_se"] = math.sqrt(
                 (s["final_reward_sd"] ** 2 + a["final_reward_sd"] ** 2) / args.seeds
-            ),
-        }
+            )
     result |= {"seeds": args.seeds, "steps": len(next(iter(runs.values()))[0]["steps"])}
     print(json.dumps({k: round(v, 4) for k, v in result.items()}))
 
