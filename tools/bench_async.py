@@ -158,6 +158,9 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
         "publish_blocking_fraction": sum(s["weight_publish_blocking_seconds"] for s in steps)
         / stepped,
         "step_seconds_mean": stepped / len(steps),
+        "staleness_mean": sum(s["staleness_mean"] for s in steps) / len(steps),
+        "weight_capped_fraction": sum(s["behaviour_weight_capped_fraction"] for s in steps)
+        / len(steps),
     }
 
 

@@ -29,7 +29,6 @@ from asyncrl.model import ensure_model
 from asyncrl.rollout.engine import build_engine
 from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
 from asyncrl.rollout.tasks import build_task
-from asyncrl.rollout.torch_engine import TorchEngine
 
 MODES = {
     "off": ["rollout.engine.prefix_cache_tokens=0"],
@@ -44,11 +43,7 @@ def run(config: str, overrides: list[str], groups: int, seconds: float, swap_s: 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = build_task(cfg.task, tokenizer)
     engine = build_engine(cfg.rollout.engine, model_path=str(model_dir))
-    assert isinstance(engine, TorchEngine)
-    generating = [0.0]
-
-    def on_generate(call: GenerateCall) -> None:
-        generating[0] += call.seconds
+    calls: list[GenerateCall] = []
 
     episodes: EpisodeScheduler[int] = EpisodeScheduler(
         engine,
@@ -56,7 +51,7 @@ def run(config: str, overrides: list[str], groups: int, seconds: float, swap_s: 
         tokenizer,
         cfg.rollout.sampling,
         batch_wait_s=cfg.rollout.turn_batch_wait_s,
-        on_generate=on_generate,
+        on_generate=calls.append,
     )
     stop = threading.Event()
     weights = {k: t.clone() for k, t in engine.state_dict_for_sync().items()}
@@ -84,12 +79,11 @@ def run(config: str, overrides: list[str], groups: int, seconds: float, swap_s: 
     elapsed = time.time() - t0
     stop.set()
     episodes.close()
-    prompt_tokens = engine.reused_tokens + engine.prefill_tokens
     return {
         "mean_group_s": statistics.fmean(durations),
         "groups_per_s": len(durations) / elapsed,
-        "generating_fraction": generating[0] / elapsed,
-        "reused": engine.reused_tokens / prompt_tokens,
+        "generating_fraction": sum(c.seconds for c in calls) / elapsed,
+        "reused": sum(c.cached_tokens for c in calls) / sum(c.prompt_tokens for c in calls),
     }
 
 
