@@ -155,7 +155,9 @@ _BW_CAPPED = _gauge(
 )
 _CLIP = _gauge("asyncrl_clip_fraction", "Fraction of response tokens whose ratio was clipped.")
 _REWARD = _gauge("asyncrl_reward_mean", "Mean reward of the groups of the last step.")
-_EVAL = _gauge("asyncrl_eval_accuracy", "Accuracy on the held-out set at the last eval.")
+_EVAL = _gauge(
+    "asyncrl_eval_accuracy", "Mean held-out episode reward (accuracy for 0/1 rewards), last eval."
+)
 _TOKENS = _counter("asyncrl_tokens_generated_total", "Response tokens generated.")
 _PROMPT_TOKENS = _counter(
     "asyncrl_rollout_prompt_tokens_total",

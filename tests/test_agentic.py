@@ -15,8 +15,9 @@ from asyncrl.rollout.config import AgenticTaskConfig, ArithmeticTaskConfig, Samp
 from asyncrl.rollout.engine import Generation
 from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
 from asyncrl.rollout.sglang_engine import EngineError
-from asyncrl.rollout.tasks import ArithmeticTask, PromptItem, build_task
+from asyncrl.rollout.tasks import ArithmeticTask, Environment, PromptItem, build_task
 from asyncrl.rollout.tiny_model import BOS_ID, EOS_ID, build_tokenizer
+from asyncrl.trainer.evaluate import held_out_reward
 
 PARAMS = SamplingParams(max_new_tokens=4)
 
@@ -326,3 +327,47 @@ def test_generate_calls_report_prompt_tokens_from_the_prefix_cache(random_model:
     assert sum(c.cached_tokens for c in calls) == engine.reused_tokens > 0
     assert sum(c.prompt_tokens for c in calls) == engine.reused_tokens + engine.prefill_tokens
     assert all(0 <= c.cached_tokens < c.prompt_tokens for c in calls)
+
+
+class FailingTool:
+    async def step(self, response_text: str) -> list[int] | None:
+        raise RuntimeError("tool unavailable")
+
+    def reward(self) -> float:
+        return 0.0
+
+
+class BrokenTask(AgenticTask):
+    """The tool of the item whose first question is 99+99 fails its episodes."""
+
+    def environment(self, item: PromptItem, episode_id: str) -> Environment:
+        if item.prompt_id.startswith("99+99"):
+            return FailingTool()
+        return super().environment(item, episode_id)
+
+
+def test_held_out_reward_scores_every_turn_and_leaves_out_failed_items() -> None:
+    """The trainer's eval and bench_async's final reward: whole episodes, not first turns."""
+    tok = build_tokenizer()
+    cfg = AgenticTaskConfig(turns=2, eval_size=1, train_size=1, tool_latency_median_s=0.0)
+    engine = ScriptedEngine([digit(4), digit(6), EOS_ID])  # always "46"
+
+    def item(*questions: str) -> PromptItem:
+        sums = [sum(map(int, q.split("+"))) for q in questions]
+        prompt = f"{questions[0]}="
+        answer = ";".join(f"{q}={s}" for q, s in zip(questions, sums, strict=True))
+        return PromptItem(";".join(questions), prompt, tok(prompt)["input_ids"], answer)
+
+    items = [item("12+34", "56+78"), item("10+36", "20+26")]  # 46 then 134: 1/2; 46, 46: 1
+    reward = held_out_reward(engine, AgenticTask(cfg, tok), tok, items, PARAMS, samples=3)
+    assert reward == pytest.approx(0.75)  # scoring first turns only would give 1.0
+    assert sum(engine.batches) == 2 * 2 * 3  # two turns of 2 items × 3 episodes
+    broken = [*items, item("99+99", "10+36")]
+    assert held_out_reward(engine, BrokenTask(cfg, tok), tok, broken, PARAMS) == 0.75
+    # A one-turn task: one generate, each response scored.
+    arith = ArithmeticTask(ArithmeticTaskConfig(eval_size=2, train_size=2), tok)
+    single = [
+        PromptItem(q, f"{q}=", tok(f"{q}=")["input_ids"], a)
+        for q, a in (("12+34", "46"), ("12+35", "47"))
+    ]
+    assert held_out_reward(engine, arith, tok, single, PARAMS, samples=2) == 0.5

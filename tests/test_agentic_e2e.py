@@ -49,6 +49,10 @@ def test_agentic_run_balances_and_masks_observations(
         f"trainer.groups_per_step={GROUPS}",
         "trainer.checkpoint_every=10",
         "trainer.wait_timeout_s=60",
+        # The final eval runs held-out episodes, tools and all, in the trainer.
+        f"trainer.eval_every={STEPS}",
+        "trainer.eval_size=3",
+        "trainer.eval_samples=2",
         f"rollout.n={N}",
         "rollout.max_inflight_episodes=32",
         f"task.turns={TURNS}",
@@ -64,6 +68,10 @@ def test_agentic_run_balances_and_masks_observations(
 
     run = Run(run_dir, redis_server.url, 0, "", [], json.loads(status.stdout))
     check_accounting(run, STEPS, GROUPS)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [line for line in lines if "eval_accuracy" in line]
+    assert [e["step"] for e in evals] == [STEPS]
+    assert 0.0 <= evals[0]["eval_accuracy"] <= 1.0
 
     entries = redis_client.xrange(keys.trajectories)
     groups = [decode_group(fields[b"data"]) for _, fields in entries]

@@ -61,10 +61,10 @@ from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.model import ensure_model
 from asyncrl.protocol import decode_group
-from asyncrl.rollout.episodes import EpisodeScheduler
 from asyncrl.rollout.tasks import build_task
 from asyncrl.rollout.torch_engine import TorchEngine
 from asyncrl.trainer.checkpoint import list_checkpoints
+from asyncrl.trainer.evaluate import held_out_reward
 
 PROBE = "bench-probe"
 MODES = ("sync", "async")
@@ -102,11 +102,11 @@ def run_mode(
         "steps": [d for d in lines if "reward_mean" in d],
         "intervals": [(g.created_at, g.finished_at) for g in groups],
         "counters": counters,
-        "eval_reward": held_out_reward(cfg, list_checkpoints(run_dir / "checkpoints")[-1]),
+        "eval_reward": final_reward(cfg, list_checkpoints(run_dir / "checkpoints")[-1]),
     }
 
 
-def held_out_reward(cfg: Config, checkpoint: Path) -> float:
+def final_reward(cfg: Config, checkpoint: Path) -> float:
     """Mean reward of `checkpoint`'s policy over the task's held-out episodes, `rollout.n`
     samples each, with the training sampling; the tools answer at once."""
     cfg = cfg.model_copy(
@@ -116,18 +116,9 @@ def held_out_reward(cfg: Config, checkpoint: Path) -> float:
     task = build_task(cfg.task, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], seed=cfg.run.seed + 1)
-    episodes: EpisodeScheduler[int] = EpisodeScheduler(
-        engine, task, tokenizer, cfg.rollout.sampling
+    return held_out_reward(
+        engine, task, tokenizer, task.eval_items(), cfg.rollout.sampling, cfg.rollout.n
     )
-    for i, item in enumerate(task.eval_items()):
-        episodes.start(i, item, cfg.rollout.n, f"eval/{i}")
-    rewards: list[float] = []
-    while episodes.inflight:
-        finished, failed = episodes.advance(0.1)
-        assert not failed, failed
-        rewards += [s.reward for g in finished for s in g.samples]
-    episodes.close()
-    return sum(rewards) / len(rewards)
 
 
 def peak_in_flight(intervals: list[tuple[float, float]]) -> int:

@@ -207,7 +207,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
             Panel(
                 "Eval accuracy",
-                "Accuracy on the held-out set at the last evaluation.",
+                "Mean held-out episode reward (accuracy for 0/1 rewards) at the last evaluation.",
                 [("asyncrl_eval_accuracy", "held-out accuracy")],
                 unit="percentunit",
             ),

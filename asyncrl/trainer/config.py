@@ -52,6 +52,9 @@ class TrainerConfig(Section):
     """Evaluate on the held-out split every this many steps (0 disables)."""
     eval_size: int = Field(default=500, ge=1)
     """Held-out prompts per evaluation."""
+    eval_samples: int = Field(default=1, ge=1)
+    """Episodes sampled per held-out prompt; more lower the noise of the figure at temperature
+    > 0 (the eval costs that many times more)."""
     eval_temperature: float = Field(default=1.0, ge=0)
     """Sampling temperature of the evaluation (0 = greedy)."""
     wait_timeout_s: float = Field(default=600.0, gt=0)

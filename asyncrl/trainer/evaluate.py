@@ -2,19 +2,54 @@
 
 Evaluating in the trainer keeps the figure tied to a known step and version and costs the tiny
 quickstart model a fraction of a second; a large model would rather send eval prompts through the
-rollout pool.
+rollout pool. Held-out items run as whole episodes through the rollout side's `EpisodeScheduler`,
+so a multi-turn task is scored on every turn (with its real environment) and a one-turn task on
+its single response, exactly as rollouts are rewarded.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from asyncrl.config import Config
-from asyncrl.rollout.config import TorchEngineConfig
-from asyncrl.rollout.tasks import Task
+from asyncrl.rollout.config import SamplingParams, TorchEngineConfig
+from asyncrl.rollout.engine import RolloutEngine
+from asyncrl.rollout.episodes import EpisodeScheduler
+from asyncrl.rollout.tasks import PromptItem, Task
 from asyncrl.rollout.torch_engine import TorchEngine
+
+log = logging.getLogger(__name__)
+
+_ADVANCE_WAIT_S = 0.05
+
+
+def held_out_reward(
+    engine: RolloutEngine,
+    task: Task,
+    tokenizer: Any,
+    items: Sequence[PromptItem],
+    params: SamplingParams,
+    samples: int = 1,
+) -> float:
+    """Mean episode reward over `samples` episodes of each item (accuracy for 0/1 rewards).
+
+    Episodes whose group fails (an environment error, say) are left out and logged: one broken
+    item must not stop training, and a zero would read as a wrong answer."""
+    episodes: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tokenizer, params)
+    rewards: list[float] = []
+    try:
+        for i, item in enumerate(items):
+            episodes.start(i, item, samples, f"eval/{i}")
+        while episodes.inflight:
+            finished, failed = episodes.advance(_ADVANCE_WAIT_S)
+            rewards += [s.reward for g in finished for s in g.samples]
+            for f in failed:
+                log.warning("held-out item %d left out: %s (%s)", f.tag, f.reason, f.detail)
+    finally:
+        episodes.close()
+    return sum(rewards) / max(len(rewards), 1)
 
 
 class Evaluator:
@@ -34,19 +69,13 @@ class Evaluator:
         self.task = task
         items = task.eval_items()
         self.items = [items[i] for i in range(min(cfg.trainer.eval_size, len(items)))]
+        self.samples = cfg.trainer.eval_samples
         self.params = cfg.rollout.sampling.model_copy(
             update={"temperature": cfg.trainer.eval_temperature}
         )
 
-    @torch.no_grad()
-    def accuracy(self) -> float:
-        """Mean reward over the held-out prompts (accuracy for 0/1 rewards)."""
-        was_training = self.engine.model.training
-        gens = self.engine.generate([it.prompt_ids for it in self.items], self.params)
-        if was_training:
-            self.engine.model.train()
-        texts = self.tokenizer.batch_decode(
-            [g.token_ids.tolist() for g in gens], skip_special_tokens=True
+    def reward(self) -> float:
+        """Mean reward of the live weights over the held-out items."""
+        return held_out_reward(
+            self.engine, self.task, self.tokenizer, self.items, self.params, self.samples
         )
-        scores = [self.task.score(it, t) for it, t in zip(self.items, texts, strict=True)]
-        return sum(scores) / max(len(scores), 1)

@@ -550,7 +550,7 @@ class Trainer:
         if self.evaluator is None:
             self.evaluator = Evaluator(self.model, self.tokenizer, self.task, self.cfg)
         with self.metrics.time_phase("eval"):
-            acc = self.evaluator.accuracy()
+            acc = self.evaluator.reward()
         line = {
             "step": self.step,
             "wall_seconds": round(self.wall_seconds(), 3),
