@@ -67,10 +67,6 @@ class TorchEngine:
         self._busy = False
         self._prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._prefix_stale = prefix_cache_stale
-        self.prefill_tokens = 0
-        """Prompt tokens fed to the model so far (padding not counted)."""
-        self.reused_tokens = 0
-        """Prompt tokens whose KV came from the prefix cache instead."""
 
     @classmethod
     def from_config(
@@ -214,9 +210,6 @@ class TorchEngine:
         # The heads' keys were prefilled above, not taken from the cache.
         head_rows = set(heads)
         from_cache = [0 if r in head_rows else u for r, u in enumerate(used)]
-        reused = sum(from_cache)
-        self.prefill_tokens += sum(lengths_in) - reused
-        self.reused_tokens += reused
 
         tokens = torch.zeros(rows, steps, dtype=torch.long, device=device)
         logprobs = torch.zeros(rows, steps, dtype=torch.float32, device=device)
