@@ -326,20 +326,12 @@ def test_generate_calls_report_prompt_tokens_from_the_prefix_cache(random_model:
     assert all(0 <= c.cached_tokens < c.prompt_tokens for c in calls)
 
 
-class FailingTool:
-    async def step(self, response_text: str) -> list[int] | None:
-        raise RuntimeError("tool unavailable")
-
-    def reward(self) -> float:
-        return 0.0
-
-
 class BrokenTask(AgenticTask):
     """The tool of the item whose first question is 99+99 fails its episodes."""
 
     def environment(self, item: PromptItem, episode_id: str) -> Environment:
         if item.prompt_id.startswith("99+99"):
-            return FailingTool()
+            return _BrokenTool()
         return super().environment(item, episode_id)
 
 
