@@ -1,16 +1,16 @@
 """Async against sync on the agentic workload: same config, resources and trainer steps.
 
-    python tools/bench_async.py [--config configs/agentic.yaml] [--seeds N] [--only MODE]
-                                [KEY=VALUE ...]
+    python tools/bench_async.py [--config configs/agentic.yaml] [--seeds N] [--first-seed K]
+                                [--only MODE] [KEY=VALUE ...]
 
 Runs `asyncrl launch --role all` in `run.mode=sync` (rollouts wait for the newest weights,
 η = 0) and in async mode (the config's η), one run after the other on the same machine, against
-one Redis started here; with `--seeds N` each mode runs N times (`run.seed` 0 … N − 1, modes
-alternating), with `--only` one mode alone. Overrides apply to every run. Times are the
-trainer's `wall_seconds` at its last step (process start-up before the trainer's clock and the
-drain after it are excluded on both sides). A probe consumer group on each run's trajectories
-stream, which never acks, keeps every published group readable afterwards, so group durations
-can be measured.
+one Redis started here; with `--seeds N` each mode runs N times (`run.seed` K … K + N − 1 with
+K = `--first-seed`, default 0; modes alternating), with `--only` one mode alone. Overrides apply
+to every run. Times are the trainer's `wall_seconds` at its last step (process start-up before
+the trainer's clock and the drain after it are excluded on both sides). A probe consumer group
+on each run's trajectories stream, which never acks, keeps every published group readable
+afterwards, so group durations can be measured.
 
 Figures (the last line is JSON with them):
 
@@ -79,8 +79,8 @@ def run_mode(
     tmp: Path,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """One run; its step lines, the (created, finished) interval of every published group, the
-    run's counters and its final policy's held-out reward."""
+    """One run; its seed, step lines, the (created, finished) interval of every published group,
+    the run's counters and its final policy's held-out reward."""
     keys = Keys(f"bench-async-{mode}-{seed}")
     client.xgroup_create(keys.trajectories, PROBE, id="0", mkstream=True)
     run_dir = tmp / keys.run_id
@@ -99,6 +99,7 @@ def run_mode(
     counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}  # type: ignore[union-attr]
     cfg = load_config(cfg_path, overrides)
     return {
+        "seed": seed,
         "steps": [d for d in lines if "reward_mean" in d],
         "intervals": [(g.created_at, g.finished_at) for g in groups],
         "counters": counters,
@@ -181,7 +182,8 @@ def mode_figures(mode: str, runs: list[dict[str, Any]], groups_per_step: int) ->
     if mode == "async":
         for run, summary in zip(runs, summaries, strict=True):
             summary |= pool_figures(run, groups_per_step, summary)
-    for seed, (run, summary) in enumerate(zip(runs, summaries, strict=True)):
+    for run, summary in zip(runs, summaries, strict=True):
+        seed = run["seed"]
         print(f"{mode} seed {seed}: {json.dumps({k: round(v, 4) for k, v in summary.items()})}")
         print(f"{mode} seed {seed} counters: {json.dumps(run['counters'])}")
     out = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
@@ -198,7 +200,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/agentic.yaml")
     ap.add_argument(
-        "--seeds", type=int, default=1, help="runs per mode, run.seed = 0 … N − 1 (default 1)"
+        "--seeds", type=int, default=1, help="runs per mode, run.seed = K … K + N − 1 (default 1)"
+    )
+    ap.add_argument(
+        "--first-seed", type=int, default=0, metavar="K", help="run.seed of the first run (0)"
     )
     ap.add_argument("--only", choices=MODES, help="run this mode alone and print its figures")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
@@ -211,7 +216,7 @@ def main() -> None:
         server = RedisServer(data_dir=Path(tmp) / "redis").start()
         try:
             client = redis.Redis.from_url(server.url)
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 for mode in modes:
                     runs[mode].append(
                         run_mode(
