@@ -353,6 +353,7 @@ def test_held_out_reward_scores_every_turn_and_leaves_out_failed_items() -> None
     assert sum(engine.batches) == 2 * 2 * 3  # two turns of 2 items × 3 episodes
     broken = [*items, item("99+99", "10+36")]
     assert held_out_reward(engine, BrokenTask(cfg, tok), tok, broken, PARAMS) == 0.75
+    assert held_out_reward(engine, BrokenTask(cfg, tok), tok, broken[2:], PARAMS) is None
     # A one-turn task: one generate, each response scored.
     arith = ArithmeticTask(ArithmeticTaskConfig(eval_size=2, train_size=2), tok)
     single = [

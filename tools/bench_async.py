@@ -117,9 +117,12 @@ def final_reward(cfg: Config, checkpoint: Path) -> float:
     task = build_task(cfg.task, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], seed=cfg.run.seed + 1)
-    return held_out_reward(
+    reward = held_out_reward(
         engine, task, tokenizer, task.eval_items(), cfg.rollout.sampling, cfg.rollout.n
     )
+    if reward is None:
+        raise RuntimeError(f"no held-out episode of {checkpoint} could be scored")
+    return reward
 
 
 def peak_in_flight(intervals: list[tuple[float, float]]) -> int:

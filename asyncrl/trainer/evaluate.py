@@ -32,11 +32,12 @@ def held_out_reward(
     items: Sequence[PromptItem],
     params: SamplingParams,
     samples: int = 1,
-) -> float:
+) -> float | None:
     """Mean episode reward over `samples` episodes of each item (accuracy for 0/1 rewards).
 
     Episodes whose group fails (an environment error, say) are left out and logged: one broken
-    item must not stop training, and a zero would read as a wrong answer."""
+    item must not stop training, and a zero would read as a wrong answer. None when every item
+    failed (or there were none): there is no figure to report then."""
     episodes: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tokenizer, params)
     rewards: list[float] = []
     try:
@@ -49,7 +50,7 @@ def held_out_reward(
                 log.warning("held-out item %d left out: %s (%s)", f.tag, f.reason, f.detail)
     finally:
         episodes.close()
-    return sum(rewards) / max(len(rewards), 1)
+    return sum(rewards) / len(rewards) if rewards else None
 
 
 class Evaluator:
@@ -74,8 +75,8 @@ class Evaluator:
             update={"temperature": cfg.trainer.eval_temperature}
         )
 
-    def reward(self) -> float:
-        """Mean reward of the live weights over the held-out items."""
+    def reward(self) -> float | None:
+        """Mean reward of the live weights over the held-out items (None: none could be scored)."""
         return held_out_reward(
             self.engine, self.task, self.tokenizer, self.items, self.params, self.samples
         )

@@ -551,6 +551,9 @@ class Trainer:
             self.evaluator = Evaluator(self.model, self.tokenizer, self.task, self.cfg)
         with self.metrics.time_phase("eval"):
             acc = self.evaluator.reward()
+        if acc is None:
+            log.warning("step %d eval: no held-out item could be scored", self.step)
+            return
         line = {
             "step": self.step,
             "wall_seconds": round(self.wall_seconds(), 3),
