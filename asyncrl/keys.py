@@ -5,13 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Run accounting fields of the `counters` hash. They count durable outcomes only, so at any quiet
-# moment: prompts_released = groups_trained + groups_dropped_stale + groups_dead_lettered + queued.
+# moment: prompts_released = groups_trained + groups_dropped_stale + groups_dead_lettered +
+# groups_lost + HLEN(released). `entries_rejected` counts dead-lettered entries that ended no
+# released group (junk, duplicates) and stays out of that sum; `groups_lost` the groups in flight
+# when Redis lost its data (`asyncrl.trainer.admission`).
 COUNTERS = (
     "prompts_released",
     "groups_published",
     "groups_trained",
     "groups_dropped_stale",
     "groups_dead_lettered",
+    "groups_lost",
+    "entries_rejected",
 )
 
 PROMPTS_GROUP = "rollout"
@@ -54,6 +59,14 @@ class Keys:
     def cursor(self) -> str:
         """Hash (seed, epoch, position) of the next prompt to release; moves with each release."""
         return self.prefix + "cursor"
+
+    @property
+    def released(self) -> str:
+        """Hash of the prompt groups in flight: field = the prompts-stream entry id of a released
+        prompt (the `group_id` of its trajectory group), value = "" until a trajectory entry
+        claims it, then that entry's id. A group's field goes in the transaction that ends it
+        (trained, dropped stale, dead-lettered); see `asyncrl.provenance`."""
+        return self.prefix + "released"
 
     @property
     def last_step(self) -> str:

@@ -35,9 +35,9 @@ together with it.
 | asyncrl_staleness_bound | gauge (η in force; 0 in sync mode) | | trainer r0 |
 
 `asyncrl_run_groups` mirrors the run-accounting hash in Redis (`keys.COUNTERS`, field
-`prompts_released` → outcome `released`, `groups_trained` → `trained`, ...). It is a gauge, not a
-counter: its value is the run's absolute count read from Redis, which does not restart at zero
-when the process that exports it does.
+`prompts_released` → outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected`
+→ `rejected`). It is a gauge, not a counter: its value is the run's absolute count read from
+Redis, which does not restart at zero when the process that exports it does.
 
 The queue, worker and run-accounting gauges describe Redis state, not the exporting process' own
 work: `RunGauges` re-reads them on a daemon thread (`refresh_run_gauges` is one read).
@@ -108,7 +108,10 @@ PHASES = (
 )
 POOLS = ("rollout", "trainer")
 PROMPT_SOURCES = ("prefilled", "cached")
-OUTCOMES = tuple(name.removeprefix("prompts_").removeprefix("groups_") for name in COUNTERS)
+OUTCOMES = tuple(
+    name.removeprefix("prompts_").removeprefix("groups_").removeprefix("entries_")
+    for name in COUNTERS
+)
 
 _L = ("role", "worker")
 

@@ -144,7 +144,7 @@ class TrajectoryGroup:
     finished_at: float
     # Prompt token ids, int32, shared by all samples.
     prompt_ids: np.ndarray
-    # The n responses, in generation order; may be empty (e.g. every request failed).
+    # The n responses, in generation order; at least one (a group of none trains nothing).
     samples: list[Sample]
     # Wire schema version; readers reject any other.
     schema: int = SCHEMA_VERSION
@@ -444,6 +444,8 @@ def validate_group(
         raise ValidationError("schema", f"unknown schema {g.schema!r}, expected {SCHEMA_VERSION}")
     if len(g.samples) > limits.max_samples:
         raise ValidationError("too_large", f"{len(g.samples)} samples exceeds {limits.max_samples}")
+    if not g.samples:
+        raise ValidationError("malformed", "group has no samples")
     if len(g.prompt_ids) > limits.max_prompt_tokens:
         raise ValidationError(
             "too_large", f"{len(g.prompt_ids)} prompt tokens exceeds {limits.max_prompt_tokens}"

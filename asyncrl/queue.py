@@ -14,6 +14,9 @@ that this consumer still owns the entry. The rules:
   heartbeats lapsed while Redis was down can beat again.
 - An entry delivered more than `max_deliveries` times, deleted while pending, or rejected by the
   decoder goes to the dead-letter stream with a reason, and is acked, in one transaction.
+- Where entries belong to groups kept open in a hash (`Groups`: the run's released prompt
+  groups), an entry whose group is not open, or is claimed by another entry, is dead-lettered
+  on delivery; acks and dead letters end the group in the same transaction.
 - A worker that stops without acking (SIGTERM, crash) leaves its entries pending: it gets them
   back if it restarts under its name, otherwise another consumer takes them over once its
   heartbeat has expired. There is no explicit release.
@@ -52,8 +55,10 @@ R = TypeVar("R")
 EntryFields = Mapping[str | bytes, bytes | str | int | float]
 RawFields = dict[bytes, bytes]
 
-# The run-accounting counter of dead-lettered groups (one of `asyncrl.keys.COUNTERS`).
+# Run-accounting counters (of `asyncrl.keys.COUNTERS`): a dead letter that ended an open group,
+# and one that ended none (junk, a duplicate).
 DEAD_LETTERED = "groups_dead_lettered"
+REJECTED = "entries_rejected"
 
 _DLQ_META = (b"stream", b"id", b"reason", b"detail")
 _DETAIL_MAX = 1000
@@ -77,6 +82,26 @@ class QueueConfig(Section):
     """Fraction of Redis `maxmemory` at which producers pause until consumers catch up."""
     max_message_bytes: int = Field(default=64 * 2**20, ge=1)
     """Largest entry (sum of its field sizes) a producer may add; a bigger one is a caller error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Groups(Generic[T]):
+    """The hash of open groups that a stream's entries belong to: field = group, value = "" while
+    unclaimed, else the id of the entry that claimed it (the run's `released` hash, see
+    `asyncrl.provenance`).
+
+    On delivery an entry whose group is not open is dead-lettered as `unreleased`, one whose group
+    another entry claimed as `duplicate`; where `claims`, an unclaimed group is claimed for the
+    entry. A dead letter ends the entry's group if it is unclaimed or the entry's own, counted
+    `groups_dead_lettered`; otherwise (junk, a duplicate) it counts `entries_rejected`. Where
+    `claims`, acks end their entries' groups too; elsewhere a group lives on in the entry that an
+    ack adds (a worker's publish)."""
+
+    key: str
+    group_of: Callable[[str, RawFields | None, T | None], str | None]
+    """The group of an entry: from its id, its fields (None: deleted while pending) and its
+    decoded value (None where it was not decoded); None when it names none."""
+    claims: bool
 
 
 class Stopped(Exception):
@@ -230,18 +255,23 @@ class MemoryGauge:
 
 
 # Commit what a consumer did with entries, atomically, if and only if it still owns them.
-# KEYS: source stream, counters hash, then one stream per entry to add.
-# ARGV: group, consumer, n_ids, n_counters, n_adds, ids..., (field, increment)...,
-#       then per added entry: n_pairs, (name, value)...
+# KEYS: source stream, counters hash, groups hash, then one stream per entry to add.
+# ARGV: group, consumer, n_ids, n_counters, n_adds, n_ends, ended, other, ids...,
+#       (field, increment)..., then per added entry: n_pairs, (name, value)...,
+#       then per group to end: (group, entry id)...
 # Returns {1, added ids...} when applied, {0} if an id is no longer pending (already acked),
 # {-1} if another consumer owns it now. Adds come first: the first write is the only one Redis
 # may refuse for memory, so a full Redis rejects the whole transaction and leaves nothing
-# half-written, while a plain ack (whose XACK is never refused) still frees memory.
+# half-written, while a plain ack (whose XACK is never refused) still frees memory. A group to
+# end leaves the groups hash if it is unclaimed or claimed by that entry; the counter `ended`
+# counts those, `other` the rest ("" counts nothing): so a dead letter frees admission budget
+# only where it ends a released group.
 _TRANSACT_LUA = """
-local stream, counters = KEYS[1], KEYS[2]
+local stream, counters, groups = KEYS[1], KEYS[2], KEYS[3]
 local group, consumer = ARGV[1], ARGV[2]
 local n_ids, n_counters, n_adds = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-for i = 6, 5 + n_ids do
+local n_ends, ended, other = tonumber(ARGV[6]), ARGV[7], ARGV[8]
+for i = 9, 8 + n_ids do
   local id = ARGV[i]
   if #redis.call('XPENDING', stream, group, id, id, 1, consumer) == 0 then
     if #redis.call('XPENDING', stream, group, id, id, 1) == 0 then return {0} end
@@ -249,19 +279,58 @@ for i = 6, 5 + n_ids do
   end
 end
 local reply = {1}
-local a = 6 + n_ids + 2 * n_counters
+local a = 9 + n_ids + 2 * n_counters
 for k = 1, n_adds do
   local n = tonumber(ARGV[a])
-  reply[k + 1] = redis.call('XADD', KEYS[2 + k], '*', unpack(ARGV, a + 1, a + 2 * n))
+  reply[k + 1] = redis.call('XADD', KEYS[3 + k], '*', unpack(ARGV, a + 1, a + 2 * n))
   a = a + 1 + 2 * n
 end
-for i = 6, 5 + n_ids, 1000 do
-  redis.call('XACK', stream, group, unpack(ARGV, i, math.min(i + 999, 5 + n_ids)))
+for i = 9, 8 + n_ids, 1000 do
+  redis.call('XACK', stream, group, unpack(ARGV, i, math.min(i + 999, 8 + n_ids)))
 end
-for c = 6 + n_ids, 5 + n_ids + 2 * n_counters, 2 do
+for c = 9 + n_ids, 8 + n_ids + 2 * n_counters, 2 do
   redis.call('HINCRBY', counters, ARGV[c], ARGV[c + 1])
 end
+local n_ended = 0
+for e = a, a + 2 * n_ends - 1, 2 do
+  local owner = redis.call('HGET', groups, ARGV[e])
+  if owner == '' or owner == ARGV[e + 1] then
+    redis.call('HDEL', groups, ARGV[e])
+    n_ended = n_ended + 1
+  end
+end
+if ended ~= '' and n_ended > 0 then redis.call('HINCRBY', counters, ended, n_ended) end
+if other ~= '' and n_ends > n_ended then
+  redis.call('HINCRBY', counters, other, n_ends - n_ended)
+end
 return reply
+"""
+
+# Whether delivered entries may be worked on. KEYS: groups hash. ARGV: claim ("1" or "0"), then
+# (group, entry id) pairs. Per pair: "" when the group is open and unclaimed or claimed by that
+# entry (a redelivery), "unreleased" when it is not open (never opened, or ended), "duplicate"
+# when another entry claimed it. With claim "1" an unclaimed group is claimed for its entry.
+_ADMIT_LUA = """
+local out = {}
+for i = 2, #ARGV, 2 do
+  local owner = redis.call('HGET', KEYS[1], ARGV[i])
+  if not owner then
+    out[#out + 1] = 'unreleased'
+  elseif owner == ARGV[i + 1] then
+    out[#out + 1] = ''
+  elseif owner ~= '' then
+    out[#out + 1] = 'duplicate'
+  else
+    if ARGV[1] == '1' then
+      -- HDEL first: Redis never refuses it for memory, and a script that has written is let
+      -- write on, so a full Redis does not stall the reader whose acks would free it.
+      redis.call('HDEL', KEYS[1], ARGV[i])
+      redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    end
+    out[#out + 1] = ''
+  end
+end
+return out
 """
 
 # Entries after `ARGV[1]`, counted server-side (Redis 6.2 has no `lag` in XINFO GROUPS).
@@ -286,15 +355,22 @@ def _transact(
     counters_key: str | None,
     counters: Mapping[str, int],
     adds: list[tuple[str, EntryFields]],
+    groups_key: str | None = None,
+    ends: list[tuple[str, str]] | None = None,
+    end_counters: tuple[str, str] = ("", ""),
 ) -> tuple[int, list[str]]:
-    keys = [stream, counters_key or stream, *(s for s, _ in adds)]
-    args: list[Any] = [group, consumer, len(ids), len(counters), len(adds), *ids]
+    ends = ends or []
+    keys = [stream, counters_key or stream, groups_key or stream, *(s for s, _ in adds)]
+    args: list[Any] = [group, consumer, len(ids), len(counters), len(adds), len(ends)]
+    args += [*end_counters, *ids]
     for name, increment in counters.items():
         args += [name, int(increment)]
     for _, fields in adds:
         args.append(len(fields))
         for k, v in fields.items():
             args += [k, v]
+    for group_field, owner in ends:
+        args += [group_field, owner]
     reply = script(keys=keys, args=args)
     return int(reply[0]), [_str(x) for x in reply[1:]]
 
@@ -422,7 +498,8 @@ class Consumer(Generic[T]):
     `is_alive(name)` says whether another consumer's heartbeat is current (see
     `asyncrl.heartbeat.is_alive`); consumer names are worker ids. `decode` turns fields into the
     value handed out; an exception it raises with a `reason` attribute, or any ValueError,
-    dead-letters the entry instead of failing the read.
+    dead-letters the entry instead of failing the read. With `groups`, entries are checked
+    against (and claim) their group on delivery, and end it when acked or dead-lettered.
     """
 
     def __init__(
@@ -437,6 +514,7 @@ class Consumer(Generic[T]):
         counters_key: str,
         is_alive: Callable[[str], bool],
         decode: Callable[[RawFields], T] | None = None,
+        groups: Groups[T] | None = None,
         reconnect_max_s: float = 5.0,
         should_stop: Callable[[], bool] | None = None,
         on_outage: Callable[[bool], None] | None = None,
@@ -445,6 +523,10 @@ class Consumer(Generic[T]):
         self._client = client
         self.stream = stream
         self.group = group
+        self._groups = groups
+        self._admit_script = client.register_script(_ADMIT_LUA)
+        # Group of each held entry of a claiming consumer, for its ack to end.
+        self._held_groups: dict[str, str] = {}
         self.name = name
         self._cfg = cfg or QueueConfig()
         self._dlq = dlq
@@ -514,13 +596,19 @@ class Consumer(Generic[T]):
             nonlocal outcome_unknown
             outcome_unknown |= outage
 
+        def attempt() -> tuple[int, list[str]]:
+            ends = self._ends(ids) if self._groups is not None and self._groups.claims else []
+            return self._transact(ids, counters or {}, adds, ends)
+
         status, _ = self._guard.call(
-            lambda: self._transact(ids, counters or {}, adds),
+            attempt,
             f"ack on {self.stream}",
             memory=self._memory if adds else None,
             on_retry=on_retry,
         )
         self._held.difference_update(ids)
+        for i in ids:
+            self._held_groups.pop(i, None)
         self._memory.added(size)
         if status == 1 or (status == 0 and outcome_unknown):
             return True
@@ -534,7 +622,12 @@ class Consumer(Generic[T]):
         return False
 
     def _transact(
-        self, ids: list[str], counters: Mapping[str, int], adds: list[tuple[str, EntryFields]]
+        self,
+        ids: list[str],
+        counters: Mapping[str, int],
+        adds: list[tuple[str, EntryFields]],
+        ends: list[tuple[str, str]] | None = None,
+        end_counters: tuple[str, str] = ("", ""),
     ) -> tuple[int, list[str]]:
         return _transact(
             self._script,
@@ -545,7 +638,22 @@ class Consumer(Generic[T]):
             counters_key=self._counters_key,
             counters=counters,
             adds=adds,
+            groups_key=self._groups.key if self._groups is not None else None,
+            ends=ends,
+            end_counters=end_counters,
         )
+
+    def _ends(self, ids: list[str]) -> list[tuple[str, str]]:
+        """(group, id) of the acked entries. An entry this consumer did not hand out (one a
+        restarted trainer acks for its checkpoint) is read back for its group."""
+        assert self._groups is not None
+        for i in ids:
+            if i not in self._held_groups:
+                rows = cast(list[tuple[bytes, RawFields]], self._client.xrange(self.stream, i, i))
+                group = self._groups.group_of(i, rows[0][1] if rows else None, None)
+                if group is not None:
+                    self._held_groups[i] = group
+        return [(self._held_groups[i], i) for i in ids if i in self._held_groups]
 
     def _after_failure(self, outage: bool) -> None:
         # Entries read by the failed attempt (a reply lost in transit, or dropped because a
@@ -685,12 +793,46 @@ class Consumer(Generic[T]):
                 self.dead_letter(entry_id, fields, str(reason or "decode_error"), str(exc))
                 continue
             out.append(Delivery(entry_id, fields, value, deliveries))
+        if self._groups is not None and out:
+            out = self._admit(out, self._groups)
         self._held.update(d.id for d in out)
         return out
 
+    def _admit(self, decoded: list[Delivery[T]], groups: Groups[T]) -> list[Delivery[T]]:
+        """Those of `decoded` whose group is open (and now claimed by them, where `claims`),
+        checked in one round trip; the others are dead-lettered."""
+        named = [(d, groups.group_of(d.id, d.fields, d.value)) for d in decoded]
+        args: list[Any] = [int(groups.claims)]
+        for d, group in named:
+            if group is not None:
+                args += [group, d.id]
+        verdicts = iter(cast(list[bytes], self._admit_script(keys=[groups.key], args=args)))
+        out = []
+        for d, group in named:
+            verdict = "unreleased" if group is None else _str(next(verdicts))
+            if not verdict:
+                if groups.claims and group is not None:
+                    self._held_groups[d.id] = group
+                out.append(d)
+                continue
+            detail = {
+                "unreleased": f"group {group!r} is not in flight: never released, or it ended",
+                "duplicate": f"group {group!r} is claimed by another entry",
+            }[verdict]
+            self.dead_letter(d.id, d.fields, verdict, detail, value=d.value)
+        return out
+
     def dead_letter(
-        self, entry_id: str, fields: RawFields | None, reason: str, detail: str
+        self,
+        entry_id: str,
+        fields: RawFields | None,
+        reason: str,
+        detail: str,
+        *,
+        value: T | None = None,
     ) -> None:
+        """Move an entry to the dead-letter stream and ack it, in one transaction; `value` (the
+        decoded entry, if it was) helps find its group."""
         entry: dict[str | bytes, bytes | str | int | float] = {
             b"stream": self.stream,
             b"id": entry_id,
@@ -700,7 +842,16 @@ class Consumer(Generic[T]):
         # The original fields travel unchanged, except any named like the metadata above.
         for k, v in (fields or {}).items():
             entry[b"orig." + k if k in _DLQ_META else k] = v
-        status, _ = self._transact([entry_id], {DEAD_LETTERED: 1}, [(self._dlq, entry)])
+        counters: dict[str, int] = {DEAD_LETTERED: 1}
+        ends: list[tuple[str, str]] = []
+        if self._groups is not None:
+            group = self._held_groups.get(entry_id) or self._groups.group_of(
+                entry_id, fields, value
+            )
+            counters, ends = ({}, [(group, entry_id)]) if group is not None else ({REJECTED: 1}, [])
+        status, _ = self._transact(
+            [entry_id], counters, [(self._dlq, entry)], ends, (DEAD_LETTERED, REJECTED)
+        )
         if status == 1:
             log.warning(
                 "%s: dead-lettered %s of %s: %s (%s)",

@@ -8,7 +8,8 @@ hypothesis. At every moment:
 - prompts released − (groups consumed by steps + dropped + dead-lettered) ≤ (η + 1) × G, where a
   step rolled back by a crash still counts (its groups are pending again, not released again),
   and no release ever raises the excess over the trainer's *current* step above the bound;
-- run accounting balances (released = trained + dropped + dead-lettered + lag + pending);
+- run accounting balances (released = trained + dropped + dead-lettered + in flight), with the
+  released groups tracked as the roles track them (`asyncrl.provenance`);
 - the released prompts are exactly the task's items in cursor order — epoch after epoch, across
   restarts of `Admission` from Redis — so none is released twice and none is skipped.
 """
@@ -24,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
-from asyncrl.launch.status import is_balanced, stream_depths
-from asyncrl.launch.status import read_counters as status_counters
+from asyncrl.launch.status import is_balanced, read_accounting, stream_depths
 from asyncrl.protocol import ValidationError, decode_prompt
-from asyncrl.queue import Consumer, Delivery, QueueConfig
+from asyncrl.provenance import prompt_groups
+from asyncrl.queue import Consumer, Delivery, Groups, QueueConfig, RawFields
 from asyncrl.rollout.tasks import PromptItem
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor, read_counters
 
@@ -60,6 +61,11 @@ def decode_trajectory(fields: dict[bytes, bytes]) -> bytes:
     return fields[b"kind"]
 
 
+def trajectory_group(entry_id: str, fields: RawFields | None, value: Any) -> str | None:
+    """A simulated trajectory names its prompt's entry id (its group) in `group`."""
+    return fields[b"group"].decode() if fields else None
+
+
 @dataclass
 class Sim:
     client: redis.Redis
@@ -76,11 +82,18 @@ class Sim:
     restarts: int = 0
 
     def __post_init__(self) -> None:
-        self.workers = [self._consumer(self.keys.prompts, PROMPTS_GROUP, f"w{i}") for i in (0, 1)]
+        self.workers = [
+            self._consumer(
+                self.keys.prompts, PROMPTS_GROUP, f"w{i}", groups=prompt_groups(self.keys)
+            )
+            for i in (0, 1)
+        ]
         self.held = {0: [], 1: []}
         self._start_trainer()
 
-    def _consumer(self, stream: str, group: str, name: str, decode: Any = None) -> Consumer[Any]:
+    def _consumer(
+        self, stream: str, group: str, name: str, decode: Any = None, groups: Any = None
+    ) -> Consumer[Any]:
         return Consumer(
             self.client,
             stream,
@@ -91,6 +104,7 @@ class Sim:
             counters_key=self.keys.counters,
             is_alive=lambda _: True,
             decode=decode,
+            groups=groups,
         )
 
     def _start_trainer(self) -> None:
@@ -99,7 +113,11 @@ class Sim:
         self.collected = 0
         self.unacked = []
         self.trainer = self._consumer(
-            self.keys.trajectories, TRAJECTORIES_GROUP, "trainer-0", decode_trajectory
+            self.keys.trajectories,
+            TRAJECTORIES_GROUP,
+            "trainer-0",
+            decode_trajectory,
+            Groups(self.keys.released, trajectory_group, claims=True),
         )
         self.admission = Admission(
             self.client,
@@ -130,7 +148,7 @@ class Sim:
         if batch:
             self.workers[worker].ack(
                 [d.id for d in batch],
-                also_add=[(self.keys.trajectories, {"kind": kind}) for _ in batch],
+                also_add=[(self.keys.trajectories, {"kind": kind, "group": d.id}) for d in batch],
                 counters={"groups_published": len(batch)},
             )
 
@@ -171,8 +189,12 @@ class Sim:
         freed = c.get("groups_dropped_stale", 0) + c.get("groups_dead_lettered", 0)
         released = c.get("prompts_released", 0)
         assert released - (self.max_step * self.g + freed) <= (self.eta + 1) * self.g
+        counters, in_flight = read_accounting(self.client, self.keys)
+        assert is_balanced(counters, in_flight), (counters, in_flight)
+        # Without junk, the groups in flight are exactly the entries the streams still hold.
         streams = stream_depths(self.client, self.keys)
-        assert is_balanced(status_counters(self.client, self.keys), streams), (c, streams)
+        queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
+        assert in_flight == queued, (in_flight, streams)
         assert int(self.client.xlen(self.keys.prompts)) == released
 
     def released_prompt_ids(self) -> list[str]:

@@ -1,9 +1,11 @@
 """Every validation rule of DESIGN §4, through the trainer's own read path.
 
 A real `Trainer` (random tiny model, real Redis) collects a step from a trajectories stream where
-one bad entry sits between two good ones: the bad entry ends in `dlq` with its reason and is
-acked, `groups_dead_lettered` grows by exactly one, and both good groups are delivered. A group
-staler than η is dropped and counted instead (DESIGN §5).
+one bad entry sits between two good ones, all of released groups: the bad entry ends in `dlq`
+with its reason and is acked, `groups_dead_lettered` grows by exactly one where the entry still
+names its group (the group ends: its prompt is not waited for), `entries_rejected` where it names
+none, and both good groups are delivered. A group staler than η is dropped and counted instead
+(DESIGN §5).
 """
 
 from __future__ import annotations
@@ -126,7 +128,10 @@ BAD: list[tuple[str, Callable[[], dict[bytes | str, bytes]], str]] = [
     ("wrong field type", lambda: patched(release_version="7"), "malformed"),
     ("samples not a list", lambda: patched(samples={"0": 1}), "malformed"),
     ("empty prompt", lambda: entry(prompt_ids=np.array([], I32)), "malformed"),
+    ("no samples", lambda: patched(samples=[]), "malformed"),
 ]
+# Bad entries in which no group id can be found.
+NAMELESS = {"schema field missing", "malformed bytes", "not a map", "no data field"}
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +184,17 @@ def client(server: RedisServer) -> Iterator[redis.Redis]:
         c.close()
 
 
-def collect(trainer: Trainer, client: redis.Redis, fields: list[dict[bytes | str, bytes]]) -> Any:
-    """Add `fields` to the trajectories stream; the step's groups the trainer collects, the
-    ids added, the counters' and dlq's growth."""
+def collect(
+    trainer: Trainer,
+    client: redis.Redis,
+    fields: list[dict[bytes | str, bytes]],
+    released: list[str],
+) -> Any:
+    """Release the groups `released` (as admission would), add `fields` to the trajectories
+    stream; the step's groups the trainer collects, the ids added, the counters' and dlq's
+    growth."""
     keys = trainer.keys
+    client.hset(keys.released, mapping=dict.fromkeys(released, ""))
     before = read_counters(client, keys)
     dlq_before = client.xrange(keys.dlq)
     ids = [client.xadd(keys.trajectories, f).decode() for f in fields]  # type: ignore[union-attr]
@@ -209,14 +221,25 @@ def test_bad_entry_is_dead_lettered(
     make_bad: Callable[[], dict[bytes | str, bytes]],
     reason: str,
 ) -> None:
-    good = [stream_fields(make_group(f"good-{rule}-{i}")) for i in (0, 1)]
+    good = [f"good-{rule}-{i}" for i in (0, 1)]
     groups, _, got_ids, ids, grown, new_dlq = collect(
-        trainer, client, [good[0], make_bad(), good[1]]
+        trainer,
+        client,
+        [stream_fields(make_group(good[0])), make_bad(), stream_fields(make_group(good[1]))],
+        [*good, "bad", "t"],
     )
-    assert [g.group_id for g in groups] == [f"good-{rule}-0", f"good-{rule}-1"]
+    assert [g.group_id for g in groups] == good
     assert got_ids == [ids[0], ids[2]]
-    assert grown["groups_dead_lettered"] == 1
+    named = rule not in NAMELESS
+    assert grown.get("groups_dead_lettered", 0) == int(named)
+    assert grown.get("entries_rejected", 0) == int(not named)
     assert grown.get("groups_dropped_stale", 0) == 0
+    # The good groups ended trained, a bad entry that names its group ended that one (the
+    # truncated message names "t"), a nameless one ended none.
+    ended = ("t" if rule == "truncated message" else "bad") if named else None
+    ours = [*good, "bad", "t"]  # the trainer's admission releases prompts of its own
+    found = client.hmget(trainer.keys.released, ours)
+    assert {g for g, v in zip(ours, found, strict=True) if v is not None} == {"bad", "t"} - {ended}
     assert len(new_dlq) == 1
     _, dead = new_dlq[0]
     assert dead[b"reason"].decode() == reason, dead[b"detail"]
@@ -236,6 +259,7 @@ def test_stale_group_is_dropped_and_counted(trainer: Trainer, client: redis.Redi
             stream_fields(make_group("at-bound", versions=at_bound)),
             stream_fields(make_group("fresh")),
         ],
+        ["stale", "at-bound", "fresh"],
     )
     assert [g.group_id for g in groups] == ["at-bound", "fresh"]
     assert staleness == [ETA, 1]
@@ -244,3 +268,5 @@ def test_stale_group_is_dropped_and_counted(trainer: Trainer, client: redis.Redi
     assert grown.get("groups_dead_lettered", 0) == 0
     assert new_dlq == []
     assert ids[0] not in pending_ids(client, trainer.keys.trajectories)  # acked, not trained
+    # The stale group ended with its ack.
+    assert client.hmget(trainer.keys.released, ["stale", "at-bound", "fresh"]) == [None] * 3

@@ -203,6 +203,7 @@ def _with_sample(**overrides: Any) -> TrajectoryGroup:
 
 BAD_GROUPS: list[tuple[str, TrajectoryGroup, dict[str, Any], str]] = [
     ("schema_unknown", make_group(schema=2), {}, "schema"),
+    ("no_samples", make_group([]), {}, "malformed"),
     ("logprobs_short", _with_sample(logprobs=np.zeros(4, np.float32)), {}, "length_mismatch"),
     ("versions_long", _with_sample(versions=np.zeros(6, np.int32)), {}, "length_mismatch"),
     ("loss_mask_short", _with_sample(loss_mask=np.ones(3, np.uint8)), {}, "length_mismatch"),

@@ -17,12 +17,22 @@ from asyncrl.launch.redis_server import RedisServer, free_port
 from asyncrl.launch.status import collect_status
 from asyncrl.metrics import JsonlWriter
 
-STATUS_KEYS = {"run_id", "version", "streams", "counters", "balanced", "workers", "last_step"}
+STATUS_KEYS = {
+    "run_id",
+    "version",
+    "streams",
+    "counters",
+    "in_flight",
+    "balanced",
+    "workers",
+    "last_step",
+}
 
 
 def populate(client: redis.Redis, keys: Keys) -> None:
     """A run caught mid-flight: prompts 6 (2 acked, 2 pending, 2 lag), trajectories 3 (1 pending,
-    2 lag), 1 dead letter; 12 released = 3 trained + 1 dropped + 1 dead-lettered + 7 queued."""
+    2 lag), 1 dead letter; 12 released = 3 trained + 1 dropped + 1 dead-lettered + 7 in flight
+    (the 4 prompts and 3 trajectories still queued); 2 junk entries rejected."""
     client.xgroup_create(keys.prompts, PROMPTS_GROUP, id="0", mkstream=True)
     ids = [client.xadd(keys.prompts, {"data": f"p{i}"}) for i in range(6)]
     client.xreadgroup(PROMPTS_GROUP, "w1", {keys.prompts: ">"}, count=4)
@@ -33,6 +43,7 @@ def populate(client: redis.Redis, keys: Keys) -> None:
         client.xadd(keys.trajectories, {"data": f"t{i}"})
     client.xreadgroup(TRAJECTORIES_GROUP, "trainer-0", {keys.trajectories: ">"}, count=1)
     client.xadd(keys.dlq, {"reason": "schema"})
+    client.hset(keys.released, mapping={f"{i}-0": "" for i in range(7)})
 
     client.hset(
         keys.counters,
@@ -42,6 +53,7 @@ def populate(client: redis.Redis, keys: Keys) -> None:
             "groups_trained": 3,
             "groups_dropped_stale": 1,
             "groups_dead_lettered": 1,
+            "entries_rejected": 2,
         },
     )
     client.set(keys.version, 4)
@@ -76,7 +88,10 @@ def test_collect_status_reads_every_field(redis_client: redis.Redis, tmp_path: P
         "groups_trained": 3,
         "groups_dropped_stale": 1,
         "groups_dead_lettered": 1,
+        "groups_lost": 0,
+        "entries_rejected": 2,
     }
+    assert status["in_flight"] == 7
     assert status["balanced"] is True
     rollout = status["workers"]["rollout"]
     assert [(w["id"], w["version"]) for w in rollout] == [("w1", 4), ("w2", 3)]

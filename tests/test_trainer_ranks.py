@@ -100,10 +100,12 @@ def test_sigterm_to_one_rank_stops_all_ranks(
     }
     config = write_config(tmp_path / "config.yaml", settings)
 
-    def feed(n: int) -> list[str]:
+    def feed(n: int, start: int = 0) -> list[str]:
+        gids = [f"g{i}" for i in range(start, start + n)]
+        redis_client.hset(keys.released, mapping=dict.fromkeys(gids, ""))  # as admission would
         return [
-            redis_client.xadd(keys.trajectories, stream_fields(_group(f"g{i}"))).decode()
-            for i in range(n)
+            redis_client.xadd(keys.trajectories, stream_fields(_group(gid))).decode()
+            for gid in gids
         ]
 
     ids = feed(STEPS * G + 1)
@@ -145,7 +147,7 @@ def test_sigterm_to_one_rank_stops_all_ranks(
     # Restarted, the ranks restore the checkpoint (sharded or not), train the pending entry in
     # the next step and stop at max_steps.
     write_config(tmp_path / "config.yaml", {**settings, "trainer.max_steps": STEPS + 1})
-    more = feed(G - 1)
+    more = feed(G - 1, len(ids))
     ranks = start_ranks(config, tmp_path / "logs-2", monkeypatch)
     try:
         assert [r.wait(300) for r in ranks] == [0, 0], "\n".join(r.tail() for r in ranks)

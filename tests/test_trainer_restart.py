@@ -184,6 +184,7 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
             "rollout.n=2",
         ],
     )
+    redis_client.hset(keys.released, mapping={"a": "", "b": ""})  # as admission would
     first_id = redis_client.xadd(keys.trajectories, stream_fields(_group("a"))).decode()
     trainer = Trainer(cfg)
 
@@ -242,6 +243,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
     ]
     # As if released and generated: the accounting balances with the entries pending.
     redis_client.hset(keys.counters, "prompts_released", len(ids))
+    redis_client.hset(keys.released, mapping={f"g{i}": "" for i in range(len(ids))})
     redis_client.xgroup_create(keys.trajectories, TRAJECTORIES_GROUP, id="0")
     for consumer, n in (("trainer-0", 2), ("trainer-1", 3)):
         redis_client.xreadgroup(TRAJECTORIES_GROUP, consumer, {keys.trajectories: ">"}, count=n)

@@ -23,7 +23,7 @@ checks, with every role stopped:
 
 - `roles_survive`: no role exited unless killed (roles ride out Redis restarts); such a role is
   restarted, and its exit reported with the asyncrl frames of its traceback;
-- `balanced`: released = trained + dropped stale + dead-lettered + lag + pending (both streams);
+- `balanced`: released = trained + dropped stale + dead-lettered + lost + in flight (`released`);
 - `nothing_lost`: every prompt entry became exactly one trajectory entry, a dead letter, or is
   still queued; every acked trajectory entry is counted once as trained, dropped or
   dead-lettered; `groups_published` equals the trajectory entries. Streams are not trimmed in
@@ -74,9 +74,9 @@ import redis
 import yaml
 
 from asyncrl.config import nest
-from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.launch.status import is_balanced, stream_depths
+from asyncrl.launch.status import is_balanced, read_accounting, stream_depths
 from asyncrl.metrics import JsonlTail, is_eval_record
 from asyncrl.protocol import decode_group
 from asyncrl.trainer.checkpoint import list_checkpoints
@@ -323,7 +323,7 @@ class Chaos:
             raw = None  # Redis is down: a fault in progress
         if raw is not None:
             c = {k.decode(): int(v) for k, v in raw.items()}
-            done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered")
+            done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered", "groups_lost")
             queued = c.get("prompts_released", 0) - sum(c.get(k, 0) for k in done)
             self.max_queued = max(self.max_queued, queued)
         for child in self.children.values():
@@ -458,12 +458,11 @@ class Chaos:
 
     def check(self) -> dict[str, Any]:
         client, keys = self.client, self.keys
-        raw = cast(dict[bytes, bytes], client.hgetall(keys.counters))
-        counters = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS}
+        counters, in_flight = read_accounting(client, keys)
         streams = stream_depths(client, keys)
-        balanced = is_balanced(counters, streams)
+        balanced = is_balanced(counters, in_flight)
         if not balanced:
-            self.violate("balanced", f"{counters} {streams}")
+            self.violate("balanced", f"{counters} in_flight {in_flight} {streams}")
 
         def entries(stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
             rows = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream))

@@ -154,7 +154,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
             Panel(
                 "Run accounting",
                 "Prompt groups by outcome, from Redis: released = trained + dropped stale + "
-                "dead-lettered + queued.",
+                "dead-lettered + lost + in flight; rejected counts junk and duplicate entries.",
                 [("asyncrl_run_groups", "{{outcome}}")],
             ),
         ],

@@ -11,7 +11,9 @@ The JSON object is stable; scripts may rely on it:
         "dlq":          {"length": 0}
       },
       "counters": {"prompts_released": 40, "groups_published": 22, "groups_trained": 20,
-                   "groups_dropped_stale": 2, "groups_dead_lettered": 1},
+                   "groups_dropped_stale": 2, "groups_dead_lettered": 1, "groups_lost": 0,
+                   "entries_rejected": 3},
+      "in_flight": 17,
       "balanced": true,
       "workers": {
         "rollout": [{"id": "host-123", "age_s": 0.4, "version": 13}],
@@ -25,18 +27,21 @@ The JSON object is stable; scripts may rely on it:
   trajectories), `pending` those delivered but not acked (`asyncrl.queue.stream_stats`). A
   stream that does not exist yet reads as zeros; one without its consumer group has delivered
   nothing, so all its entries are lag.
-- `counters`: the run-accounting hash (DESIGN §9); missing fields are 0.
+- `counters`: the run-accounting hash (DESIGN §9); missing fields are 0. `entries_rejected`
+  counts dead-lettered entries that ended no released group (junk, duplicates), `groups_lost`
+  the groups in flight when Redis lost its data.
+- `in_flight`: prompt groups released and not yet ended (HLEN of the `released` hash): queued or
+  being generated, or published and not yet acked by the trainer.
 - `balanced`: prompts_released == groups_trained + groups_dropped_stale + groups_dead_lettered +
-  lag + pending of both streams. It holds at any quiet moment; while workers are mid-transaction
-  it may be false for an instant.
+  groups_lost + in_flight. Every change to these is one transaction, so it holds at any moment.
 - `workers`: live heartbeats by role, sorted by id; `age_s` is seconds since the worker's last
   heartbeat, `version` the policy version it reported (null if it reported none).
 - `last_step`: the trainer's latest step figures: the `last_step` key, else the last step line of
   `{run.dir}/metrics.jsonl`, else null.
 
 When no Redis is reachable (a finished local run, a wrong URL), the object keeps its keys with
-`version`, `streams`, `counters`, `balanced` and `workers` null, `last_step` comes from the run
-directory, the reason goes to stderr and the exit status is 1.
+`version`, `streams`, `counters`, `in_flight`, `balanced` and `workers` null, `last_step` comes
+from the run directory, the reason goes to stderr and the exit status is 1.
 
 Without `redis.url`, status looks for the local-mode Redis: `asyncrl launch --role all` keeps
 its URL in `{run.dir}/redis/url` while it runs. The URL is only ever shown redacted.
@@ -75,20 +80,27 @@ def stream_depths(client: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
 
 
 def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
-    raw = client.hgetall(keys.counters)
+    return _counters(client.hgetall(keys.counters))
+
+
+def _counters(raw: Any) -> dict[str, int]:
     values = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
     return {name: values.get(name, 0) for name in COUNTERS}
 
 
-def is_balanced(counters: dict[str, int], streams: dict[str, dict[str, int]]) -> bool:
-    queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
-    accounted = (
-        counters["groups_trained"]
-        + counters["groups_dropped_stale"]
-        + counters["groups_dead_lettered"]
-        + queued
-    )
-    return counters["prompts_released"] == accounted
+def read_accounting(client: redis.Redis, keys: Keys) -> tuple[dict[str, int], int]:
+    """The counters and `in_flight` (the groups released and not yet ended), read in one
+    transaction: they change together."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(keys.counters)
+    pipe.hlen(keys.released)
+    raw, flying = pipe.execute()
+    return _counters(raw), int(flying)
+
+
+def is_balanced(counters: dict[str, int], in_flight: int) -> bool:
+    ended = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered", "groups_lost")
+    return counters["prompts_released"] == sum(counters[name] for name in ended) + in_flight
 
 
 def live_workers(client: redis.Redis, keys: Keys) -> dict[str, list[dict[str, Any]]]:
@@ -126,13 +138,14 @@ def collect_status(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, 
     """The status object documented above, from a reachable Redis."""
     version = client.get(keys.version)
     streams = stream_depths(client, keys)
-    counters = read_counters(client, keys)
+    counters, flying = read_accounting(client, keys)
     return {
         "run_id": keys.run_id,
         "version": int(version) if version is not None else None,
         "streams": streams,
         "counters": counters,
-        "balanced": is_balanced(counters, streams),
+        "in_flight": flying,
+        "balanced": is_balanced(counters, flying),
         "workers": live_workers(client, keys),
         "last_step": _last_step(client, keys, run_dir),
     }
@@ -145,6 +158,7 @@ def offline_status(run_id: str, run_dir: Path) -> dict[str, Any]:
         "version": None,
         "streams": None,
         "counters": None,
+        "in_flight": None,
         "balanced": None,
         "workers": None,
         "last_step": last_step_in_log(run_dir),
@@ -188,7 +202,7 @@ def _rows(status: dict[str, Any], redis_line: str) -> list[tuple[str, str]]:
         rows += [
             ("version", _fmt(status["version"])),
             ("queues", " | ".join([*queues, f"dlq length {streams['dlq']['length']}"])),
-            ("counters", f"{_joined(counters)} ({balance})"),
+            ("counters", f"{_joined(counters)} · in_flight {status['in_flight']} ({balance})"),
         ]
         for role in ROLES:
             live = status["workers"][role]

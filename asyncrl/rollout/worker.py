@@ -30,6 +30,7 @@ from asyncrl.protocol import (
     decode_prompt,
     stream_fields,
 )
+from asyncrl.provenance import prompt_groups
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.rollout.episodes import (
@@ -126,6 +127,7 @@ class RolloutWorker:
             counters_key=self.keys.counters,
             is_alive=is_alive(self.client, self.keys, "rollout"),
             decode=self._decode,
+            groups=prompt_groups(self.keys),
             reconnect_max_s=cfg.redis.reconnect_max_s,
             on_outage=self.metrics.redis_outage,
         )

@@ -1,28 +1,65 @@
 """Admission control (trainer rank 0): how many prompt groups may be in flight, and releasing them.
 
 Bound (DESIGN §5): released but not yet consumed groups ≤ (η + 1) × groups_per_step. The trainer
-consumes exactly `groups_per_step` usable groups per step, and dropped or dead-lettered groups free
-their slot, so after `step` steps the release budget is
+consumes exactly `groups_per_step` usable groups per step, and dropped, dead-lettered or lost
+groups free their slot, so after `step` steps the release budget is
 
-    (step + η + 1) × groups_per_step + dropped_stale + dead_lettered − released.
+    (step + η + 1) × groups_per_step + dropped_stale + dead_lettered + lost − released.
 
-Sync mode is η = 0: the next step's prompts are released only once the previous step is done.
-The data cursor (seed, epoch, position) advances in the same Redis transaction that adds the
-prompt and counts it released, so a restarted trainer never releases a prompt twice and never
-skips one, whatever checkpoint it restarts from.
+Only dead letters that end a released group count (`asyncrl.provenance`): junk entries never buy
+releases. Sync mode is η = 0: the next step's prompts are released only once the previous step is
+done. The data cursor (seed, epoch, position) advances in the same Redis transaction that adds the
+prompt, opens its group in `released` and counts it released, so a restarted trainer never
+releases a prompt twice and never skips one, whatever checkpoint it restarts from.
+
+A Redis that comes back without its data (no AOF) has lost the counters, which would make the
+budget a burst of (step + η + 1) × groups_per_step. Admission keeps the counters it last read and,
+finding them gone, seeds them again (once, atomically): the groups then in flight are gone with
+the streams and count as `groups_lost`, except those trained but not yet acked, whose ack can no
+longer apply: they count as trained.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import redis
 
-from asyncrl.keys import Keys
+from asyncrl.keys import COUNTERS, Keys
 from asyncrl.protocol import PromptGroup, encode_prompt
+from asyncrl.queue import QueueConfig, _entry_size
 from asyncrl.rollout.tasks import Task
+
+log = logging.getLogger(__name__)
+
+# One release: each prompt added and its group opened in `released`, the releases counted and
+# the cursor moved. KEYS: prompts, counters, cursor, released. ARGV: n, seed, epoch, position,
+# then the n messages. An XADD is the first write, the only one Redis may refuse for memory: a
+# full Redis rejects the whole release.
+_RELEASE_LUA = """
+local n = tonumber(ARGV[1])
+for i = 1, n do
+  local id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[4 + i], 'schema', '1')
+  redis.call('HSET', KEYS[4], id, '')
+end
+redis.call('HINCRBY', KEYS[2], 'prompts_released', n)
+redis.call('HSET', KEYS[3], 'seed', ARGV[2], 'epoch', ARGV[3], 'position', ARGV[4])
+return n
+"""
+
+# Seed the counters again, unless someone did already. KEYS: counters. ARGV: (field, value)...
+# HINCRBY, not HSET: what was counted since the loss (a junk dead letter) stays counted.
+_RESEED_LUA = """
+if redis.call('HEXISTS', KEYS[1], 'prompts_released') == 1 then return 0 end
+for i = 1, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return 1
+"""
 
 
 @dataclass
@@ -39,7 +76,10 @@ def release_budget(
     step: int, max_staleness: int, groups_per_step: int, counters: dict[str, int]
 ) -> int:
     """Prompt groups that may be released now (can be negative after a restart; treat as 0)."""
-    freed = counters.get("groups_dropped_stale", 0) + counters.get("groups_dead_lettered", 0)
+    freed = sum(
+        counters.get(name, 0)
+        for name in ("groups_dropped_stale", "groups_dead_lettered", "groups_lost")
+    )
     allowed = (step + max_staleness + 1) * groups_per_step + freed
     return allowed - counters.get("prompts_released", 0)
 
@@ -71,7 +111,11 @@ class Admission:
         max_staleness: int,
         groups_per_step: int,
         cursor: Cursor,
+        trained_unacked: Callable[[], int] = lambda: 0,
+        max_message_bytes: int = QueueConfig().max_message_bytes,
     ) -> None:
+        """`trained_unacked` gives the groups trained but not yet acked (all ranks'), counted as
+        trained if Redis loses its data; `max_message_bytes` bounds each prompt entry."""
         self.client = client
         self.keys = keys
         self.task = task
@@ -83,6 +127,12 @@ class Admission:
         self._items = task.train_items(cursor.seed, cursor.epoch)
         self._cursor_unknown = False
         self._lock = threading.Lock()
+        self._trained_unacked = trained_unacked
+        self._max_message_bytes = max_message_bytes
+        self._script = client.register_script(_RELEASE_LUA)
+        self._reseed_script = client.register_script(_RESEED_LUA)
+        self._counters: dict[str, int] = {}
+        """The counters as last read (and counted by this process since)."""
 
     def release(self, step: int, version: int) -> int:
         """Release as many groups as the bound allows now; returns how many. May be called again
@@ -102,11 +152,14 @@ class Admission:
             self._items = self.task.train_items(self.cursor.seed, self.cursor.epoch)
             self._cursor_unknown = False
         counters = read_counters(self.client, self.keys)
+        if "prompts_released" not in counters and self._counters.get("prompts_released", 0):
+            counters = self._reseed()
+        self._counters = counters
         budget = release_budget(step, self.max_staleness, self.groups_per_step, counters)
         if budget <= 0:
             return 0
         self._cursor_unknown = True  # until the transaction below is known to be applied
-        pipe = self.client.pipeline(transaction=True)
+        messages = []
         for _ in range(budget):
             item = self._items[self.cursor.position]
             prompt = PromptGroup(
@@ -119,13 +172,40 @@ class Admission:
                 n=self.n,
                 release_version=version,
             )
-            pipe.xadd(self.keys.prompts, {"data": encode_prompt(prompt), "schema": b"1"})
+            data = encode_prompt(prompt)
+            _entry_size({"data": data, "schema": b"1"}, self._max_message_bytes)
+            messages.append(data)
             self._advance()
-        pipe.hincrby(self.keys.counters, "prompts_released", budget)
-        pipe.hset(self.keys.cursor, mapping=dict(self.cursor.as_dict()))  # type: ignore[arg-type]
-        pipe.execute()
+        c = self.cursor
+        self._script(
+            keys=[self.keys.prompts, self.keys.counters, self.keys.cursor, self.keys.released],
+            args=[budget, c.seed, c.epoch, c.position, *messages],
+        )
         self._cursor_unknown = False
+        counters["prompts_released"] = counters.get("prompts_released", 0) + budget
         return budget
+
+    def _reseed(self) -> dict[str, int]:
+        """Redis lost the run's state: seed the counters from the last read; the counters now."""
+        seed = {name: self._counters.get(name, 0) for name in COUNTERS}
+        unacked = self._trained_unacked()
+        seed["groups_trained"] += unacked
+        settled = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered", "groups_lost")
+        lost = max(0, seed["prompts_released"] - sum(seed[name] for name in settled))
+        seed["groups_lost"] += lost
+        args: list[str | int] = []
+        for name, value in seed.items():
+            args += [name, value]
+        if self._reseed_script(keys=[self.keys.counters], args=args):
+            log.error(
+                "Redis lost the run's state (its counters are gone: restarted without its data?); "
+                "counters seeded from the last read: %d groups in flight at the loss counted "
+                "lost, %d trained but not acked counted trained; %d prompts released so far",
+                lost,
+                unacked,
+                seed["prompts_released"],
+            )
+        return read_counters(self.client, self.keys)
 
     def _advance(self) -> None:
         self.cursor.position += 1

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from asyncrl.config import Config
 from asyncrl.keys import TRAJECTORIES_GROUP, Keys
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
+from asyncrl.provenance import trajectory_groups
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
@@ -175,6 +176,7 @@ class Trainer:
             counters_key=self.keys.counters,
             is_alive=is_alive(self.client, self.keys, "trainer"),
             decode=self._decode,
+            groups=trajectory_groups(self.keys),
             reconnect_max_s=cfg.redis.reconnect_max_s,
             on_outage=self.metrics.redis_outage,
         )
@@ -193,6 +195,9 @@ class Trainer:
                 cursor=self.redis.call(
                     lambda: load_cursor(self.client, self.keys, cursor), "read the data cursor"
                 ),
+                # Ranks train in lockstep: every rank holds as many unacked groups as this one.
+                trained_unacked=lambda: len(self.unacked) * self.world_size,
+                max_message_bytes=cfg.queue.max_message_bytes,
             )
             from asyncrl.weights import build_publisher
 
