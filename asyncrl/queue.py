@@ -806,7 +806,8 @@ class Consumer(Generic[T]):
         for d, group in named:
             if group is not None:
                 args += [group, d.id]
-        verdicts = iter(cast(list[bytes], self._admit_script(keys=[groups.key], args=args)))
+        reply = self._admit_script(keys=[groups.key], args=args) if len(args) > 1 else []
+        verdicts = iter(cast(list[bytes], reply))
         out = []
         for d, group in named:
             verdict = "unreleased" if group is None else _str(next(verdicts))

@@ -1,0 +1,278 @@
+"""Only released prompt groups are worked on, each trained at most once (`asyncrl.provenance`), and
+the run accounting survives a Redis that comes back without its data.
+
+Hostile entries are built with plain msgpack and redis-py, as any writer to the run's Redis could.
+A real trainer process given a group of a prompt it never released, a group with no samples and a
+real group added twice more trains none of them: each is dead-lettered with its reason and
+counted `entries_rejected`, so admission releases no extra prompts. A real rollout worker refuses
+a prompt nobody released. An `Admission` whose Redis restarted empty releases no burst.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.launch.status import collect_status, is_balanced, read_accounting
+from asyncrl.provenance import group_id_of
+from asyncrl.rollout.config import ArithmeticTaskConfig
+from asyncrl.rollout.tasks import build_task
+from asyncrl.trainer.admission import Admission, Cursor, load_cursor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from role_procs import Role, step_lines, stop_all, wait_until, write_config
+
+PROMPT_IDS = np.array([1, 5, 6, 13, 7, 8, 14], "<i4").tobytes()
+
+
+def trajectory(run: str, group_id: str, samples: int = 2) -> dict[str, bytes]:
+    """The stream fields of a well-formed trajectory group, as any msgpack writer builds them."""
+    sample = {
+        "response_ids": np.array([4, 5, 2], "<i4").tobytes(),
+        "logprobs": np.array([-0.5, -1.0, -0.1], "<f4").tobytes(),
+        "versions": np.zeros(3, "<i4").tobytes(),
+        "finish": "stop",
+    }
+    message = {
+        "schema": 1,
+        "run": run,
+        "group_id": group_id,
+        "prompt_id": f"p-{group_id}",
+        "release_version": 0,
+        "worker": "outsider",
+        "created_at": 0.0,
+        "finished_at": 0.0,
+        "prompt_ids": PROMPT_IDS,
+        "samples": [{**sample, "reward": float(i % 2)} for i in range(samples)],
+    }
+    return {"data": msgpack.packb(message), "schema": b"1", "min_version": b"0"}
+
+
+def dead_letters(client: redis.Redis, keys: Keys) -> dict[str, str]:
+    """Dead-lettered entry id → reason."""
+    return {f[b"id"].decode(): f[b"reason"].decode() for _, f in client.xrange(keys.dlq)}
+
+
+def pending(client: redis.Redis, stream: str, group: str) -> set[str]:
+    rows = client.xpending_range(stream, group, "-", "+", 1000)
+    return {r["message_id"].decode() for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_trains_no_unreleased_empty_or_duplicate_group(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    keys, g, eta, steps = Keys("prov"), 2, 1, 2
+    run_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(run_dir),
+            "redis.url": redis_server.url,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "weights.type": "store",
+            "rollout.n": 2,
+            "trainer.device": "cpu",
+            "trainer.groups_per_step": g,
+            "trainer.max_steps": steps,
+            "trainer.checkpoint_every": 1,
+            "trainer.eval_every": 0,
+            "trainer.wait_timeout_s": 120,
+            "algo.max_staleness": eta,
+        },
+    )
+    trainer = Role("trainer", config, tmp_path / "trainer.log")
+    try:
+        wait_until(
+            lambda: redis_client.xlen(keys.prompts) == (eta + 1) * g,
+            240,
+            "the first release",
+            [trainer],
+        )
+        released = [i.decode() for i, _ in redis_client.xrange(keys.prompts)]
+        real = [trajectory(keys.run_id, gid) for gid in released]
+        # Junk first, so that a trainer without the checks would fill its steps with it.
+        hostile = [
+            trajectory(keys.run_id, "1-0"),  # a prompt never released
+            trajectory(keys.run_id, "2-0", samples=0),  # no samples
+        ]
+        ids = [redis_client.xadd(keys.trajectories, f).decode() for f in hostile]
+        real_ids = [redis_client.xadd(keys.trajectories, real[0]).decode()]
+        # The real entry added twice more, as a writer retrying blindly would.
+        ids += [redis_client.xadd(keys.trajectories, real[0]).decode() for _ in range(2)]
+        real_ids += [redis_client.xadd(keys.trajectories, f).decode() for f in real[1:]]
+        assert trainer.wait(300) == 0, trainer.tail()
+    finally:
+        stop_all([trainer])
+
+    # Only the four real groups were trained: two steps of two groups each.
+    lines = step_lines(run_dir)
+    assert [(s["step"], s["groups"]) for s in lines] == [(1, g), (2, g)]
+    assert not pending(redis_client, keys.trajectories, TRAJECTORIES_GROUP)
+    dlq = dead_letters(redis_client, keys)
+    assert dlq == dict(zip(ids, ["unreleased", "malformed", "duplicate", "duplicate"], strict=True))
+    assert not set(real_ids) & set(dlq)
+    status = collect_status(redis_client, keys, run_dir)
+    counters = status["counters"]
+    assert counters["groups_trained"] == steps * g
+    assert counters["entries_rejected"] == len(ids)
+    assert counters["groups_dead_lettered"] == counters["groups_dropped_stale"] == 0
+    # Junk bought no releases: the budget of the last step's release, (1 + η + 1) × G.
+    assert counters["prompts_released"] == redis_client.xlen(keys.prompts) == (steps + eta) * g
+    assert status["in_flight"] == counters["prompts_released"] - steps * g
+    assert status["balanced"], status
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_worker_refuses_a_prompt_nobody_released(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    keys = Keys("prov-w")
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(tmp_path / "run"),
+            "redis.url": redis_server.url,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "weights.type": "store",
+            "rollout.n": 2,
+            "rollout.sampling.max_new_tokens": 8,
+        },
+    )
+    junk = {
+        "schema": 1,
+        "run": keys.run_id,
+        "prompt_id": "junk",
+        "prompt": "12+34=",
+        "prompt_ids": b"",
+        "answer": "46",
+        "task": "arithmetic",
+        "n": 2,
+        "release_version": 0,
+    }
+    junk_id = redis_client.xadd(keys.prompts, {"data": msgpack.packb(junk), "schema": b"1"})
+    admission = Admission(
+        redis_client,
+        keys,
+        build_task(ArithmeticTaskConfig(), AutoTokenizer.from_pretrained(random_model)),
+        task_name="arithmetic",
+        n=2,
+        max_staleness=0,
+        groups_per_step=1,
+        cursor=Cursor(seed=0),
+    )
+    assert admission.release(0, 0) == 1
+    real_id = redis_client.xrange(keys.prompts)[-1][0].decode()
+    worker = Role("rollout", config, tmp_path / "rollout.log", "--worker-id", "w0")
+    try:
+        wait_until(
+            lambda: redis_client.xlen(keys.trajectories) + redis_client.xlen(keys.dlq) == 2,
+            240,
+            "both prompts handled",
+            [worker],
+        )
+        assert worker.stop() == 0, worker.tail()
+    finally:
+        stop_all([worker])
+
+    assert dead_letters(redis_client, keys) == {junk_id.decode(): "unreleased"}
+    [(_, fields)] = redis_client.xrange(keys.trajectories)
+    assert msgpack.unpackb(fields[b"data"])["group_id"] == real_id
+    assert not pending(redis_client, keys.prompts, PROMPTS_GROUP)
+    counters, in_flight = read_accounting(redis_client, keys)
+    assert counters["entries_rejected"] == 1
+    assert counters["groups_published"] == counters["prompts_released"] == 1
+    assert counters["groups_dead_lettered"] == 0
+    assert in_flight == 1  # published, for the trainer to claim
+    assert is_balanced(counters, in_flight)
+
+
+class Items:
+    """A train split whose prompt ids name their position."""
+
+    def train_items(self, seed: int, epoch: int) -> list[Any]:
+        from asyncrl.rollout.tasks import PromptItem
+
+        return [PromptItem(f"e{epoch}p{i}", f"prompt {i}", [1, 3 + i], str(i)) for i in range(50)]
+
+    def eval_items(self) -> list[Any]:
+        return []
+
+    def score(self, item: Any, response_text: str) -> float:
+        return 0.0
+
+
+def test_admission_after_redis_lost_its_data(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    g, eta = 2, 1
+    server = RedisServer(data_dir=tmp_path / "redis", appendonly=False).start()
+    client = redis.Redis.from_url(server.url)
+    keys = Keys("lost")
+    trained: list[str] = []  # trained, not yet acked (no checkpoint since)
+    admission = Admission(
+        client,
+        keys,
+        Items(),
+        task_name="items",
+        n=1,
+        max_staleness=eta,
+        groups_per_step=g,
+        cursor=Cursor(seed=0),
+        trained_unacked=lambda: len(trained),
+    )
+    try:
+        assert admission.release(0, 0) == (eta + 1) * g
+        trained += ["t1", "t2"]  # one step trained, its checkpoint (and ack) not yet written
+        assert admission.release(1, 1) == g  # the bound: (1 + η + 1) × G released in all
+        released_before = (eta + 2) * g
+
+        server.kill()  # no AOF, no RDB: it comes back empty
+        server.start()
+        with caplog.at_level(logging.ERROR, logger="asyncrl.trainer.admission"):
+            after = admission.release(1, 1)
+        # Nothing is in flight any more: (η + 1) × G may be, less nothing.
+        assert after == (eta + 1) * g
+        assert admission.release(1, 1) == 0
+        assert "Redis lost the run's state" in caplog.text
+        counters, in_flight = read_accounting(client, keys)
+        assert counters["prompts_released"] == released_before + after
+        assert counters["groups_trained"] == len(trained)  # their acks can no longer apply
+        assert counters["groups_lost"] == released_before - len(trained)
+        assert in_flight == after
+        assert is_balanced(counters, in_flight)
+        # The cursor goes on where it was: no prompt is released twice.
+        assert load_cursor(client, keys, Cursor(seed=9)).position == released_before + after
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_group_id_of_reads_only_the_head_of_a_message() -> None:
+    head = {"schema": 1, "run": "r", "group_id": "5-0"}
+    huge = msgpack.packb({**head, "samples": [{"response_ids": b"\0" * 2**20}]})
+    assert group_id_of({b"data": huge}) == "5-0"
+    assert group_id_of({b"data": huge[:100]}) == "5-0"  # truncated after the id
+    late = msgpack.packb({"samples": [b"\0" * 8192], "group_id": "5-0"})
+    assert group_id_of({b"data": late}) is None  # beyond the head: not searched
+    ext = msgpack.packb({"group_id": msgpack.ExtType(1, b"x")})
+    for data in (ext, msgpack.packb([1, 2]), msgpack.packb({"group_id": 5}), b"\xc1"):
+        assert group_id_of({b"data": data}) is None
+    assert group_id_of({b"schema": b"1"}) is None
+    assert group_id_of(None) is None
