@@ -1,6 +1,7 @@
 """The chaos soak of tools/chaos.py, shortened for CI: ≥ 20 faults of every kind (rollout
-workers, the trainer and Redis SIGKILLed and restarted) in about two minutes, then the run's
-invariants (DESIGN §9). The longer soak and its figures are in docs/reliability.md.
+workers, the trainer and Redis SIGKILLed and restarted, Redis restarted empty and held at its
+memory limit, hostile entries) in about two minutes, then the run's invariants (DESIGN §9). The
+longer soak and its figures are in docs/reliability.md.
 
 One run feeds all the tests of this module; each asserts one family of the tool's checks.
 """
@@ -17,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from chaos import G, run_chaos
 
 FAULTS = 20
-# Redis restarts are the cheapest faults (no process re-imports torch), trainer restarts the
-# dearest: this deck gets 20 mixed faults into the time budget.
-DECK = {"worker": 3, "redis": 3, "trainer": 1}
+# Redis restarts and hostile entries are the cheapest faults (no process re-imports torch),
+# trainer restarts the dearest: this deck gets 20 mixed faults into the time budget.
+DECK = {"worker": 3, "redis": 2, "trainer": 1, "redis_empty": 1, "redis_full": 1, "hostile": 1}
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +82,15 @@ def test_faults_were_many_and_mixed(summary: dict[str, Any]) -> None:
 @pytest.mark.slow
 def test_every_role_survives_redis_restarts(summary: dict[str, Any]) -> None:
     assert not failed(summary, "roles_survive"), summary["exits"]
+
+
+@pytest.mark.slow
+def test_hostile_entries_are_rejected_never_trained(summary: dict[str, Any]) -> None:
+    assert not failed(summary, "hostile"), summary
+    assert {"unreleased", "response_out_of_vocab", "junk"} <= set(summary["hostile_entries"])
+
+
+@pytest.mark.slow
+def test_versions_are_never_reused(summary: dict[str, Any]) -> None:
+    assert not failed(summary, "versions"), summary
+    assert summary["redis_lost_data"] >= 1 and not summary["versions_reused"]

@@ -13,7 +13,15 @@ dealt from shuffled decks (`--deck`, default 4 worker, 2 trainer, 2 redis), so k
   its id (it re-reads its own pending prompts), half under a new one (the dead id's prompts are
   taken over once its heartbeat expires);
 - `trainer`: SIGKILL the trainer; restart it at once (it resumes from its last checkpoint);
-- `redis`: SIGKILL redis-server; restart it on the same port and data directory 0.2-3 s later.
+- `redis`: SIGKILL redis-server; restart it on the same port and data directory 0.2-3 s later;
+- `redis_empty`: SIGKILL redis-server and restart it on the same port with no data at all (a
+  Redis without persistence, or a lost volume). What it held is read back first, from its data
+  directory by a second server, as one segment of the run's history (below);
+- `redis_full`: lower Redis's `maxmemory` to just above what it uses, fill it with 1 MB junk
+  entries on the trajectories stream (plain redis-py), hold it full 2-4 s, then lift the limit;
+- `hostile`: add entries an outsider could write, built with plain msgpack: groups of prompts
+  never released, a real trajectory entry added again, a group with no samples, out-of-vocabulary
+  and negative token ids, undecodable bytes, and prompts that admission never released.
 
 After each fault it waits for progress — the trainer finishing a step and writing it to Redis —
 before the next one; none within `--progress-timeout-s` ends the run as a violation. It stops
@@ -23,11 +31,18 @@ checks, with every role stopped:
 
 - `roles_survive`: no role exited unless killed (roles ride out Redis restarts); such a role is
   restarted, and its exit reported with the asyncrl frames of its traceback;
-- `balanced`: released = trained + dropped stale + dead-lettered + lost + in flight (`released`);
+- `balanced`: released = trained + dropped stale + dead-lettered + lost + in flight;
 - `nothing_lost`: every prompt entry became exactly one trajectory entry, a dead letter, or is
-  still queued; every acked trajectory entry is counted once as trained, dropped or
-  dead-lettered; `groups_published` equals the trajectory entries. Streams are not trimmed in
-  this run, so the whole history can be read back (trimming has its tests in tests/test_queue.py);
+  still queued — or was queued when Redis lost its data (`redis_empty`); without such a loss,
+  every acked trajectory entry is counted once as trained, dropped or dead-lettered and
+  `groups_published` equals the trajectory entries. Streams are not trimmed in this run, so the
+  whole history can be read back (trimming has its tests in tests/test_queue.py), segment by
+  segment where Redis restarted empty;
+- `hostile`: every entry the tool added as an outsider is dead-lettered with a reason its kind
+  allows (or was still queued when Redis lost its data), never trained, and counted
+  `entries_rejected`, not as a dead-lettered group;
+- `versions`: the step lines' versions increase strictly across every restart — a number is
+  never reused, even by a trainer that resumes against a Redis that lost its data;
 - `no_double_training`: no prompt has two trajectory entries, and `groups_trained` equals the
   final checkpoint's step × groups per step — each step of the surviving lineage acks its
   groups once, so a group acked twice, an ack leaked from a lineage that did not survive, or a
@@ -38,8 +53,8 @@ checks, with every role stopped:
 - `admission`: at every poll, released − trained − dropped − dead-lettered (one atomic read of
   the counters) ≤ (η + 1 + checkpoint_every) × G: η + 1 steps of admission, plus the steps
   trained but not yet acked;
-- `dead_letters`: the only dead-letter reason is `max_deliveries` (a prompt whose workers kept
-  dying); any other means a role wrote an invalid entry;
+- `dead_letters`: the only dead-letter reason of a real entry is `max_deliveries` (a prompt whose
+  workers kept dying); any other means a role wrote an invalid entry;
 - `progress`, `drain`: see above; a drain that times out or a trainer that does not exit 0.
 
 `appendfsync always` matters: a SIGKILLed Redis with the default `everysec` may lose the last
@@ -67,9 +82,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, cast
 
+import msgpack
+import numpy as np
 import redis
 import yaml
 
@@ -86,9 +104,14 @@ G = 2  # prompt groups per step and trainer rank
 N = 2  # samples per group
 MAX_STALENESS = 2
 CHECKPOINT_EVERY = 2
-DECK = {"worker": 4, "trainer": 2, "redis": 2}
+DECK = {"worker": 4, "trainer": 2, "redis": 2, "redis_empty": 1, "redis_full": 1, "hostile": 1}
 POLL_S = 0.2
 _FRAME = re.compile(r'File "[^"]*/(asyncrl/[^"]+)", line \d+, in (\w+)')
+# Dead-letter reasons an undecodable entry may get (what msgpack or the schema check trips on).
+_UNDECODABLE = frozenset({"malformed", "schema", "too_large"})
+# Entries naming a prompt nobody released may be refused for that before their tokens are read.
+_BAD_TOKENS = frozenset({"token_out_of_range", "unreleased"})
+JUNK_BYTES = 1 << 20  # one `redis_full` junk entry
 
 
 def settings(
@@ -130,6 +153,99 @@ def settings(
 def write_config(path: Path, flat: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(nest(flat)))
     return path
+
+
+def _i32(values: list[int]) -> bytes:
+    return np.asarray(values, "<i4").tobytes()
+
+
+def _wire_group(group_id: str, prompt_ids: list[int], samples: list[list[int]]) -> dict[str, Any]:
+    """Stream fields of a trajectory group, packed by hand as an outsider would (the wire
+    format of asyncrl/protocol.py, not its encoder)."""
+    data = {
+        "schema": 1,
+        "run": RUN_ID,
+        "group_id": group_id,
+        "prompt_id": f"hostile-{group_id}",
+        "release_version": 0,
+        "worker": "outsider",
+        "created_at": time.time(),
+        "finished_at": time.time(),
+        "prompt_ids": _i32(prompt_ids),
+        "samples": [
+            {
+                "response_ids": _i32(ids),
+                "logprobs": np.full(len(ids), -0.5, "<f4").tobytes(),
+                "versions": _i32([0] * len(ids)),
+                "reward": 1.0,
+                "finish": "stop",
+            }
+            for ids in samples
+        ],
+    }
+    return {"data": msgpack.packb(data), "schema": b"1", "min_version": b"0"}
+
+
+def _wire_prompt(prompt_ids: list[int]) -> dict[str, Any]:
+    data = {
+        "schema": 1,
+        "run": RUN_ID,
+        "prompt_id": "hostile",
+        "prompt": "",
+        "prompt_ids": _i32(prompt_ids),
+        "answer": "",
+        "task": "arithmetic",
+        "n": N,
+        "release_version": 0,
+    }
+    return {"data": msgpack.packb(data), "schema": b"1"}
+
+
+def hostile_entries(
+    vocab: int, acked: tuple[bytes, dict[bytes, bytes]] | None
+) -> list[tuple[str, str, dict[Any, Any], frozenset[str]]]:
+    """(kind, stream suffix, fields, dead-letter reasons allowed) of one `hostile` fault.
+    `acked`: a real trajectory entry the trainer is done with, to add again."""
+    never = "1-1"  # an entry id no admission ever made (ids start from the clock)
+    entries: list[tuple[str, str, dict[Any, Any], frozenset[str]]] = [
+        (
+            "unreleased",
+            "trajectories",
+            _wire_group(never, [1, 2], [[3], [4]]),
+            frozenset({"unreleased"}),
+        ),
+        (
+            "no_samples",
+            "trajectories",
+            _wire_group(never, [1, 2], []),
+            frozenset({"malformed", "unreleased"}),
+        ),
+        (
+            "response_out_of_vocab",
+            "trajectories",
+            _wire_group(never, [1, 2], [[vocab], [3]]),
+            _BAD_TOKENS,
+        ),
+        (
+            "prompt_negative_id",
+            "trajectories",
+            _wire_group(never, [-1, 2], [[3], [4]]),
+            _BAD_TOKENS,
+        ),
+        ("undecodable", "trajectories", {"data": b"\xc1junk", "schema": b"1"}, _UNDECODABLE),
+        ("prompt_unreleased", "prompts", _wire_prompt([1, 2]), frozenset({"unreleased"})),
+        (
+            "prompt_out_of_vocab",
+            "prompts",
+            _wire_prompt([1, vocab + 7]),
+            _BAD_TOKENS,
+        ),
+    ]
+    if acked is not None:
+        entries.append(
+            ("duplicate", "trajectories", dict(acked[1]), frozenset({"duplicate", "unreleased"}))
+        )
+    return entries
 
 
 def _descendants(pid: int) -> list[int]:
@@ -230,6 +346,67 @@ class Fault:
 
 
 @dataclass
+class Segment:
+    """What one Redis lifetime held at its end: the whole run when Redis never lost its data,
+    else the stretch up to one `redis_empty` fault, or from the last one to the end."""
+
+    counters: dict[str, int]
+    streams: dict[str, dict[str, int]]
+    in_flight: int
+    prompts: list[str]
+    """Prompt entry ids, in order."""
+    trajectories: dict[str, str | None]
+    """Trajectory entry id → the prompt entry id its group answers (None: undecodable)."""
+    dlq: list[tuple[str, str, str]]
+    """(origin stream, entry id, reason) of each dead letter."""
+    queued: set[str]
+    """Entry ids of either stream their group has not acked (pending or never delivered)."""
+
+
+def read_segment(client: redis.Redis, keys: Keys) -> Segment:
+    def entries(stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
+        rows = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream))
+        return [(i.decode(), f) for i, f in rows]
+
+    def group_id(fields: dict[bytes, bytes]) -> str | None:
+        try:
+            return decode_group(fields[b"data"]).group_id
+        except (KeyError, ValueError):
+            return None
+
+    counters, in_flight = read_accounting(client, keys)
+    return Segment(
+        counters=counters,
+        streams=stream_depths(client, keys),
+        in_flight=in_flight,
+        prompts=[i for i, _ in entries(keys.prompts)],
+        trajectories={i: group_id(f) for i, f in entries(keys.trajectories)},
+        dlq=[
+            (f[b"stream"].decode(), f[b"id"].decode(), f[b"reason"].decode())
+            for _, f in entries(keys.dlq)
+        ],
+        queued=_queued(client, keys.prompts, PROMPTS_GROUP)
+        | _queued(client, keys.trajectories, TRAJECTORIES_GROUP),
+    )
+
+
+def _queued(client: redis.Redis, stream: str, group: str) -> set[str]:
+    """Entry ids `group` has not acked: pending, or after its last-delivered id (lag)."""
+    try:
+        groups = cast(list[dict[str, Any]], client.xinfo_groups(stream))
+    except redis.ResponseError:  # no such stream
+        return set()
+    info = next((g for g in groups if g["name"].decode() == group), None)
+    if info is None:  # the group was never created: nothing was delivered
+        rows = cast(list[tuple[bytes, Any]], client.xrange(stream))
+        return {i.decode() for i, _ in rows}
+    last = info["last-delivered-id"].decode()
+    pending = cast(list[dict[str, Any]], client.xpending_range(stream, group, "-", "+", 10**6))
+    rows = cast(list[tuple[bytes, Any]], client.xrange(stream, min=f"({last}"))
+    return {p["message_id"].decode() for p in pending} | {i.decode() for i, _ in rows}
+
+
+@dataclass
 class Exit:
     """A role that exited without being told to."""
 
@@ -259,6 +436,10 @@ class Chaos:
     exits: list[Exit] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     max_queued: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    """Redis's history up to each `redis_empty` fault (the last segment is read at the end)."""
+    injected: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
+    """Entry id → (kind, dead-letter reasons allowed) of every entry added as an outsider."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -279,6 +460,7 @@ class Chaos:
         self.t0 = time.monotonic()
         self.children: dict[str, Child] = {}
         self.generation: Counter[str] = Counter()
+        self.vocab = int(json.loads((self.model / "config.json").read_text())["vocab_size"])
 
     # -- processes -----------------------------------------------------------------------------
 
@@ -323,7 +505,8 @@ class Chaos:
             raw = None  # Redis is down: a fault in progress
         if raw is not None:
             c = {k.decode(): int(v) for k, v in raw.items()}
-            done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered", "groups_lost")
+            done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered")
+            done += ("groups_lost",)
             queued = c.get("prompts_released", 0) - sum(c.get(k, 0) for k in done)
             self.max_queued = max(self.max_queued, queued)
         for child in self.children.values():
@@ -373,20 +556,81 @@ class Chaos:
             self.children[target].kill()
             unacked = self._unacked_checkpoint()
             self.children[target].start()
-        else:
-            port = self.redis.port
-            target = f"redis:{port}"
+        elif kind == "redis":
+            target = f"redis:{self.redis.port}"
             self.redis.kill()
             time.sleep(self.rng.uniform(0.2, 3.0))
-            self.redis.start()
-            if self.redis.port != port:
-                raise RuntimeError(f"redis came back on port {self.redis.port}, not {port}")
+            self._restart_redis()
+        elif kind == "redis_empty":
+            target = f"redis:{self.redis.port}"
+            self._wipe_redis()
+        elif kind == "redis_full":
+            target = f"redis:{self.redis.port}"
+            self._fill_redis()
+        else:
+            target = "streams"
+            self._add_hostile()
         fault = Fault(kind, target, round(self.elapsed(), 1))
         if kind == "trainer":
             fault.unacked_checkpoint = unacked
         self.faults.append(fault)
         self.say(f"[{fault.at_s:6.1f}s] fault {len(self.faults)}: {kind} {target}")
         return fault
+
+    def _restart_redis(self) -> None:
+        port = self.redis.port
+        self.redis.start()
+        if self.redis.port != port:
+            raise RuntimeError(f"redis came back on port {self.redis.port}, not {port}")
+
+    def _wipe_redis(self) -> None:
+        """SIGKILL Redis, keep what it held as a segment (read from its data by a second server
+        on another port, so no role sees it), and restart it empty on the same port."""
+        self.redis.kill()
+        held = self.redis.data_dir.rename(self.workdir / f"redis-lost-{len(self.segments)}")
+        with RedisServer(data_dir=held, extra_args=["--appendfsync", "always"]) as side:
+            client = redis.Redis.from_url(side.url, socket_timeout=5)
+            self.segments.append(read_segment(client, self.keys))
+            client.close()
+        self._restart_redis()
+
+    def _fill_redis(self) -> None:
+        """Redis at its memory limit: maxmemory just above what it uses, then junk until it
+        refuses; held full for a while (the roles pause their writes and dead-letter the junk),
+        then the limit is lifted."""
+        used = int(cast(dict[str, Any], self.client.info("memory"))["used_memory"])
+        self.client.config_set("maxmemory", used + 4 * JUNK_BYTES)
+        try:
+            for _ in range(15):
+                junk = {"data": os.urandom(JUNK_BYTES), "schema": b"1"}
+                entry_id = cast(bytes, self.client.xadd(self.keys.trajectories, junk)).decode()
+                self.injected[entry_id] = ("junk", _UNDECODABLE)
+        except redis.ResponseError as exc:
+            if "OOM" not in str(exc):
+                raise
+        deadline = time.monotonic() + self.rng.uniform(2.0, 4.0)
+        while time.monotonic() < deadline:
+            self.poll()
+            time.sleep(POLL_S)
+        self.client.config_set("maxmemory", 0)
+
+    def _add_hostile(self) -> None:
+        done = set(self._queued_now())
+        rows = cast(
+            list[tuple[bytes, dict[bytes, bytes]]],
+            self.client.xrevrange(self.keys.trajectories, count=50),
+        )
+        acked = next(
+            (r for r in rows if r[0].decode() not in done and r[0].decode() not in self.injected),
+            None,
+        )
+        for kind, suffix, fields, allowed in hostile_entries(self.vocab, acked):
+            stream = self.keys.prefix + suffix
+            entry_id = cast(bytes, self.client.xadd(stream, fields)).decode()
+            self.injected[entry_id] = (kind, allowed)
+
+    def _queued_now(self) -> set[str]:
+        return _queued(self.client, self.keys.trajectories, TRAJECTORIES_GROUP)
 
     def _final_checkpoint(self) -> int:
         ckpts = list_checkpoints(self.run_dir / "checkpoints")
@@ -457,51 +701,76 @@ class Chaos:
     # -- checks --------------------------------------------------------------------------------
 
     def check(self) -> dict[str, Any]:
-        client, keys = self.client, self.keys
-        counters, in_flight = read_accounting(client, keys)
-        streams = stream_depths(client, keys)
-        balanced = is_balanced(counters, in_flight)
+        final = read_segment(self.client, self.keys)
+        segments = [*self.segments, final]
+        counters = final.counters
+        balanced = is_balanced(counters, final.in_flight)
         if not balanced:
-            self.violate("balanced", f"{counters} in_flight {in_flight} {streams}")
+            self.violate("balanced", f"{counters} in flight {final.in_flight}")
 
-        def entries(stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
-            rows = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream))
-            return [(i.decode(), f) for i, f in rows]
-
-        prompt_ids = [i for i, _ in entries(keys.prompts)]
-        group_of = {i: decode_group(f[b"data"]).group_id for i, f in entries(keys.trajectories)}
-        dlq = [
-            (f[b"stream"].decode(), f[b"id"].decode(), f[b"reason"].decode())
-            for _, f in entries(keys.dlq)
-        ]
-        reasons = Counter(r for _, _, r in dlq)
-        for reason, n in reasons.items():
-            if reason != "max_deliveries":
-                self.violate("dead_letters", f"{n} entries dead-lettered for {reason!r}")
-        dead_prompts = {i for s, i, _ in dlq if s == keys.prompts}
-        dead_groups = {i for s, i, _ in dlq if s == keys.trajectories}
-
-        published = Counter(group_of.values())
+        reasons: Counter[str] = Counter()
+        published: Counter[str] = Counter()
+        lost: set[str] = set()
+        rejected: dict[str, str] = {}  # injected entry id → its dead-letter reason
+        for seg in segments:
+            # Each segment on its own: ids do not survive a loss of Redis's data.
+            real_prompts = {i for i in seg.prompts if i not in self.injected}
+            group_of = {i: g for i, g in seg.trajectories.items() if i not in self.injected and g}
+            dead: dict[str, set[str]] = {self.keys.prompts: set(), self.keys.trajectories: set()}
+            for stream, entry_id, reason in seg.dlq:
+                reasons[reason] += 1
+                if entry_id in self.injected:
+                    rejected[entry_id] = reason
+                    continue
+                dead.setdefault(stream, set()).add(entry_id)
+                if reason != "max_deliveries":
+                    self.violate("dead_letters", f"{entry_id} dead-lettered for {reason!r}")
+            published.update(group_of.values())
+            lost |= real_prompts - set(group_of.values()) - dead[self.keys.prompts] - seg.queued
+            for what, ids in (
+                ("groups of unknown prompts", set(group_of.values()) - real_prompts),
+                (
+                    "prompts published and dead-lettered",
+                    set(group_of.values()) & dead[self.keys.prompts],
+                ),
+            ):
+                if ids:
+                    self.violate("nothing_lost", f"{what}: {sorted(ids)[:5]}")
+        if lost:
+            self.violate("nothing_lost", f"prompts with no group, no dead letter: {sorted(lost)}")
         twice = sorted(g for g, n in published.items() if n > 1)
         if twice:
             self.violate("no_double_training", f"prompts with two trajectory groups: {twice[:5]}")
-        lost = set(prompt_ids) - set(published) - dead_prompts
-        lost -= self._queued(keys.prompts, PROMPTS_GROUP)
-        if lost:
-            self.violate("nothing_lost", f"prompts with no group, no dead letter: {sorted(lost)}")
-        for what, ids in (
-            ("groups of unknown prompts", set(published) - set(prompt_ids)),
-            ("prompts published and dead-lettered", set(published) & dead_prompts),
-        ):
-            if ids:
-                self.violate("nothing_lost", f"{what}: {sorted(ids)[:5]}")
-        for name, n in (("prompts_released", len(prompt_ids)), ("groups_published", len(group_of))):
-            if counters[name] != n:
-                self.violate("nothing_lost", f"{name}={counters[name]}, but {n} stream entries")
-        acked = len(group_of) - len(self._queued(keys.trajectories, TRAJECTORIES_GROUP))
-        outcomes = counters["groups_trained"] + counters["groups_dropped_stale"] + len(dead_groups)
-        if acked != outcomes:
-            self.violate("nothing_lost", f"{acked} trajectory entries acked, {outcomes} counted")
+
+        queued_at_end = set().union(*(seg.queued for seg in segments))
+        for entry_id, (kind, allowed) in self.injected.items():
+            reason = rejected.get(entry_id)
+            if reason is None and entry_id not in queued_at_end:
+                self.violate("hostile", f"{kind} entry {entry_id}: no dead letter, not queued")
+            elif reason is not None and reason not in allowed:
+                self.violate("hostile", f"{kind} entry {entry_id} dead-lettered for {reason!r}")
+        if not self.segments:
+            # One unbroken history: the counters can be checked against it entry by entry.
+            real = {i: g for i, g in final.trajectories.items() if i not in self.injected}
+            dead_groups = {
+                i for s, i, _ in final.dlq if s == self.keys.trajectories and i not in self.injected
+            }
+            expected = {
+                "prompts_released": len([i for i in final.prompts if i not in self.injected]),
+                "groups_published": len(real),
+                "entries_rejected": len(rejected),
+            }
+            for name, n in expected.items():
+                if counters[name] != n:
+                    self.violate("nothing_lost", f"{name}={counters[name]}, but {n} entries")
+            acked = len(set(real) - final.queued)
+            outcomes = (
+                counters["groups_trained"] + counters["groups_dropped_stale"] + len(dead_groups)
+            )
+            if acked != outcomes:
+                self.violate(
+                    "nothing_lost", f"{acked} trajectory entries acked, {outcomes} counted"
+                )
 
         final_step = self._final_checkpoint()
         trained_ok = counters["groups_trained"] == final_step * self.G
@@ -511,6 +780,10 @@ class Chaos:
                 f"groups_trained={counters['groups_trained']}, but the surviving lineage has "
                 f"{final_step} steps × {self.G} groups",
             )
+        versions = [int(s["version"]) for s in self.steps]
+        reused = [b for a, b in pairwise(versions) if b <= a]
+        if reused:
+            self.violate("versions", f"step versions not increasing: {reused[:5]} after lower")
         last_line = self.steps[-1]["step"] if self.steps else 0
         if last_line != final_step:
             self.violate("drain", f"last step line {last_line}, final checkpoint {final_step}")
@@ -529,11 +802,15 @@ class Chaos:
             "step_lines": len(self.steps),
             "final_step": final_step,
             "counters": counters,
-            "streams": streams,
+            "streams": final.streams,
+            "in_flight": final.in_flight,
+            "redis_lost_data": len(self.segments),
+            "hostile_entries": dict(Counter(kind for kind, _ in self.injected.values())),
             "dead_letter_reasons": dict(reasons),
             "balanced": balanced,
             "lost": len(lost),
             "double_trained": bool(twice) or not trained_ok,
+            "versions_reused": bool(reused),
             "killed_before_ack": [
                 f.unacked_checkpoint for f in self.faults if f.unacked_checkpoint is not None
             ],
@@ -544,20 +821,6 @@ class Chaos:
             "violations": self.violations,
             "ok": not self.violations,
         }
-
-    def _queued(self, stream: str, group: str) -> set[str]:
-        """Entry ids `group` has not acked: pending, or after its last-delivered id (lag)."""
-        groups = cast(list[dict[str, Any]], self.client.xinfo_groups(stream))
-        info = next((g for g in groups if g["name"].decode() == group), None)
-        if info is None:  # the group was never created: nothing was delivered
-            rows = cast(list[tuple[bytes, Any]], self.client.xrange(stream))
-            return {i.decode() for i, _ in rows}
-        last = info["last-delivered-id"].decode()
-        pending = cast(
-            list[dict[str, Any]], self.client.xpending_range(stream, group, "-", "+", 10**6)
-        )
-        rows = cast(list[tuple[bytes, Any]], self.client.xrange(stream, min=f"({last}"))
-        return {p["message_id"].decode() for p in pending} | {i.decode() for i, _ in rows}
 
 
 def run_chaos(
@@ -643,8 +906,8 @@ def main() -> int:
     )
     for key in (
         *("seconds", "faults", "slowest_recovery_s", "step_lines", "final_step", "counters"),
-        *("streams", "dead_letter_reasons", "balanced", "lost", "double_trained"),
-        "killed_before_ack",
+        *("streams", "in_flight", "redis_lost_data", "hostile_entries", "dead_letter_reasons"),
+        *("balanced", "lost", "double_trained", "versions_reused", "killed_before_ack"),
         *("max_queued", "queued_bound", "max_staleness", "max_staleness_bound"),
     ):
         print(f"{key:>20}: {json.dumps(summary[key])}")
