@@ -81,7 +81,7 @@ class Trainer:
 
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics import JsonlWriter, RoleMetrics, RunGauges, serve
-        from asyncrl.model import ensure_model
+        from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.tasks import build_task
 
@@ -158,7 +158,9 @@ class Trainer:
             dist.broadcast(shared, src=0, group=self.world)
             self.version = int(shared.item())
 
-        self.limits = Limits(max_message_bytes=cfg.queue.max_message_bytes)
+        self.limits = Limits(
+            max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(load_from)
+        )
         self.heartbeat = Heartbeat(
             self.client,
             self.keys.worker("trainer", self.name),
