@@ -41,3 +41,11 @@ def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
     digits = getattr(cfg.task, "digits", 2)
     build_tiny_model(path, digits=digits, seed=cfg.run.seed)
     return path
+
+
+def vocab_size(path: Path) -> int:
+    """Token ids the model at `path` can embed are those below this: an id at or past it would
+    index past the embedding (and the logits), so readers reject it (`protocol.Limits`)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(path).get_text_config().vocab_size)

@@ -18,6 +18,7 @@ without loading torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ Reason = Literal[
     "reward_not_finite",
     "finish",
     "loss_mask",
+    "token_out_of_range",
 ]
 
 # Meta maps must be flat: with scalar values only, a message nests at most four levels deep.
@@ -88,11 +90,15 @@ class Limits:
     max_meta_keys: int = 64
     # Approximate size of one `meta` map: string lengths plus 8 per non-string value.
     max_meta_bytes: int = 16384
+    # Token ids (prompt and response) must lie in [0, vocab_size): the model's embedding rows,
+    # which an id outside them would index past. None checks only that none is negative.
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"Limits.{f.name} must be >= 1, got {getattr(self, f.name)}")
+            value = getattr(self, f.name)
+            if value is not None and value < 1:
+                raise ValueError(f"Limits.{f.name} must be >= 1, got {value}")
 
 
 DEFAULT_LIMITS = Limits()
@@ -428,16 +434,34 @@ def _check_meta(meta: Any, limits: Limits, where: str) -> None:
         )
 
 
+def _check_ids(
+    ids: np.ndarray, limits: Limits, where: str, sample_of: Callable[[int], int] | None = None
+) -> None:
+    """Reject an id no model can embed: negative, or not below `limits.vocab_size`. `sample_of`
+    maps an index into concatenated responses back to its sample, for the message."""
+    vocab = limits.vocab_size
+    if not len(ids) or (ids.min() >= 0 and (vocab is None or ids.max() < vocab)):
+        return
+    bad = ids < 0 if vocab is None else (ids < 0) | (ids >= vocab)
+    first = int(np.argmax(bad))
+    token = int(ids[first])
+    if sample_of is not None:
+        where = f"samples[{sample_of(first)}].{where}"
+    why = "< 0" if token < 0 else f">= vocab size {vocab}"
+    raise ValidationError("token_out_of_range", f"{where} has token id {token} {why}")
+
+
 def validate_group(
     g: TrajectoryGroup, *, current_version: int | None = None, limits: Limits | None = None
 ) -> None:
     """Raise `ValidationError` unless the group is safe to train on.
 
-    Checks: known schema; sample, prompt and response sizes within `limits`; response_ids,
-    logprobs, versions (and loss_mask) of equal length; logprobs finite and <= 0; versions >= 0,
-    non-decreasing within each sample and, when `current_version` is given, not ahead of it;
-    loss_mask 0/1; reward finite; finish known; meta flat and small. Token checks run once over
-    all samples concatenated, so the cost does not grow with the number of samples in Python.
+    Checks: known schema; sample, prompt and response sizes within `limits`; prompt and response
+    token ids >= 0 and below `limits.vocab_size`; response_ids, logprobs, versions (and
+    loss_mask) of equal length; logprobs finite and <= 0; versions >= 0, non-decreasing within
+    each sample and, when `current_version` is given, not ahead of it; loss_mask 0/1; reward
+    finite; finish known; meta flat and small. Token checks run once over all samples
+    concatenated, so the cost does not grow with the number of samples in Python.
     """
     limits = limits or DEFAULT_LIMITS
     if g.schema != SCHEMA_VERSION:
@@ -452,6 +476,7 @@ def validate_group(
         )
     if g.release_version < 0:
         raise ValidationError("version_negative", f"release_version {g.release_version} < 0")
+    _check_ids(g.prompt_ids, limits, "prompt_ids")
 
     lengths = []
     for i, s in enumerate(g.samples):
@@ -489,6 +514,9 @@ def validate_group(
 
     def sample_of(flat_index: int) -> int:
         return int(np.searchsorted(ends, flat_index, side="right"))
+
+    response_ids = np.concatenate([s.response_ids for s in g.samples])
+    _check_ids(response_ids, limits, "response_ids", sample_of)
 
     logprobs = np.concatenate([s.logprobs for s in g.samples])
     finite = np.isfinite(logprobs)
@@ -538,6 +566,7 @@ def validate_prompt(p: PromptGroup, *, limits: Limits | None = None) -> None:
         )
     if not p.prompt and not len(p.prompt_ids):
         raise ValidationError("malformed", "neither prompt text nor prompt_ids given")
+    _check_ids(p.prompt_ids, limits, "prompt_ids")
     if p.release_version < 0:
         raise ValidationError("version_negative", f"release_version {p.release_version} < 0")
     _check_meta(p.meta, limits, "")

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import logging
+import socket
 import threading
 import uuid
 from datetime import timedelta
@@ -212,13 +213,22 @@ class ServeApp:
             backend = str(body.get("backend", "nccl"))
             if backend != "gloo":
                 raise ApiError(f"backend {backend!r}: this CPU server joins gloo groups only")
-            # As SGLang does: a client of the trainer's store, reached by a tcp:// rendezvous.
-            url = f"tcp://{body['master_address']}:{int(body['master_port'])}"
-            store, _, _ = next(
-                dist.rendezvous(f"{url}?rank={rank}&world_size={world}", timeout=GROUP_TIMEOUT)
-            )
+            host, port = str(body["master_address"]), int(body["master_port"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ApiError(f"bad init_weights_update_group request: {exc!r}") from None
+        # The store client retries a refused connection for over twice its timeout (past two
+        # minutes here), holding the request: look first, so that a trainer that is gone is
+        # answered at once and an unreachable one after the timeout, each with a clear error.
+        try:
+            socket.create_connection((host, port), GROUP_TIMEOUT.total_seconds()).close()
+        except OSError as exc:
+            raise ApiError(f"cannot reach the trainer's store at {host}:{port}: {exc}") from None
+        try:
+            # As SGLang does: a client of the trainer's store, reached by a tcp:// rendezvous.
+            url = f"tcp://{host}:{port}?rank={rank}&world_size={world}"
+            store, _, _ = next(dist.rendezvous(url, timeout=GROUP_TIMEOUT))
+        except RuntimeError as exc:  # c10d's DistError and kin
+            raise ApiError(f"cannot join the trainer's store at {host}:{port}: {exc}") from None
         try:
             self._groups[name] = join_update_group(backend, store, rank, world, name, GROUP_TIMEOUT)
         except RuntimeError as exc:

@@ -223,6 +223,66 @@ def test_failing_tool_fails_its_group_not_the_scheduler() -> None:
     assert "tool down" in failed[0].detail and sched.inflight == 0
 
 
+def test_an_engine_crash_fails_the_calls_groups_not_the_scheduler(random_model: Path) -> None:
+    # A token id past the vocabulary makes the builtin engine's embedding raise IndexError, not
+    # an EngineError: the groups of that call fail (the worker dead-letters them), and the
+    # scheduler goes on with the next call.
+    from asyncrl.rollout.config import TorchEngineConfig
+    from asyncrl.rollout.engine import build_engine
+
+    tok = build_tokenizer()
+    task = ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=2), tok)
+    good, other = list(task.train_items(0, 0))[:2]
+    bad = PromptItem("bad", "", [BOS_ID, 999], "")
+    engine = build_engine(TorchEngineConfig(), model_path=str(random_model))
+    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS)
+    sched.start("bad", bad, 2, "bad")
+    sched.start("with-bad", good, 2, "with-bad")  # shares the call: its cause is unknown
+    finished, failed = sched.advance(0.0)
+    assert finished == [] and sched.inflight == 0
+    assert [(f.tag, f.reason) for f in failed] == [
+        ("bad", "engine_error"),
+        ("with-bad", "engine_error"),
+    ]
+    assert "IndexError" in failed[0].detail
+    sched.start("next", other, 2, "next")
+    (group,) = run_until_done(sched, 1)
+    sched.close()
+    assert group.tag == "next" and len(group.samples) == 2
+
+
+class _BrokenScoreTask(ArithmeticTask):
+    def score(self, item: PromptItem, response_text: str) -> float:
+        raise KeyError("no verifier for this answer")
+
+
+class _BrokenEnvironmentTask(AgenticTask):
+    def environment(self, item: PromptItem, episode_id: str) -> Environment:
+        raise ValueError(f"cannot parse the answer {item.answer!r}")
+
+
+def test_failing_task_code_fails_its_group_not_the_scheduler() -> None:
+    tok = build_tokenizer()
+    scorer = _BrokenScoreTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
+    sched: EpisodeScheduler[str] = EpisodeScheduler(
+        ScriptedEngine([digit(1), EOS_ID]), scorer, tok, PARAMS
+    )
+    sched.start("s", scorer.train_items(0, 0)[0], 2, "s")
+    finished, failed = sched.advance(0.0)
+    assert finished == [] and [(f.tag, f.reason) for f in failed] == [("s", "task_error")]
+    assert "no verifier" in failed[0].detail and sched.inflight == 0
+
+    env_task = _BrokenEnvironmentTask(AgenticTaskConfig(turns=2, eval_size=1, train_size=1), tok)
+    sched = EpisodeScheduler(ScriptedEngine([digit(1), EOS_ID]), env_task, tok, PARAMS)
+    sched.start("e", env_task.train_items(0, 0)[0], 2, "e")
+    # Still in flight until handed back: a worker advances only while episodes are in flight.
+    assert sched.inflight == 2
+    finished, failed = sched.advance(0.0)
+    assert finished == [] and [(f.tag, f.reason) for f in failed] == [("e", "task_error")]
+    assert "cannot parse" in failed[0].detail and sched.inflight == 0
+    sched.close()
+
+
 def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(random_model: Path) -> None:
     from transformers import AutoTokenizer
 

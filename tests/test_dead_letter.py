@@ -114,6 +114,16 @@ BAD: list[tuple[str, Callable[[], dict[bytes | str, bytes]], str]] = [
         lambda: entry(versions=np.array([VERSION, VERSION, VERSION + 1], I32)),
         "version_ahead",
     ),
+    (
+        "response id past the vocabulary",  # the random tiny model's 15 tokens
+        lambda: entry(response_ids=np.array([4, 15, 2], I32)),
+        "token_out_of_range",
+    ),
+    (
+        "negative prompt id",
+        lambda: entry(prompt_ids=np.array([1, -5, 6], I32)),
+        "token_out_of_range",
+    ),
     ("non-finite reward", lambda: entry(reward=float("nan")), "reward_not_finite"),
     ("infinite reward", lambda: entry(reward=float("inf")), "reward_not_finite"),
     (

@@ -201,6 +201,8 @@ def _with_sample(**overrides: Any) -> TrajectoryGroup:
     return make_group([make_sample(), make_sample(**overrides)])
 
 
+VOCAB_104 = Limits(vocab_size=104)
+
 BAD_GROUPS: list[tuple[str, TrajectoryGroup, dict[str, Any], str]] = [
     ("schema_unknown", make_group(schema=2), {}, "schema"),
     ("no_samples", make_group([]), {}, "malformed"),
@@ -254,6 +256,26 @@ BAD_GROUPS: list[tuple[str, TrajectoryGroup, dict[str, Any], str]] = [
         "too_large",
     ),
     ("meta_too_big", _with_sample(meta={"log": "x" * 20000}), {}, "too_large"),
+    # Response ids are 100..104: the last one is the vocabulary's size, one past its end.
+    ("response_id_at_vocab_size", make_group(), {"limits": VOCAB_104}, "token_out_of_range"),
+    (
+        "response_id_negative",
+        _with_sample(response_ids=np.array([5, -1, 5, 5, 5], np.int32)),
+        {},
+        "token_out_of_range",
+    ),
+    (
+        "prompt_id_past_vocab",
+        make_group(prompt_ids=np.array([1, 2, 500], np.int32)),
+        {"limits": Limits(vocab_size=200)},
+        "token_out_of_range",
+    ),
+    (
+        "prompt_id_negative",
+        make_group(prompt_ids=np.array([1, -3, 2], np.int32)),
+        {},
+        "token_out_of_range",
+    ),
 ]
 
 
@@ -281,6 +303,14 @@ def test_error_names_the_offending_sample() -> None:
     bad = make_sample(versions=np.array([3, 4, 4, 3, 4], np.int32))
     with pytest.raises(ValidationError, match=r"samples\[2\]"):
         validate_group(make_group([make_sample(), make_sample(), bad]))
+
+
+def test_ids_inside_the_vocabulary_pass_and_the_error_names_the_sample() -> None:
+    decode_group(encode_group(make_group()), Limits(vocab_size=105))  # ids 0..104
+    # Only the second sample's ids (100..102) reach past the vocabulary.
+    g = make_group([make_sample(response_ids=np.arange(3, 8, dtype=np.int32)), make_sample(n=3)])
+    with pytest.raises(ValidationError, match=r"samples\[1\]\.response_ids has token id 100 >= "):
+        validate_group(g, limits=Limits(vocab_size=50))
 
 
 def test_decrease_in_a_sample_after_empty_samples_is_found() -> None:
@@ -395,8 +425,20 @@ def test_non_bytes_input_is_malformed() -> None:
         ({"prompt_ids": np.zeros(10, np.int32)}, Limits(max_prompt_tokens=9), "too_large"),
         ({"release_version": -2}, None, "version_negative"),
         ({"meta": {"x": [1]}}, None, "malformed"),
+        ({"prompt_ids": np.array([1, 15], np.int32)}, Limits(vocab_size=15), "token_out_of_range"),
+        ({"prompt_ids": np.array([-1, 2], np.int32)}, None, "token_out_of_range"),
     ],
-    ids=["schema", "n_zero", "n_too_big", "empty", "prompt_too_long", "version", "meta"],
+    ids=[
+        "schema",
+        "n_zero",
+        "n_too_big",
+        "empty",
+        "prompt_too_long",
+        "version",
+        "meta",
+        "id_past_vocab",
+        "id_negative",
+    ],
 )
 def test_bad_prompt_is_rejected(
     overrides: dict[str, Any], limits: Limits | None, reason: str

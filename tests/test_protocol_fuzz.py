@@ -202,3 +202,35 @@ def test_oversize_input_is_rejected_before_unpacking(monkeypatch: pytest.MonkeyP
         with pytest.raises(ValidationError) as info:
             decode(b"\x00" * 1025, limits)
         assert info.value.reason == "too_large"
+
+
+VOCAB_16 = Limits(vocab_size=16)
+
+
+@FUZZ
+@given(
+    st.sampled_from([("prompt_ids",), ("samples", 1, "response_ids")]),
+    # Three ids: as many as the sample's log-probs, so only the ids themselves can be wrong.
+    st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(-2, 18), min_size=3, max_size=3),
+)
+def test_token_ids_decode_only_inside_the_vocabulary(path: tuple[Any, ...], ids: list[int]) -> None:
+    wire = msgpack.unpackb(VALID)
+    target = wire
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = np.array(ids, "<i4").tobytes()
+    inside = all(0 <= t < 16 for t in ids)
+    try:
+        decode_group(msgpack.packb(wire), VOCAB_16)
+    except ValidationError as exc:
+        assert not inside and exc.reason == "token_out_of_range", exc
+    else:
+        assert inside
+    prompt = msgpack.unpackb(VALID_PROMPT)
+    prompt["prompt_ids"] = np.array(ids, "<i4").tobytes()
+    try:
+        decode_prompt(msgpack.packb(prompt), VOCAB_16)
+    except ValidationError as exc:
+        assert not inside and exc.reason == "token_out_of_range", exc
+    else:
+        assert inside

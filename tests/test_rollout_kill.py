@@ -7,6 +7,7 @@ worker B takes over A's prompts once A's heartbeat has expired and they have bee
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -20,10 +21,10 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.rollout.config import ArithmeticTaskConfig
 from asyncrl.rollout.tasks import build_task
-from asyncrl.trainer.admission import Admission, Cursor
+from asyncrl.trainer.admission import Admission, Cursor, read_counters
 
 sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, stop_all, wait_until, write_config
+from role_procs import Role, step_lines, stop_all, wait_until, write_config
 
 PROMPTS = 8
 PER_BATCH = 4
@@ -122,3 +123,104 @@ def test_killed_rollout_worker_loses_no_prompt(
     assert status["streams"]["prompts"]["lag"] == status["streams"]["prompts"]["pending"] == 0
     assert status["streams"]["dlq"]["length"] == 0
     assert status["balanced"], status
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    """The quickstart's shape: one worker, broadcast weights. Killed with groups queued, the
+    worker's id is proposed the next version while its lease holds, never answers, and is left
+    out; by the time its replacement (same id) starts, the trainer has trained every queued
+    group and publishes nothing until it gets new ones. The replacement must get the current
+    weights anyway, and the run reach `max_steps`."""
+    g, max_steps = 2, 8
+    keys = Keys("lone")
+    run_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(run_dir),
+            "redis.url": redis_server.url,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "rollout.n": 2,
+            "rollout.prompts_per_batch": 2,
+            "rollout.heartbeat_ttl_s": 1.5,
+            "rollout.sampling.max_new_tokens": 8,
+            "queue.claim_idle_s": 1.0,
+            "trainer.groups_per_step": g,
+            "trainer.max_steps": max_steps,
+            "trainer.checkpoint_every": 1,
+            "trainer.eval_every": 0,
+            "trainer.wait_timeout_s": 120,
+            "algo.max_staleness": 1,
+            "algo.filter_zero_variance": False,
+            "weights.type": "broadcast",
+            "weights.sync_timeout_s": 5.0,
+            # Outlives the restart: a version published after the kill is proposed to the dead
+            # worker's id, which cannot answer.
+            "weights.lease_s": 30.0,
+        },
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    trainer = Role("trainer", config, logs / "trainer.log")
+    worker = Role("rollout", config, logs / "w0-1.log", "--worker-id", "w0")
+    restarted: Role | None = None
+
+    def counters() -> dict[str, int]:
+        return read_counters(redis_client, keys)
+
+    def weights(field: str) -> str | None:
+        value = redis_client.hget(keys.weights, field)
+        return None if value is None else value.decode()  # type: ignore[union-attr]
+
+    try:
+        wait_until(lambda: len(step_lines(run_dir)) >= 2, 240, "two steps", [trainer, worker])
+        # Stopped, the trainer lets the worker catch up with every prompt released: then at
+        # least one step's groups are queued, so a step (and its publish) follows the kill.
+        trainer.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: counters()["groups_published"] == counters()["prompts_released"],
+                60,
+                "the worker publishing every released prompt",
+                [worker],
+            )
+            worker.kill()
+        finally:
+            trainer.proc.send_signal(signal.SIGCONT)
+
+        def idle_without_w0() -> bool:
+            c, version = counters(), redis_client.get(keys.version)
+            trained = g * len(step_lines(run_dir)) + c.get("groups_dropped_stale", 0)
+            return (
+                trained >= c["groups_published"]
+                and version is not None
+                and weights("sent_version") == version.decode()
+                and weights("members") == "[]"
+            )
+
+        wait_until(
+            idle_without_w0,
+            120,
+            "the trainer training every queued group and sending its version to no one",
+            [trainer],
+        )
+        assert "no answer from ['w0']" in trainer.log.read_text()
+        assert len(step_lines(run_dir)) < max_steps
+        restarted = Role("rollout", config, logs / "w0-2.log", "--worker-id", "w0")
+        wait_until(
+            lambda: len(step_lines(run_dir)) >= max_steps,
+            300,
+            "the run finishing with the restarted worker",
+            [trainer, restarted],
+        )
+        assert trainer.wait(60) == 0, trainer.tail()
+        restarted.stop()
+    finally:
+        stop_all(r for r in (trainer, worker, restarted) if r is not None)
+    assert [s["step"] for s in step_lines(run_dir)] == list(range(1, max_steps + 1))

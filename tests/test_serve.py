@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from asyncrl.keys import Keys
+from asyncrl.launch.redis_server import free_port
 from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
 from asyncrl.rollout.sampling import sampling_logprobs
 from asyncrl.rollout.sglang_engine import RequestFailure, SglangEngine, http_json
@@ -151,3 +152,22 @@ def test_info_health_and_errors(served: str) -> None:
     with pytest.raises(RequestFailure) as missing:
         http_json(served, "/no_such_endpoint", timeout_s=5)
     assert missing.value.status == 404
+
+
+def test_a_weight_update_group_at_a_closed_port_is_refused_at_once(served: str) -> None:
+    # The trainer that asked has gone: nothing listens at its store's port. The store client
+    # alone would retry for over two minutes, holding the request (and a handler thread).
+    port = free_port()
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "gone",
+        "backend": "gloo",
+    }
+    for _ in range(2):  # nothing of the failed group is left behind: refused alike again
+        with pytest.raises(RequestFailure) as refused:
+            http_json(served, "/init_weights_update_group", body, timeout_s=30)
+        assert refused.value.status == 400, refused.value
+        assert f"cannot reach the trainer's store at 127.0.0.1:{port}" in refused.value.detail

@@ -286,3 +286,57 @@ def test_restart_acks_every_ranks_covered_entries_once(
             assert status["balanced"], status
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    """Redis lost its data, `version` key included; the checkpoint's weights went out as version
+    24, so the restored weights are published as 25 (not 0: workers holding 24 would take 0..24
+    for versions they have seen)."""
+    import torch
+
+    from asyncrl.config import load_config
+    from asyncrl.rollout.tiny_model import new_tiny_model
+    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.trainer.main import Trainer
+    from asyncrl.trainer.parallel import full_state
+
+    keys = Keys("empty")
+    run_dir = tmp_path / "run"
+    model = new_tiny_model(seed=0)
+    save_checkpoint(
+        run_dir / "checkpoints",
+        model,
+        *full_state(model, torch.optim.AdamW(model.parameters())),
+        TrainerState(step=24, version=24, cursor={"seed": 0}, wall_seconds=1.0),
+        tokenizer_dir=random_model,
+        keep=2,
+    )
+    assert redis_client.dbsize() == 0
+    cfg = load_config(
+        None,
+        [
+            f"run.id={keys.run_id}",
+            f"run.dir={run_dir}",
+            f"redis.url={redis_server.url}",
+            f"model.path={random_model}",
+            "metrics.port=0",
+            "weights.type=store",
+            "trainer.device=cpu",
+            "trainer.max_steps=24",  # nothing left to train: restore, publish, leave
+            "rollout.n=2",
+        ],
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer = Trainer(cfg)
+        try:
+            assert trainer.version == 25
+            assert trainer.run() == 0
+        finally:
+            trainer.client.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert int(redis_client.get(keys.version)) == 25  # type: ignore[arg-type]
+    assert redis_client.hget(keys.weights, "store_version") == b"25"

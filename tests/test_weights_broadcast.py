@@ -23,6 +23,8 @@ from weights_proc import (
     first_key,
     got,
     make_params,
+    report_key,
+    restart_empty,
     spawn,
     stop,
     train_step,
@@ -161,6 +163,81 @@ def test_killed_subscriber_is_dropped_and_a_newcomer_catches_up(harness: Harness
     assert int(harness.client.get(first_key(RUN, "d"))) == 2  # type: ignore[arg-type]
     harness.hold(["d"], 2, expected)
     assert versions(harness.client, RUN, "a") == [0, 1, 2]
+
+
+def test_a_worker_restarted_under_its_id_after_it_went_unanswered_gets_the_current_version(
+    harness: Harness,
+) -> None:
+    # The quickstart's shape (one worker): killed, its id is proposed the next version while
+    # its lease holds, never answers, and is left out; its replacement registers under the same
+    # id. Nothing new will be published (the trainer waits for that worker's groups), so the
+    # version it has must reach the replacement without one.
+    harness.spawn("a")
+    pub = harness.publish_to({"a"})
+    params = make_params(1)
+    pub.publish(params.items(), 0)
+    harness.hold(["a"], 0, fingerprint(params))
+    victim = harness.procs.pop("a")
+    victim.kill()
+    victim.wait()
+    train_step(params)
+    pub.publish(params.items(), 1)
+    expected = fingerprint(params)
+
+    def went_unanswered() -> bool:
+        h = {text(k): text(v) for k, v in harness.client.hgetall(KEYS.weights).items()}
+        proposal = json.loads(h.get("proposal", "null"))
+        return (
+            proposal is not None
+            and proposal["candidates"] == ["a"]
+            and h.get("epoch") == str(proposal["epoch"])
+            and h.get("members") == "[]"
+        )
+
+    wait_until(went_unanswered, "an epoch proposed to the dead a, formed without it")
+    harness.spawn("a")
+    harness.hold(["a"], 1, expected)
+    assert int(harness.client.get(first_key(RUN, "a"))) == 1  # type: ignore[arg-type]
+    assert pub.stats().published == 2
+
+
+def test_a_worker_restarted_under_its_id_while_its_old_lease_holds_gets_the_current_version(
+    harness: Harness,
+) -> None:
+    # Restarted before its predecessor's lease lapsed: the hash still says "a" is a member that
+    # is ready and holds version 0, and the epoch the replacement sees lists it. Joining that
+    # epoch would wait out the (long) sync timeout of the replacement; it must not.
+    slow = ("--lease-s", "30", "--sync-timeout-s", "300")
+    harness.spawn("a", args=slow)
+    pub = harness.publish_to({"a"})
+    params = make_params(1)
+    pub.publish(params.items(), 0)
+    harness.hold(["a"], 0, fingerprint(params))
+    assert harness.records.get().ok
+    victim = harness.procs.pop("a")
+    victim.kill()
+    victim.wait()
+    harness.client.delete(report_key(RUN, "a"))
+    harness.spawn("a", args=slow)
+    harness.hold(["a"], 0, fingerprint(params))
+    assert harness.records.get(timeout=30).ok  # a resend to a group rebuilt for the newcomer
+    assert pub.stats().published == 1
+
+
+def test_workers_find_the_publisher_after_redis_comes_back_empty(
+    harness: Harness, tmp_path: Path
+) -> None:
+    harness.spawn("a")
+    pub = harness.publish_to({"a"})
+    params = make_params(1)
+    pub.publish(params.items(), 0)
+    harness.hold(["a"], 0, fingerprint(params))
+    restart_empty(harness.server, tmp_path / "redis-empty")
+    harness.spawn("b")  # joins after the loss: only the rendezvous fields can lead it
+    harness.hold(["b"], 0, fingerprint(params))
+    assert int(harness.client.get(first_key(RUN, "b"))) == 0  # type: ignore[arg-type]
+    assert harness.procs["a"].poll() is None
+    assert pub.stats().published == 1
 
 
 def test_a_member_dying_before_it_joins_costs_its_lease_not_the_sync_timeout(

@@ -10,7 +10,16 @@ import redis
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from weights_proc import fingerprint, got, make_params, spawn, stop, train_step, wait_until
+from weights_proc import (
+    fingerprint,
+    got,
+    make_params,
+    restart_empty,
+    spawn,
+    stop,
+    train_step,
+    wait_until,
+)
 
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
@@ -130,3 +139,36 @@ def announce_file(client: redis.Redis, store_dir: Path, version: int) -> None:
 
 def rejected(log_dir: Path, version: int) -> bool:
     return f"weights version {version} at" in (log_dir / "a.log").read_text()
+
+
+def test_a_worker_joining_after_redis_came_back_empty_loads_the_current_version(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # The announce lived in Redis only: without it again, a worker that joins after the loss
+    # would wait for the next publish, which a trainer short of groups never makes.
+    store_dir = tmp_path / "weights"
+    records: queue.Queue[SyncRecord] = queue.Queue()
+    pub = build_publisher(cfg(store_dir), redis_client, KEYS, device="cpu", on_record=records.put)
+    late = None
+    try:
+        params = make_params(8)
+        pub.publish(params.items(), 3)
+        assert records.get(timeout=30).ok
+        restart_empty(redis_server, tmp_path / "redis-empty")
+        held: dict[str, torch.Tensor] = {}
+        late = build_subscriber(
+            cfg(store_dir),
+            redis_client,
+            KEYS,
+            "late",
+            device="cpu",
+            on_weights=lambda tensors, version: held.update(tensors),
+        )
+        assert late.wait_for_version(0, timeout_s=30) == 3
+        assert fingerprint(held) == fingerprint(params)
+        assert redis_client.hget(KEYS.weights, "transport") == b"store"
+        assert pub.stats().published == 1
+    finally:
+        if late is not None:
+            late.close()
+        pub.close()

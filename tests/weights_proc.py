@@ -30,6 +30,7 @@ import redis
 import torch
 
 from asyncrl.keys import Keys
+from asyncrl.launch.redis_server import RedisServer
 from asyncrl.weights import WeightsConfig, build_subscriber
 from asyncrl.weights.broadcast import BroadcastSubscriber
 from asyncrl.weights.buckets import checksum_tensors
@@ -99,6 +100,14 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def restart_empty(server: RedisServer, data_dir: Path) -> None:
+    """SIGKILL `server` and start it again on its port with no data, as a Redis without
+    persistence (or one whose disk was lost) comes back."""
+    server.kill()
+    server.data_dir = data_dir
+    server.start()
 
 
 def spawn(

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -60,6 +61,10 @@ class GenerateCall:
 _CLOSE_TIMEOUT_S = 10.0
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 @dataclass
 class FinishedGroup(Generic[T]):
     """All n episodes of a prompt, ended."""
@@ -79,7 +84,9 @@ class FailedGroup(Generic[T]):
 
     tag: T
     reason: str
-    """Short stable code: `engine_{reason}` of an EngineError, or `env_error`."""
+    """Short stable code: `engine_{reason}` of an EngineError, `engine_error` for any other
+    failure of a generate call, `task_error` for one of the task's own code (its environment
+    constructor, score or reward), or `env_error` for a failed environment step."""
     detail: str
 
 
@@ -186,12 +193,16 @@ class EpisodeScheduler(Generic[T]):
         `{episode_prefix}/{i}`."""
         group: _Group[T] = _Group(tag, item, [None] * n, time.time())
         self._groups.append(group)
+        self.inflight += n
         for i in range(n):
             env = None
             if self._episodic is not None:
-                env = self._episodic.environment(item, f"{episode_prefix}/{i}")
+                try:
+                    env = self._episodic.environment(item, f"{episode_prefix}/{i}")
+                except Exception as exc:  # e.g. an answer the task cannot parse
+                    self._fail(group, "task_error", _describe(exc))
+                    return
             self._make_ready(_Episode(group, i, env, list(item.prompt_ids)))
-        self.inflight += n
 
     def advance(self, wait_s: float) -> tuple[list[FinishedGroup[T]], list[FailedGroup[T]]]:
         """Take back returned environment steps (waiting up to `wait_s` for one when no episode
@@ -207,7 +218,11 @@ class EpisodeScheduler(Generic[T]):
             self._generate()
         finished: list[FinishedGroup[T]] = []
         for g in self._groups:
-            if g.done and not g.failed:
+            # A failed group counts in flight until it is handed back, so that the caller, which
+            # advances only while episodes are in flight, gets it.
+            if g.failed:
+                self.inflight -= len(g.samples)
+            elif g.done:
                 samples = [s for s in g.samples if s is not None]
                 finished.append(FinishedGroup(g.tag, g.item, samples, g.created_at))
                 self.inflight -= len(samples)
@@ -240,7 +255,6 @@ class EpisodeScheduler(Generic[T]):
         if group.failed:
             return
         group.failed = True
-        self.inflight -= len(group.samples)
         self._failed.append(FailedGroup(group.tag, reason, detail))
         # Its other episodes are dropped now; those inside an environment are ignored on return.
         self._ready = [ep for ep in self._ready if ep.group is not group]
@@ -262,10 +276,11 @@ class EpisodeScheduler(Generic[T]):
             if ep.group.failed:
                 continue
             if isinstance(result, Exception):
-                self._fail(ep.group, "env_error", f"{type(result).__name__}: {result}")
+                self._fail(ep.group, "env_error", _describe(result))
             elif result is None:
-                assert ep.env is not None
-                ep.group.samples[ep.index] = ep.sample(ep.env.reward())
+                env = ep.env
+                assert env is not None
+                self._score(ep, env.reward)
             else:
                 ep.observe(result)
                 self._make_ready(ep)
@@ -279,11 +294,21 @@ class EpisodeScheduler(Generic[T]):
             gens: list[Generation | None] = list(
                 self._engine.generate([ep.context for ep in batch], self._sampling)
             )
+            if len(gens) != len(batch):
+                raise RuntimeError(f"{len(gens)} generations for {len(batch)} prompts")
         except EngineError as exc:
             gens = exc.generations or [None] * len(batch)
             for ep, gen in zip(batch, gens, strict=True):
                 if gen is None:
                     self._fail(ep.group, f"engine_{exc.reason}", exc.detail)
+        except Exception as exc:
+            # Not one of the engine's own failures: a bug, or input it chokes on. Which prompt
+            # caused it is unknown, so the whole call's groups fail (dead-lettered, counted);
+            # the worker goes on with the rest.
+            log.exception("generate failed for %d episode(s)", len(batch))
+            gens = [None] * len(batch)
+            for ep in batch:
+                self._fail(ep.group, "engine_error", _describe(exc))
         done = [(ep, g) for ep, g in zip(batch, gens, strict=True) if g is not None]
         n_tokens = sum(len(g.token_ids) for _, g in done)
         self.tokens += n_tokens
@@ -297,19 +322,37 @@ class EpisodeScheduler(Generic[T]):
                 )
             )
         done = [(ep, g) for ep, g in done if not ep.group.failed]
-        texts = self._tokenizer.batch_decode(
-            [g.token_ids.tolist() for _, g in done], skip_special_tokens=True
-        )
+        try:
+            texts = self._tokenizer.batch_decode(
+                [g.token_ids.tolist() for _, g in done], skip_special_tokens=True
+            )
+        except Exception as exc:  # tokens the tokenizer does not know came out of the engine
+            log.exception("decoding %d response(s) failed", len(done))
+            for ep, _ in done:
+                self._fail(ep.group, "engine_error", _describe(exc))
+            return
         to_env = []
         for (ep, gen), text in zip(done, texts, strict=True):
+            if ep.group.failed:  # a sibling's score failed just now
+                continue
             ep.add_turn(gen)
             if ep.env is None:
-                ep.group.samples[ep.index] = ep.sample(self._task.score(ep.group.item, text))
+                self._score(ep, partial(self._task.score, ep.group.item, text))
             else:
                 to_env.append((ep, text))
         if to_env:
             self._at_env += len(to_env)
             self._event_loop().call_soon_threadsafe(self._spawn, to_env)
+
+    def _score(self, ep: _Episode, reward: Callable[[], float]) -> None:
+        """End `ep` with the reward the task's code computes; its group fails if that raises."""
+        try:
+            value = reward()
+        except Exception as exc:
+            log.exception("scoring an episode failed")
+            self._fail(ep.group, "task_error", _describe(exc))
+            return
+        ep.group.samples[ep.index] = ep.sample(value)
 
     def _make_ready(self, ep: _Episode) -> None:
         if not self._ready:

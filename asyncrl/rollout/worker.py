@@ -60,7 +60,7 @@ class RolloutWorker:
 
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics import RoleMetrics, serve
-        from asyncrl.model import ensure_model
+        from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.engine import build_engine
         from asyncrl.rollout.tasks import build_task
@@ -131,7 +131,9 @@ class RolloutWorker:
             reconnect_max_s=cfg.redis.reconnect_max_s,
             on_outage=self.metrics.redis_outage,
         )
-        self.limits = Limits(max_message_bytes=cfg.queue.max_message_bytes)
+        self.limits = Limits(
+            max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(model_dir)
+        )
         rollout = cfg.rollout
         self.max_inflight = rollout.max_inflight_episodes or rollout.prompts_per_batch * rollout.n
         self.episodes: EpisodeScheduler[Prompt] = EpisodeScheduler(

@@ -82,7 +82,7 @@ class Trainer:
 
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics import JsonlWriter, RoleMetrics, RunGauges, serve
-        from asyncrl.model import ensure_model
+        from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.tasks import build_task
 
@@ -142,24 +142,29 @@ class Trainer:
         self.step = 0
         self.wall_offset = 0.0
         cursor = Cursor(seed=cfg.run.seed)
+        resumed_version = -1
         if ckpts:
             state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
             self.step, self.wall_offset = state.step, state.wall_seconds
             self.covered_at_restart = state.covered if self.rank == 0 else {}
             cursor = Cursor(**state.cursor)
+            resumed_version = state.version
             log.info("resumed from %s (step %d)", ckpts[-1].name, self.step)
         published = self.redis.call(
             lambda: self.client.get(self.keys.version), "read the published version"
         )
-        # Never reuse a version number: restored (or initial) weights get a fresh one.
-        self.version = 0 if published is None else int(published) + 1
+        # Never reuse a version number: restored (or initial) weights get a fresh one, above the
+        # checkpoint's too, since a Redis that lost its data has no `version` key.
+        self.version = max(-1 if published is None else int(published), resumed_version) + 1
         if self.world is not None:
             # Rank 0's reading wins: it may already have published before another rank reads.
             shared = torch.tensor([self.version], dtype=torch.int64, device=self.device)
             dist.broadcast(shared, src=0, group=self.world)
             self.version = int(shared.item())
 
-        self.limits = Limits(max_message_bytes=cfg.queue.max_message_bytes)
+        self.limits = Limits(
+            max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(load_from)
+        )
         self.heartbeat = Heartbeat(
             self.client,
             self.keys.worker("trainer", self.name),

@@ -15,13 +15,15 @@ PUBLISH on the channel of the same name (the doorbell subscribers block on).
     backend        gloo | nccl | hccl, the publisher's; subscribers check theirs against it
     master         "host:port" of the publisher's TCPStore
     proposal       {"epoch": e, "candidates": [worker ids]}: epoch e is forming
-    ready:{id}     the epoch subscriber {id} is ready to join (deleted after a failed receive)
+    ready:{id}     the epoch subscriber {id} is ready to join (deleted after a failed receive,
+                   and by a new subscriber under that id)
     epoch          the formed epoch ...
     members        ... and its members, JSON list; a member's rank is its index + 1
     send           {"epoch": e, "seq": n, "version": v}: the n-th send of epoch e starts now
     sent_version   last version delivered to every member
-    join:{id}      subscriber {id} wants weights (JSON: host, pid); it counts as live while the
-                   key `{Keys.weights}:lease:{id}` exists (TTL lease_s, refreshed every lease_s/3)
+    join:{id}      subscriber {id} wants weights (JSON: host, pid, incarnation — random per
+                   subscriber); it counts as live while the key `{Keys.weights}:lease:{id}` exists
+                   (TTL lease_s, refreshed every lease_s/3)
 
 Forming epoch e: the publisher proposes it to the live subscribers, waits until each has set
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
@@ -31,6 +33,14 @@ the TCPStore (prefix `wsync/{e}`): each member sets `arrived/{rank}` and waits f
 publisher sets to 1 once all have arrived, or to 0 as soon as a missing member's lease lapses.
 A member that dies after saying ready then costs its lease (`weights.lease_s`), not the sync
 timeout that the collective's own rendezvous would wait out, for everyone.
+
+A worker restarted under its old id is a new subscriber: it registers with a new `join:` record
+and clears the `ready:` its predecessor may have left, and it takes no part in an epoch formed
+before it first saw the publisher. The publisher, seeing a record that differs from the one it
+last saw under that id, forgets what the predecessor held or failed to answer, so the newcomer
+gets the current version at once rather than at the next publish (which, with one worker, never
+comes). If Redis loses the hash (restarted empty), the publisher writes its rendezvous fields
+again at its next look at the hash, so that workers can still find it.
 
 One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the
 flat buffer in buckets, and a trailer holding the checksum, all posted at once so that they
@@ -52,6 +62,7 @@ import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
+from uuid import uuid4
 
 import redis
 import torch
@@ -104,16 +115,22 @@ class Lease:
         self, client: redis.Redis, keys: Keys, worker_id: str, lease_s: float, info: dict
     ) -> None:
         self._client, self._keys, self._id, self._lease_s = client, keys, worker_id, lease_s
-        self._info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **info})
+        # Host and pid may both repeat when a container restarts; the incarnation does not.
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "incarnation": uuid4().hex}
+        self._info = json.dumps({**record, **info})
         self._stop = threading.Event()
-        self._register()
+        self._register(first=True)
         self._thread = threading.Thread(target=self._beat, name="weights-lease", daemon=True)
         self._thread.start()
 
-    def _register(self) -> None:
+    def _register(self, *, first: bool = False) -> None:
         pipe = self._client.pipeline(transaction=True)
         pipe.set(lease_key(self._keys, self._id), "1", px=int(self._lease_s * 1000))
         pipe.hset(self._keys.weights, f"join:{self._id}", self._info)
+        if first:
+            # A predecessor under this id (killed, restarted) may have left its readiness: the
+            # publisher would take this process for a member that holds the weights.
+            pipe.hdel(self._keys.weights, f"ready:{self._id}")
         pipe.execute()
 
     def _beat(self) -> None:
@@ -163,6 +180,11 @@ class BroadcastPublisher(BackgroundPublisher):
         self._timeout = timedelta(seconds=cfg.sync_timeout_s)
         self._addr = cfg.master_addr
         self._store = master_store(cfg.master_addr, cfg.master_port, self._timeout)
+        self._rendezvous = {
+            "transport": "broadcast",
+            "backend": self._backend,
+            "master": f"{cfg.master_addr}:{self._store.port}",
+        }
         self._group: Group | None = None
         self._broken = False  # the group's last op failed
         self._members: list[str] = []
@@ -171,6 +193,7 @@ class BroadcastPublisher(BackgroundPublisher):
         self._holders_version: int | None = None
         self._unresponsive: set[str] = set()  # live, proposed, never ready: not worth a resend
         self._failures = 0  # failed deliveries of `_holders_version`
+        self._joins: dict[str, str] = {}  # the `join:` record last seen of each live subscriber
         self._formed = 0
         h = read_hash(client, keys.weights)
         # Epochs keep counting across trainer restarts, so that no subscriber mistakes a new
@@ -178,20 +201,23 @@ class BroadcastPublisher(BackgroundPublisher):
         proposal = json.loads(h.get("proposal", '{"epoch": -1}'))
         self._epoch = max(int(h.get("epoch", -1)), proposal["epoch"])
         client.hdel(keys.weights, "proposal", "members", "send")
-        announce(
-            client,
-            keys,
-            transport="broadcast",
-            backend=self._backend,
-            master=f"{cfg.master_addr}:{self._store.port}",
-        )
+        announce(client, keys, **self._rendezvous)
         self._start()
 
     def _live(self) -> tuple[list[str], dict[str, str]]:
         """Registered subscribers whose lease holds (sorted), and the hash they were read from.
-        Registrations whose lease lapsed are removed on the way."""
+
+        Registrations whose lease lapsed are removed on the way. A subscriber whose record is
+        new, or differs from the one last seen under its id (a worker restarted with its id),
+        starts afresh: what its predecessor held or left unanswered says nothing about it. A hash
+        without the rendezvous fields (Redis restarted empty) gets them again.
+        """
         h = read_hash(self._client, self._keys.weights)
-        joined = sorted(f.removeprefix("join:") for f in h if f.startswith("join:"))
+        if "master" not in h:
+            log.warning("weights: the rendezvous fields are gone from Redis; writing them again")
+            announce(self._client, self._keys, **self._rendezvous)
+        joins = {f.removeprefix("join:"): v for f, v in h.items() if f.startswith("join:")}
+        joined = sorted(joins)
         pipe = self._client.pipeline(transaction=False)
         for worker in joined:
             pipe.exists(lease_key(self._keys, worker))
@@ -201,7 +227,14 @@ class BroadcastPublisher(BackgroundPublisher):
             self._client.hdel(
                 self._keys.weights, *(f"{p}:{w}" for w in gone for p in ("join", "ready"))
             )
-        return [w for w, a in zip(joined, alive, strict=True) if a], h
+        live = [w for w, a in zip(joined, alive, strict=True) if a]
+        renewed = {w for w in live if self._joins.get(w) != joins[w]}
+        if renewed:
+            self._holders -= renewed
+            self._unresponsive -= renewed
+            self._failures = 0  # a newcomer deserves its tries, even of a version that failed
+        self._joins = {w: joins[w] for w in live}
+        return live, h
 
     def _stale(self, live: list[str], h: dict[str, str]) -> bool:
         return (
@@ -211,9 +244,9 @@ class BroadcastPublisher(BackgroundPublisher):
         )
 
     def _wants_resend(self) -> bool:
+        live, h = self._live()  # first: it may reset the failures, for a newcomer
         if self._failures >= _MAX_FAILURES:
             return False
-        live, h = self._live()
         # A member that withdrew its readiness failed to receive, even if the send succeeded
         # here (in gloo's tree it may relay for a peer that died).
         self._holders -= {m for m in self._members if h.get(f"ready:{m}") != str(self._epoch)}
@@ -381,7 +414,7 @@ class BroadcastSubscriber(BackgroundSubscriber):
         self._master: str | None = None
         self._store: dist.TCPStore | None = None
         self._group: Group | None = None
-        self._epoch = -1  # the last epoch whose group this subscriber built
+        self._epoch = -1  # the last epoch whose group this subscriber built, or formed unseen
         self._acked = -1  # the last epoch it declared itself ready for
         self._seq = 0  # sends of `_epoch` taken part in
         self._lease = Lease(client, keys, worker_id, cfg.lease_s, {})
@@ -404,6 +437,9 @@ class BroadcastSubscriber(BackgroundSubscriber):
         if master != self._master:
             self._drop_group(broken=True)
             self._master, self._store = master, None
+            # Epochs formed so far were formed without this process, even one that lists its id
+            # (a predecessor's, a worker restarted with its id): joining it would hang.
+            self._epoch = self._acked = int(h.get("epoch", -1))
             if h.get("backend") != self._backend:
                 log.error(
                     "weights: the publisher uses %s, this worker %s; not joining",

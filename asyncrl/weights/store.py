@@ -98,7 +98,13 @@ class StorePublisher(BackgroundPublisher):
                 tmp.unlink(missing_ok=True)
                 raise
             _fsync(self._dir)
-        announce(self._client, self._keys, store_version=str(version), store_path=str(path))
+        announce(
+            self._client,
+            self._keys,
+            transport="store",
+            store_version=str(version),
+            store_path=str(path),
+        )
         for old in sorted(p for p in self._dir.iterdir() if _VERSION_FILE.fullmatch(p.name))[
             : -self._keep
         ]:
@@ -106,10 +112,13 @@ class StorePublisher(BackgroundPublisher):
         return path.stat().st_size, None
 
     def _wants_resend(self) -> bool:
-        # Subscribers learn of a version only from its announce: one that failed (Redis down)
-        # is retried, or they would wait for it until the next publish.
+        # Subscribers learn of a version only from its announce: one that failed (Redis down),
+        # or that Redis lost (restarted empty), is made again, or joining workers would wait for
+        # it until the next publish.
         last = self.stats().last
-        return last is not None and not last.ok
+        if last is not None and not last.ok:
+            return True
+        return self._client.hget(self._keys.weights, "store_version") is None
 
     def _shutdown(self) -> None:
         """Nothing is held between writes."""
