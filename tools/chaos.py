@@ -359,8 +359,9 @@ class Segment:
     """Trajectory entry id → the prompt entry id its group answers (None: undecodable)."""
     dlq: list[tuple[str, str, str]]
     """(origin stream, entry id, reason) of each dead letter."""
-    queued: set[str]
-    """Entry ids of either stream their group has not acked (pending or never delivered)."""
+    queued: set[tuple[str, str]]
+    """(stream, entry id) of the entries their group has not acked (pending or never delivered);
+    ids are per stream: two streams may hand out the same one."""
 
 
 def read_segment(client: redis.Redis, keys: Keys) -> Segment:
@@ -385,8 +386,8 @@ def read_segment(client: redis.Redis, keys: Keys) -> Segment:
             (f[b"stream"].decode(), f[b"id"].decode(), f[b"reason"].decode())
             for _, f in entries(keys.dlq)
         ],
-        queued=_queued(client, keys.prompts, PROMPTS_GROUP)
-        | _queued(client, keys.trajectories, TRAJECTORIES_GROUP),
+        queued={(keys.prompts, i) for i in _queued(client, keys.prompts, PROMPTS_GROUP)}
+        | {(keys.trajectories, i) for i in _queued(client, keys.trajectories, TRAJECTORIES_GROUP)},
     )
 
 
@@ -438,8 +439,9 @@ class Chaos:
     max_queued: int = 0
     segments: list[Segment] = field(default_factory=list)
     """Redis's history up to each `redis_empty` fault (the last segment is read at the end)."""
-    injected: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
-    """Entry id → (kind, dead-letter reasons allowed) of every entry added as an outsider."""
+    injected: dict[tuple[str, str], tuple[str, frozenset[str]]] = field(default_factory=dict)
+    """(stream, entry id) → (kind, dead-letter reasons allowed) of every entry added as an
+    outsider."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -604,10 +606,9 @@ class Chaos:
             for _ in range(15):
                 junk = {"data": os.urandom(JUNK_BYTES), "schema": b"1"}
                 entry_id = cast(bytes, self.client.xadd(self.keys.trajectories, junk)).decode()
-                self.injected[entry_id] = ("junk", _UNDECODABLE)
-        except redis.ResponseError as exc:
-            if "OOM" not in str(exc):
-                raise
+                self.injected[self.keys.trajectories, entry_id] = ("junk", _UNDECODABLE)
+        except redis.exceptions.OutOfMemoryError:
+            pass  # full: what this fault is for
         deadline = time.monotonic() + self.rng.uniform(2.0, 4.0)
         while time.monotonic() < deadline:
             self.poll()
@@ -615,22 +616,15 @@ class Chaos:
         self.client.config_set("maxmemory", 0)
 
     def _add_hostile(self) -> None:
-        done = set(self._queued_now())
-        rows = cast(
-            list[tuple[bytes, dict[bytes, bytes]]],
-            self.client.xrevrange(self.keys.trajectories, count=50),
-        )
-        acked = next(
-            (r for r in rows if r[0].decode() not in done and r[0].decode() not in self.injected),
-            None,
-        )
+        stream = self.keys.trajectories
+        skip = {(stream, i) for i in _queued(self.client, stream, TRAJECTORIES_GROUP)}
+        skip |= set(self.injected)
+        rows = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrevrange(stream, count=50))
+        acked = next((r for r in rows if (stream, r[0].decode()) not in skip), None)
         for kind, suffix, fields, allowed in hostile_entries(self.vocab, acked):
             stream = self.keys.prefix + suffix
             entry_id = cast(bytes, self.client.xadd(stream, fields)).decode()
-            self.injected[entry_id] = (kind, allowed)
-
-    def _queued_now(self) -> set[str]:
-        return _queued(self.client, self.keys.trajectories, TRAJECTORIES_GROUP)
+            self.injected[stream, entry_id] = (kind, allowed)
 
     def _final_checkpoint(self) -> int:
         ckpts = list_checkpoints(self.run_dir / "checkpoints")
@@ -711,22 +705,28 @@ class Chaos:
         reasons: Counter[str] = Counter()
         published: Counter[str] = Counter()
         lost: set[str] = set()
-        rejected: dict[str, str] = {}  # injected entry id → its dead-letter reason
+        rejected: dict[tuple[str, str], str] = {}  # injected entry → its dead-letter reason
+        prompts, trajectories = self.keys.prompts, self.keys.trajectories
         for seg in segments:
             # Each segment on its own: ids do not survive a loss of Redis's data.
-            real_prompts = {i for i in seg.prompts if i not in self.injected}
-            group_of = {i: g for i, g in seg.trajectories.items() if i not in self.injected and g}
+            real_prompts = {i for i in seg.prompts if (prompts, i) not in self.injected}
+            group_of = {
+                i: g
+                for i, g in seg.trajectories.items()
+                if (trajectories, i) not in self.injected and g
+            }
+            queued_prompts = {i for s, i in seg.queued if s == prompts}
             dead: dict[str, set[str]] = {self.keys.prompts: set(), self.keys.trajectories: set()}
             for stream, entry_id, reason in seg.dlq:
                 reasons[reason] += 1
-                if entry_id in self.injected:
-                    rejected[entry_id] = reason
+                if (stream, entry_id) in self.injected:
+                    rejected[stream, entry_id] = reason
                     continue
                 dead.setdefault(stream, set()).add(entry_id)
                 if reason != "max_deliveries":
                     self.violate("dead_letters", f"{entry_id} dead-lettered for {reason!r}")
             published.update(group_of.values())
-            lost |= real_prompts - set(group_of.values()) - dead[self.keys.prompts] - seg.queued
+            lost |= real_prompts - set(group_of.values()) - dead[prompts] - queued_prompts
             for what, ids in (
                 ("groups of unknown prompts", set(group_of.values()) - real_prompts),
                 (
@@ -743,27 +743,34 @@ class Chaos:
             self.violate("no_double_training", f"prompts with two trajectory groups: {twice[:5]}")
 
         queued_at_end = set().union(*(seg.queued for seg in segments))
-        for entry_id, (kind, allowed) in self.injected.items():
-            reason = rejected.get(entry_id)
-            if reason is None and entry_id not in queued_at_end:
+        for entry, (kind, allowed) in self.injected.items():
+            reason = rejected.get(entry)
+            entry_id = entry[1]
+            if reason is None and entry not in queued_at_end:
                 self.violate("hostile", f"{kind} entry {entry_id}: no dead letter, not queued")
             elif reason is not None and reason not in allowed:
                 self.violate("hostile", f"{kind} entry {entry_id} dead-lettered for {reason!r}")
         if not self.segments:
             # One unbroken history: the counters can be checked against it entry by entry.
-            real = {i: g for i, g in final.trajectories.items() if i not in self.injected}
+            real = {
+                i: g
+                for i, g in final.trajectories.items()
+                if (trajectories, i) not in self.injected
+            }
             dead_groups = {
-                i for s, i, _ in final.dlq if s == self.keys.trajectories and i not in self.injected
+                i for s, i, _ in final.dlq if s == trajectories and (s, i) not in self.injected
             }
             expected = {
-                "prompts_released": len([i for i in final.prompts if i not in self.injected]),
+                "prompts_released": len(
+                    [i for i in final.prompts if (prompts, i) not in self.injected]
+                ),
                 "groups_published": len(real),
                 "entries_rejected": len(rejected),
             }
             for name, n in expected.items():
                 if counters[name] != n:
                     self.violate("nothing_lost", f"{name}={counters[name]}, but {n} entries")
-            acked = len(set(real) - final.queued)
+            acked = len({(trajectories, i) for i in real} - final.queued)
             outcomes = (
                 counters["groups_trained"] + counters["groups_dropped_stale"] + len(dead_groups)
             )
