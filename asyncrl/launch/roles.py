@@ -18,6 +18,12 @@ def setup_logging(name: str) -> None:
 
 
 def launch(cfg: Config, args: argparse.Namespace) -> int:
+    from asyncrl.model import missing_model
+
+    # Before any Redis is reached or started: a wrong path is a config error, not an outage.
+    if (problem := missing_model(cfg)) is not None:
+        print(f"asyncrl: config error: {problem}", file=sys.stderr)
+        return 2
     if args.role == "all":
         if args.launcher == "ray":
             from asyncrl.launch.ray_launcher import run_ray
