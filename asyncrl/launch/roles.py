@@ -52,9 +52,18 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 2
     if args.role == "trainer":
+        from asyncrl.trainer.checkpoint import CheckpointError
         from asyncrl.trainer.main import run_trainer
 
-        return run_trainer(cfg)
+        try:
+            return run_trainer(cfg)
+        except CheckpointError as exc:
+            print(
+                f"asyncrl: trainer: {exc}; the groups trained since stay pending and a "
+                "restart trains them again",
+                file=sys.stderr,
+            )
+            return 1
     from asyncrl.rollout.worker import run_worker
 
     return run_worker(cfg, args.worker_id)
