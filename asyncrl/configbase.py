@@ -9,10 +9,13 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, assignments are validated, docs per field."""
+    """A config section: unknown keys are errors, assignments are validated, docs per field.
+    No float may be infinite or NaN: `.inf` passes every `gt`/`le` bound and then fails far
+    from the config (a timeout that overflows, a heartbeat that never expires, NaN weights)."""
 
     model_config = ConfigDict(
         extra="forbid",
+        allow_inf_nan=False,
         validate_assignment=True,
         use_attribute_docstrings=True,
         frozen=False,

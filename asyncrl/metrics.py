@@ -176,6 +176,10 @@ _STEP_SECONDS = _histogram(
     (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600),
 )
 _STEPS = _counter("asyncrl_train_steps_total", "Optimizer steps taken.")
+_SKIPPED = _counter(
+    "asyncrl_train_steps_skipped_total",
+    "Steps whose loss or gradient norm was not finite, so the optimizer did not step.",
+)
 _MFU = _gauge("asyncrl_trainer_mfu", "Model FLOPs utilisation of the last step (0..1).")
 _SYNC_SECONDS = _histogram(
     "asyncrl_weight_sync_seconds",
@@ -243,6 +247,7 @@ _ROLE_METRICS: dict[str, tuple[str, ...]] = {
         "staleness",
         "train_step_seconds",
         "train_steps",
+        "train_steps_skipped",
         "weight_sync_seconds",
         "weight_sync_bytes",
         "weight_publish_blocking_seconds",
@@ -350,6 +355,10 @@ class RoleMetrics:
         return self._bind(_STEPS)
 
     @cached_property
+    def train_steps_skipped(self) -> Counter:
+        return self._bind(_SKIPPED)
+
+    @cached_property
     def trainer_mfu(self) -> Gauge:
         return self._bind(_MFU)
 
@@ -409,6 +418,8 @@ class RoleMetrics:
         groups trained in the step. The line's figures are run-wide (`groups` counts all ranks'
         groups), so call this where the line is written, once per step."""
         self.train_steps.inc()
+        if record.get("skipped_nonfinite"):
+            self.train_steps_skipped.inc()
         self.trajectories_consumed.inc(record.get("groups", 0))
         for key, attr in STEP_GAUGES.items():
             value = record.get(key)

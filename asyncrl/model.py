@@ -25,6 +25,15 @@ def is_complete(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def missing_model(cfg: Config) -> str | None:
+    """Why `model.path` cannot serve this run (one line naming the key), or None when it holds a
+    model or `model.build_tiny` will make one. Launch checks it before it touches Redis."""
+    path = Path(cfg.model.path)
+    if cfg.model.build_tiny or is_complete(path):
+        return None
+    return f"model.path={path} holds no Hugging Face model (config.json + weights)"
+
+
 def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
     """The model directory, built first when configured to; a rollout worker passes `wait_s` to
     wait for a trainer that is building it instead of building it twice."""
@@ -34,8 +43,8 @@ def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
         time.sleep(1.0)
     if is_complete(path):
         return path
-    if not cfg.model.build_tiny:
-        raise SystemExit(f"model.path={path} holds no Hugging Face model (config.json + weights)")
+    if (problem := missing_model(cfg)) is not None:
+        raise SystemExit(problem)
     from asyncrl.rollout.tiny_model import build_tiny_model
 
     digits = getattr(cfg.task, "digits", 2)

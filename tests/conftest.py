@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +17,18 @@ from asyncrl.launch.redis_server import RedisServer
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(data_dir=tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def password_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server that requires `.password`, random per test so a grep finds only leaks."""
+    server = RedisServer(
+        data_dir=tmp_path / "password-redis", password="pw-" + secrets.token_hex(12)
+    ).start()
     try:
         yield server
     finally:

@@ -108,3 +108,60 @@ def step_lines(run_dir: Path) -> list[dict[str, Any]]:
         if "reward_mean" in record:
             lines.append(record)
     return lines
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """The running child processes of `pid`, read from /proc: pid → command line."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces and parentheses: fields follow the last ")".
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(ppid) == pid and state != "Z":
+            found[int(stat.parent.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Whether process `pid` exists and is no zombie (an orphan's zombie may wait for a PID 1
+    that never reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def local_run_config(
+    path: Path, run_dir: Path, model: Path, extra: dict[str, Any] | None = None
+) -> Path:
+    """A quickstart-shaped `--role all` run (one trainer, one rollout worker, `extra` settings
+    on top) that stops only when told."""
+    return write_config(
+        path,
+        {
+            "run.id": "local",
+            "run.dir": str(run_dir),
+            "model.path": str(model),
+            "model.build_tiny": False,
+            "rollout.workers": 1,
+            "rollout.n": 2,
+            "rollout.prompts_per_batch": 2,
+            "rollout.sampling.max_new_tokens": 4,
+            "trainer.groups_per_step": 2,
+            "trainer.max_steps": 10_000,
+            "trainer.checkpoint_every": 10_000,  # the only checkpoint: the one SIGTERM writes
+            "trainer.eval_every": 0,
+            "metrics.port": 0,
+            **(extra or {}),
+        },
+    )
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL what a failed test left running of the processes it started."""
+    for pid in pids:
+        if is_running(pid):
+            os.kill(pid, signal.SIGKILL)

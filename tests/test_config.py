@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,67 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
     assert len(lines) == 1, proc.stderr
     assert "algo.max_staleness" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def launch_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def assert_config_error(proc: subprocess.CompletedProcess[str], key: str) -> None:
+    """Exit 2 with one line on stderr that names `key`, no traceback."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("asyncrl: config error: ") and key in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        # Each passed validation before and failed only once a role ran with it.
+        ("trainer.lr=.inf", "trainer.lr"),  # NaN weights reached the workers
+        ("algo.eps=.nan", "algo.eps"),  # no bound of its own to refuse NaN
+        ("trainer.lr=1e39", "trainer.lr"),  # torch: "value cannot be converted to type float"
+        ("trainer.betas=[2,3]", "trainer.betas"),  # AdamW refused them after the model loaded
+        ("queue.claim_idle_s=.inf", "queue.claim_idle_s"),  # OverflowError
+        ("rollout.heartbeat_ttl_s=.inf", "rollout.heartbeat_ttl_s"),  # no heartbeat at all
+        ("redis.block_ms=-5", "redis.block_ms"),
+        ("redis.connect_timeout_s=0", "redis.connect_timeout_s"),
+    ],
+)
+def test_values_that_would_fail_later_are_config_errors(override: str, key: str) -> None:
+    assert_config_error(launch_cli("--role", "trainer", "redis.url=redis://x:1/0", override), key)
+
+
+@pytest.mark.parametrize("role", ["trainer", "rollout", "all"])
+def test_a_missing_model_is_a_config_error_before_redis(role: str, tmp_path: Path) -> None:
+    """The role exits 2 naming model.path without a single connection to its Redis (a bare
+    listener that would take one), and `--role all` starts no embedded Redis."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        url = [] if role == "all" else [f"redis.url=redis://127.0.0.1:{port}/0"]
+        proc = launch_cli(
+            "--role",
+            role,
+            f"run.dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'absent'}",
+            "model.build_tiny=false",
+            *url,
+        )
+        assert_config_error(proc, "model.path")
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    assert not (tmp_path / "run" / "redis").exists()
 
 
 def test_print_config_redacts_password(capsys: pytest.CaptureFixture[str]) -> None:

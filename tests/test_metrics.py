@@ -44,6 +44,7 @@ EXPECTED = {
     "asyncrl_rollout_tokens_per_second": "gauge",
     "asyncrl_train_step_seconds": "histogram",
     "asyncrl_train_steps": "counter",
+    "asyncrl_train_steps_skipped": "counter",
     "asyncrl_trainer_mfu": "gauge",
     "asyncrl_weight_sync_seconds": "histogram",
     "asyncrl_weight_sync_bytes": "counter",
@@ -110,6 +111,7 @@ def exercise(m: RoleMetrics) -> None:
             "behaviour_weight_p50": 1.0,
             "step_seconds": 0.7,
             "weight_publish_blocking_seconds": 0.002,
+            "skipped_nonfinite": True,
         },
         staleness=[0, 1, 1, 3],
     )
@@ -154,6 +156,7 @@ def test_metrics_endpoint_exposes_the_dashboard_names(server: MetricsServer) -> 
     assert value("asyncrl_staleness_bucket", le="1.0", **t0) == 3
     assert value("asyncrl_staleness_count", **t0) == 4
     assert value("asyncrl_train_step_seconds_sum", **t0) == pytest.approx(0.7)
+    assert value("asyncrl_train_steps_skipped_total", **t0) == 1
     assert value("asyncrl_rollout_tokens_per_second", **t0) == 200
     assert value("asyncrl_run_groups", outcome="released", **t0) == 10
     assert value("asyncrl_run_groups", outcome="dead_lettered", **t0) == 0

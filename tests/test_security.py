@@ -26,7 +26,18 @@ from asyncrl.launch.redis_server import RedisServer, TlsFiles, find_redis_server
 from asyncrl.redis_conn import RedisAccessError, RedisConfig, connect, wait_until_reachable
 
 sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import REPO, Role, stop_all, wait_until, write_config
+from role_procs import (
+    REPO,
+    Role,
+    children_of,
+    is_running,
+    kill_all,
+    local_run_config,
+    step_lines,
+    stop_all,
+    wait_until,
+    write_config,
+)
 
 PASSWORD = "pw-" + secrets.token_hex(12)
 ENV = "ASYNCRL_REDIS_PASSWORD"
@@ -348,3 +359,71 @@ def test_endpoints_default_to_loopback() -> None:
         assert server.server_address[0] == "127.0.0.1"
     finally:
         server.close()
+
+
+def query_url(server: RedisServer, password: str) -> str:
+    """The server's URL with the password as a query parameter, as redis-py also accepts it."""
+    return f"{server.url}?password={password}"
+
+
+def test_a_query_password_is_redacted_wherever_a_url_is_shown(
+    password_redis: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`redis://host/0?password=X` authenticates like `redis://:X@host/0`; X shows neither in
+    `--print-config`, nor in `asyncrl status` (table and JSON), nor in a refusal."""
+    from asyncrl.cli import main as cli_main
+
+    secret = password_redis.password
+    assert secret is not None
+    url = query_url(password_redis, secret)
+    args = [f"redis.url={url}", "run.id=q", f"run.dir={tmp_path / 'run'}"]
+
+    assert cli_main(["launch", "--role", "trainer", "--print-config", *args]) == 0
+    out, err = capsys.readouterr()
+    assert "password=***" in out and secret not in out + err
+
+    for json_flag in (["--json"], []):
+        assert cli_main(["status", *json_flag, *args]) == 0  # it authenticated
+        out, err = capsys.readouterr()
+        assert secret not in out + err
+
+    wrong = "not-" + secret
+    cfg = RedisConfig(url=query_url(password_redis, wrong))
+    with pytest.raises(RedisAccessError) as info:
+        wait_until_reachable(connect(cfg), cfg)
+    assert "refused the client" in str(info.value) and wrong not in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_local_run_keeps_a_url_password_out_of_argv_and_files(
+    password_redis: RedisServer, random_model: Path, tmp_path: Path
+) -> None:
+    """`--role all` given `redis.url` with `?password=X` (in its config file): the children get X
+    by environment, not in their command lines; the run's config.yaml and every log hold no X.
+    Then the launcher is SIGKILLed, with no chance to stop them: they die with it."""
+    secret = password_redis.password
+    assert secret is not None
+    run_dir = tmp_path / "run"
+    url = query_url(password_redis, secret)
+    config = local_run_config(tmp_path / "config.yaml", run_dir, random_model, {"redis.url": url})
+    launcher = Role("all", config, tmp_path / "launcher.log", "--progress", "quiet")
+    children: dict[int, str] = {}
+    try:
+        wait_until(lambda: len(step_lines(run_dir)) >= 1, 300, "a first step", [launcher])
+        children = children_of(launcher.proc.pid)
+        assert len(children) == 2, children  # trainer and rollout worker
+        for pid, cmdline in children.items():
+            assert secret not in cmdline and "password" not in cmdline, cmdline
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"{ENV}={secret}".encode() in environ, cmdline
+        launcher.proc.kill()
+        launcher.proc.wait()
+        wait_until(
+            lambda: not any(is_running(p) for p in children), 30, "children gone with the launcher"
+        )
+    finally:
+        kill_all([launcher.proc.pid, *children])
+    files = [p for p in [tmp_path / "launcher.log", *run_dir.rglob("*")] if p.is_file()]
+    assert run_dir / "config.yaml" in files and run_dir / "logs" / "trainer.log" in files
+    for path in files:
+        assert secret.encode() not in path.read_bytes(), f"password in {path}"

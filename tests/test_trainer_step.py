@@ -187,3 +187,44 @@ def test_rows_without_trained_tokens_cost_no_compute_and_change_nothing() -> Non
     assert with_flat.tokens == base.tokens
     for a, b in zip(base_params, flat_params, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_a_non_finite_step_is_skipped_and_overflowing_weights_are_caught() -> None:
+    """An infinite advantage makes the loss and the gradients NaN: the optimizer does not step,
+    so weights and optimizer state stay as they were. Weights that are not finite all the same
+    (numerics gone wrong) are reported by `weights_finite`; the trainer then refuses to publish
+    them."""
+    import dataclasses
+
+    from asyncrl.trainer.step import train_step, weights_finite
+
+    torch.set_num_threads(1)
+    algo = AlgoConfig()
+    rows = group_rows(proc.make_groups(), algo, proc.SAMPLING.max_new_tokens)
+    poisoned = [dataclasses.replace(rows[0], advantage=float("inf")), *rows[1:]]
+
+    def step(batch: list, lr: float) -> tuple[bool, list[bool], dict, torch.nn.Module]:
+        model = proc.new_tiny_model(seed=0)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        stats = train_step(
+            model,
+            optimizer,
+            batch,
+            algo=algo,
+            sampling=proc.SAMPLING,
+            micro_batch_tokens=100_000,
+            grad_clip=1.0,
+            current_version=3,
+        )
+        changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
+        return stats.skipped, changed, optimizer.state, model
+
+    skipped, changed, state, model = step(poisoned, lr=1e-3)
+    assert skipped and not any(changed) and not state and weights_finite(model)
+
+    skipped, changed, state, model = step(rows, lr=1e-3)
+    assert not skipped and all(changed) and state and weights_finite(model)
+    with torch.no_grad():
+        list(model.parameters())[-1].view(-1)[0] = float("nan")
+    assert not weights_finite(model)

@@ -1,9 +1,14 @@
 """Local mode (`asyncrl launch --role all`): embedded Redis, one trainer, N rollout workers.
 
 Every process it starts is its own child in its own session (so Ctrl-C reaches only the launcher),
-stopped by its handle with SIGTERM on exit or Ctrl-C. The Redis
+stopped by its handle with SIGTERM on exit, Ctrl-C, SIGTERM or SIGHUP: first the roles (the
+trainer writes its final checkpoint), then the embedded Redis. Should the launcher die without
+doing so (SIGKILL), the kernel kills the roles and sends the embedded Redis SIGTERM. The Redis
 data (AOF) and checkpoints stay in the run directory, so running the same command again resumes,
 and `asyncrl status` can inspect a finished run. A rollout worker that dies is restarted.
+
+The embedded Redis gets a password made for each start. It reaches the children by environment;
+`{run.dir}/redis/url` (mode 0600, removed at exit) holds the URL with it for `asyncrl status`.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ import yaml
 
 from asyncrl.config import Config
 from asyncrl.keys import Keys
-from asyncrl.launch.process import wait_or_kill
-from asyncrl.launch.redis_server import RedisServer
-from asyncrl.redis_conn import split_password
+from asyncrl.launch import process
+from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secret
+from asyncrl.redis_conn import redact_url, split_password, with_password
 
 # What local mode writes into a run directory; `--fresh` removes exactly these.
 RUN_STATE = ("checkpoints", "redis", "weights", "logs", "metrics.jsonl", "config.yaml", "plots")
@@ -67,6 +72,9 @@ class Child:
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                # SIGKILL, not SIGTERM: a draining trainer whose Redis goes with the launcher
+                # would wait for it forever; its checkpoint and pending entries cover the kill.
+                preexec_fn=process.die_with_parent(signal.SIGKILL),
             )
 
     def poll(self) -> int | None:
@@ -78,7 +86,7 @@ class Child:
 
     def wait(self, timeout_s: float) -> None:
         if self.proc is not None:
-            wait_or_kill(self.proc, timeout_s)
+            process.wait_or_kill(self.proc, timeout_s)
 
 
 def run_local(cfg: Config, args: argparse.Namespace) -> int:
@@ -88,24 +96,25 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
 
     run_dir = cfg.run.path
     mode, say = prepare_run_dir(run_dir, args)
+    process.stop_signals_interrupt()
 
     server: RedisServer | None = None
-    url = cfg.redis.url
-    if url is None:
-        server = RedisServer(data_dir=run_dir / "redis").start()
-        url = server.url
-        (run_dir / "redis" / "url").write_text(url)
-        say(f"embedded redis-server at {url} (data in {run_dir / 'redis'})")
-    env = dict(os.environ)
-    # Secrets travel to the children by environment, never in argv or the run directory.
-    url, password = split_password(url)
-    if password is not None:
-        env[cfg.redis.password_env] = password
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-
     children: list[Child] = []
     try:
+        url = cfg.redis.url
+        if url is None:
+            server = embedded_redis(run_dir / "redis")
+            url = server.client_url
+            write_secret(run_dir / "redis" / "url", url)
+            say(f"embedded redis-server at {redact_url(url)} (data in {run_dir / 'redis'})")
+        env = dict(os.environ)
+        # Secrets travel to the children by environment, never in argv.
+        url, password = split_password(url)
+        if password is not None:
+            env[cfg.redis.password_env] = password
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+
         say(f"model: {cfg.model.path}")
         ensure_model(cfg)
         # The saved config keeps redis.url as given (unset = embedded), so `asyncrl status
@@ -114,6 +123,8 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
         config_path.write_text(yaml.safe_dump(cfg.redacted(), sort_keys=False))
         base = [sys.executable, "-m", "asyncrl", "launch", "--config", str(config_path)]
         base.append(f"redis.url={url}")
+        if server is not None and cfg.redis.password_file is not None:
+            base.append("redis.password_file=null")  # it would win over the run's password
         port = cfg.metrics.port
 
         def metrics_port(i: int) -> list[str]:
@@ -133,7 +144,7 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
         for child in children:
             child.start()
         say(f"started trainer and {cfg.rollout.workers} rollout worker(s); logs in {run_dir}/logs")
-        client = connect(cfg.redis, url)
+        client = connect(cfg.redis, with_password(url, password))
         progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
         try:
             while (rc := trainer.poll()) is None:
@@ -150,10 +161,11 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
         if rc != 0:
             say(f"trainer exited with {rc}; see {trainer.log_path}")
         return rc
-    except KeyboardInterrupt:
-        say("interrupted: stopping (run the same command again to resume)")
-        return 130
+    except KeyboardInterrupt as exc:
+        say(f"{str(exc) or 'interrupted'}: stopping (run the same command again to resume)")
+        return process.exit_status(exc)
     finally:
+        process.ignore_stop_signals()
         for child in children:
             child.terminate()
         for child in children:

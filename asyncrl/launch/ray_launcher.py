@@ -17,8 +17,11 @@ node mounts at the same path (as on Kubernetes); the role processes start in the
 directory when their node has it.
 
 Redis: `redis.url`, or else an embedded redis-server on the driver (AOF in the run directory, as in
-local mode). On a local Ray it listens on loopback; on a cluster it listens on the driver's node
-address too, with a password generated for the run, which reaches the roles by environment only.
+local mode, with a password made for each start, which reaches the roles by environment only).
+On a local Ray it listens on loopback; on a cluster on the driver's node address too.
+
+Ctrl-C, SIGTERM and SIGHUP to the driver stop the roles (SIGTERM: the trainer checkpoints), then
+Ray, then the embedded Redis; a role process dies with its actor (`process.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +37,6 @@ import time
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 
@@ -42,8 +44,8 @@ from asyncrl.config import Config
 from asyncrl.keys import Keys
 from asyncrl.launch import process
 from asyncrl.launch.local import prepare_run_dir
-from asyncrl.launch.redis_server import RedisServer
-from asyncrl.redis_conn import split_password
+from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secret
+from asyncrl.redis_conn import redact_url, split_password, with_password
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -98,6 +100,9 @@ class RoleProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **env},
                 cwd=workdir,
+                # Ray kills an actor's process (ray.kill, a dead driver) without asking it to
+                # stop its child; an actor runs its methods on its main thread, the parent here.
+                preexec_fn=process.die_with_parent(signal.SIGKILL),
             )
 
     def poll(self) -> int | None:
@@ -271,24 +276,29 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
     rollouts = [_Role(f"rollout-{i}") for i in range(cfg.rollout.workers)]
     pg: PlacementGroup | None = None
     _init_ray(address, processes=len(trainers) + len(rollouts))
+    # After ray.init, whose handler would take Ray down under the roles without stopping them.
+    process.stop_signals_interrupt()
     try:
         url = cfg.redis.url
         if url is None:
-            server = _embedded_redis(run_dir, on_cluster=address is not None)
-            url = server.url
+            on_cluster = () if address is None else (ray.util.get_node_ip_address(),)
+            server = embedded_redis(run_dir / "redis", *on_cluster)
+            url = server.client_url
             if address is not None:
                 url = url.replace("127.0.0.1", ray.util.get_node_ip_address())
-            (run_dir / "redis" / "url").write_text(url)
-            say(f"embedded redis-server at {url} (data in {run_dir / 'redis'})")
-        # Secrets travel to the roles by environment, never in argv, configs or the run dir;
-        # the roles on other nodes do not share the driver's environment, so it is passed on.
+            write_secret(run_dir / "redis" / "url", url)
+            say(f"embedded redis-server at {redact_url(url)} (data in {run_dir / 'redis'})")
+        # Secrets travel to the roles by environment, never in argv or configs; the roles on
+        # other nodes do not share the driver's environment, so it is passed on.
         url, password = split_password(url)
         if password is None:
-            password = server.password if server is not None else cfg.redis.password()
+            password = cfg.redis.password()
         env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         if password is not None:
             env[cfg.redis.password_env] = password
         overrides = [f"redis.url={url}"]
+        if server is not None and cfg.redis.password_file is not None:
+            overrides.append("redis.password_file=null")  # it would win over the run's password
 
         say(f"model: {cfg.model.path}")
         ensure_model(cfg)
@@ -343,7 +353,7 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
             f"on Ray; logs in {run_dir}/logs"
         )
 
-        client = connect(cfg.redis, _with_password(url, password))
+        client = connect(cfg.redis, with_password(url, password))
         progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
         try:
             while (rc := _trainers_exited(trainers)) is None:
@@ -361,10 +371,11 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
         if rc != 0:
             say(f"trainer exited with {rc}; see {run_dir / 'logs'}")
         return rc
-    except KeyboardInterrupt:
-        say("interrupted: stopping (run the same command again to resume)")
-        return 130
+    except KeyboardInterrupt as exc:
+        say(f"{str(exc) or 'interrupted'}: stopping (run the same command again to resume)")
+        return process.exit_status(exc)
     finally:
+        process.ignore_stop_signals()
         for role in [*rollouts, *trainers]:
             role.stop(30.0)
         if pg is not None:
@@ -383,24 +394,3 @@ def _trainers_exited(trainers: list[_Role]) -> int | None:
     if failed:
         return failed[0]
     return 0 if all(c == 0 for c in codes) else None
-
-
-def _with_password(url: str, password: str | None) -> str:
-    """`url` carrying `password`, for the driver's own client (the roles get it by env)."""
-    if password is None:
-        return url
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=f":{quote(password, safe='')}@{parts.netloc}"))
-
-
-def _embedded_redis(run_dir: Path, on_cluster: bool) -> RedisServer:
-    if not on_cluster:
-        return RedisServer(data_dir=run_dir / "redis").start()
-    import ray
-
-    # Reachable from the other nodes, so never without a password.
-    return RedisServer(
-        data_dir=run_dir / "redis",
-        password=secrets.token_urlsafe(24),
-        extra_args=["--bind", ray.util.get_node_ip_address(), "127.0.0.1"],
-    ).start()

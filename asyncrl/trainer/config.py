@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -15,14 +15,18 @@ class TrainerConfig(Section):
     """Optimizer steps to run; the trainer stops (after a final checkpoint) when reached."""
     groups_per_step: int = Field(default=16, ge=1)
     """Prompt groups (each of `rollout.n` samples) consumed per optimizer step, over all ranks."""
-    lr: float = Field(default=1e-3, gt=0)
-    """AdamW learning rate."""
+    lr: float = Field(default=1e-3, gt=0, le=1)
+    """AdamW learning rate. AdamW moves each weight by about `lr` a step, so above 1 it would
+    wreck the model rather than train it (and past float32's range torch refuses the step)."""
     lr_decay: Literal["none", "linear", "cosine"] = "none"
     """Learning-rate decay from `lr` at step 0 to `lr × lr_min_ratio` at `max_steps`."""
     lr_min_ratio: float = Field(default=0.1, ge=0, le=1)
     """Final fraction of `lr` reached by the decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )
+    """AdamW betas, each in [0, 1)."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
     grad_clip: float = Field(default=1.0, gt=0)

@@ -42,7 +42,7 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.parallel import full_parameters, full_state, shard
 from asyncrl.trainer.prefetch import Prefetcher
-from asyncrl.trainer.step import train_step
+from asyncrl.trainer.step import train_step, weights_finite
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -480,6 +480,14 @@ class Trainer:
                 world=self.world,
                 device=self.device,
             )
+        if stats.skipped:
+            log.warning("step %d: loss or grad norm not finite, update skipped", self.step + 1)
+        if not weights_finite(self.model, self.world):
+            # Rollout workers must never get them, and no later step can repair them.
+            raise SystemExit(
+                f"step {self.step + 1} made the weights non-finite (lr {lr:g}): not publishing "
+                "them; restart from the last checkpoint with a lower trainer.lr"
+            )
         self.step += 1
         self.version += 1
         blocking = self._publish()
@@ -504,6 +512,7 @@ class Trainer:
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "lr": lr,
+            "skipped_nonfinite": stats.skipped,
             "step_seconds": step_seconds,
             # Collecting this step's groups: idle time when the rollouts are the bottleneck.
             "wait_seconds": wait_seconds,

@@ -10,10 +10,15 @@ all-reduced over ranks before any loss is computed, and gradients are summed (no
 ranks — by one all-reduce here, or by FSDP's reduce-scatter for a sharded model — so N ranks give
 the update of one rank on the whole batch. Every rank runs the same number of forward and backward
 passes (padding with empty micro-batches), which a sharded model's collectives need.
+
+A step whose loss or gradient norm is not finite is skipped (the optimizer does not step): one
+overflowing batch must not turn the weights into NaN. Both figures are global, so every rank
+skips together.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +49,8 @@ class StepStats:
     """p50/p90/p99 of the behaviour weights of this rank's trained tokens."""
     processed_tokens: int
     """Prompt and response tokens through forward and backward, all ranks (for MFU)."""
+    skipped: bool = False
+    """The loss or the gradient norm was not finite: the optimizer did not step."""
 
 
 def token_logprobs(
@@ -181,7 +188,9 @@ def train_step(
         _all_reduce_grads(params, world)  # FSDP has reduce-scattered them in backward
     # Over sharded gradients the norm is a DTensor: the global norm, the same on every rank.
     grad_norm = global_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    optimizer.step()
+    skipped = not (math.isfinite(grad_norm) and math.isfinite(totals["loss"]))
+    if not skipped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = max(g_tokens, 1.0)
     return StepStats(
@@ -195,7 +204,20 @@ def train_step(
         lag0_tokens=int(totals["lag0"]),
         weight_quantiles=_quantiles(torch.cat(trained_weights) if trained_weights else None),
         processed_tokens=int(totals["processed"]),
+        skipped=skipped,
     )
+
+
+def weights_finite(model: torch.nn.Module, world: dist.ProcessGroup | None = None) -> bool:
+    """Whether every parameter is finite on every rank (each checks its own shards; one small
+    all-reduce). A finite gradient times a huge learning rate can still overflow the weights."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    # One device sync for the whole model, not one per parameter.
+    finite = bool(torch.stack([torch.isfinite(p.detach()).all() for p in local]).all())
+    (bad,) = _all_reduce([0.0 if finite else 1.0], world, dist.ReduceOp.MAX)
+    return bad == 0
 
 
 def _quantiles(values: torch.Tensor | None) -> dict[str, float]:
