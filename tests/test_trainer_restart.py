@@ -231,7 +231,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
 
     from asyncrl.config import load_config
     from asyncrl.rollout.tiny_model import new_tiny_model
-    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.trainer.checkpoint import TrainerState, record_version, save_checkpoint
     from asyncrl.trainer.main import Trainer
     from asyncrl.trainer.parallel import full_state
 
@@ -288,17 +288,23 @@ def test_restart_acks_every_ranks_covered_entries_once(
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.parametrize("published_after", [None, 27])
 def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    random_model: Path,
+    tmp_path: Path,
+    published_after: int | None,
 ) -> None:
     """Redis lost its data, `version` key included; the checkpoint's weights went out as version
     24, so the restored weights are published as 25 (not 0: workers holding 24 would take 0..24
-    for versions they have seen)."""
+    for versions they have seen) — or, where the trainer that died had published up to 27 after
+    that checkpoint, as 28: the run directory's record remembers what Redis forgot."""
     import torch
 
     from asyncrl.config import load_config
     from asyncrl.rollout.tiny_model import new_tiny_model
-    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.trainer.checkpoint import TrainerState, record_version, save_checkpoint
     from asyncrl.trainer.main import Trainer
     from asyncrl.trainer.parallel import full_state
 
@@ -313,6 +319,9 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
         tokenizer_dir=random_model,
         keep=2,
     )
+    if published_after is not None:
+        record_version(run_dir / "checkpoints", published_after)
+    expected = 1 + (24 if published_after is None else published_after)
     assert redis_client.dbsize() == 0
     cfg = load_config(
         None,
@@ -332,11 +341,11 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
     try:
         trainer = Trainer(cfg)
         try:
-            assert trainer.version == 25
+            assert trainer.version == expected
             assert trainer.run() == 0
         finally:
             trainer.client.close()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert int(redis_client.get(keys.version)) == 25  # type: ignore[arg-type]
-    assert redis_client.hget(keys.weights, "store_version") == b"25"
+    assert int(redis_client.get(keys.version)) == expected  # type: ignore[arg-type]
+    assert redis_client.hget(keys.weights, "store_version") == str(expected).encode()

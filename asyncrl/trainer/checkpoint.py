@@ -6,7 +6,8 @@ by parameter name, whatever `trainer.parallel` and the rank count were), `rng.pt
 `trainer_state.json`. A checkpoint is written to `step_N.tmp`, every file fsynced, then renamed:
 a folder without the `.tmp` suffix is complete. Only then may trajectory entries of its steps be
 acked (DESIGN §9). A write that fails (a full disk) removes the `.tmp` folder and raises
-`CheckpointError`; older checkpoints are deleted only after a newer one is complete.
+`CheckpointError`; older checkpoints are deleted only after a newer one is complete. Beside
+them, `published_version` holds the highest version the run has handed out (`record_version`).
 """
 
 from __future__ import annotations
@@ -130,3 +131,27 @@ def load_checkpoint(
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+
+
+_VERSION_FILE = "published_version"
+
+
+def record_version(root: Path, version: int) -> None:
+    """Note in the checkpoint folder `root`, before it goes out, the highest version this run has
+    published. The
+    `version` key in Redis says the same, but a Redis may come back without its data, and a
+    checkpoint knows only the versions before it: with this record a trainer that restarts after
+    both never hands out a number twice. Rename keeps the file whole; no fsync: losing the last
+    write takes a crash of the machine, which takes the unsynced steps with it."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{_VERSION_FILE}.tmp"
+    tmp.write_text(f"{version}\n")
+    os.replace(tmp, root / _VERSION_FILE)
+
+
+def recorded_version(root: Path) -> int:
+    """The version `record_version` last noted in `root`; -1 if none (or unreadable)."""
+    try:
+        return int((root / _VERSION_FILE).read_text())
+    except (OSError, ValueError):
+        return -1

@@ -38,6 +38,8 @@ from asyncrl.trainer.checkpoint import (
     TrainerState,
     list_checkpoints,
     load_checkpoint,
+    record_version,
+    recorded_version,
     save_checkpoint,
 )
 from asyncrl.trainer.parallel import full_parameters, full_state, shard
@@ -154,8 +156,12 @@ class Trainer:
             lambda: self.client.get(self.keys.version), "read the published version"
         )
         # Never reuse a version number: restored (or initial) weights get a fresh one, above the
-        # checkpoint's too, since a Redis that lost its data has no `version` key.
-        self.version = max(-1 if published is None else int(published), resumed_version) + 1
+        # checkpoint's and the run directory's record too, since a Redis that lost its data has
+        # no `version` key.
+        known = -1 if published is None else int(published)
+        if cfg.trainer.resume:
+            known = max(known, resumed_version, recorded_version(self.run_dir / "checkpoints"))
+        self.version = known + 1
         if self.world is not None:
             # Rank 0's reading wins: it may already have published before another rank reads.
             shared = torch.tensor([self.version], dtype=torch.int64, device=self.device)
@@ -343,6 +349,7 @@ class Trainer:
         if self.rank != 0:
             return 0.0
         gathered = time.perf_counter() - start
+        record_version(self.run_dir / "checkpoints", self.version)
         blocking = gathered + self.publisher.publish(params, self.version)
         self.redis.call(
             lambda: self.client.set(self.keys.version, self.version), "publish the version"
