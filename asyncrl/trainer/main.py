@@ -15,6 +15,7 @@ and a restarted rank 0 acks those the previous trainer did not, on behalf of all
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from asyncrl.config import Config
 from asyncrl.keys import TRAJECTORIES_GROUP, Keys
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
+from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
@@ -108,9 +110,11 @@ class Trainer:
         self.client = connect(cfg.redis)
         self.name = consumer_name(self.rank)
         self.metrics = RoleMetrics("trainer", self.name)
-        # The trainer's own Redis calls wait out outages like the queue's do.
+        # The trainer's own Redis calls wait out outages like the queue's do, until SIGTERM.
         self.redis = RedisGuard(
-            reconnect_max_s=cfg.redis.reconnect_max_s, on_outage=self.metrics.redis_outage
+            reconnect_max_s=cfg.redis.reconnect_max_s,
+            should_stop=lambda: self.stopping,
+            on_outage=self.metrics.redis_outage,
         )
 
         model_dir = ensure_model(cfg)
@@ -176,6 +180,7 @@ class Trainer:
             is_alive=is_alive(self.client, self.keys, "trainer"),
             decode=self._decode,
             reconnect_max_s=cfg.redis.reconnect_max_s,
+            should_stop=lambda: self.stopping,
             on_outage=self.metrics.redis_outage,
         )
         self.admission: Admission | None = None
@@ -298,7 +303,9 @@ class Trainer:
         if self.stopping or self.admission is None:
             return
         release = partial(self.admission.release, *self.released_for)
-        self.redis.call(release, "release prompts")
+        # SIGTERM while Redis is unreachable ends the wait: a stopping trainer needs no prompts.
+        with contextlib.suppress(Stopped):
+            self.redis.call(release, "release prompts")
 
     def _decode(self, fields: dict[bytes, bytes]) -> TrajectoryGroup:
         data = fields.get(b"data")
@@ -433,6 +440,9 @@ class Trainer:
                     self._evaluate()
             if self.unacked or self.step % self.cfg.trainer.checkpoint_every:
                 self._checkpoint()
+        except Stopped as exc:
+            # What was not acked stays pending; what a checkpoint covers is acked at restart.
+            log.warning("trainer %s: stopped while waiting for Redis (%s)", self.name, exc)
         finally:
             # Stopping already: a later SIGTERM must not kill the exit (Python restores the
             # default disposition of handled signals while it finalises).
