@@ -93,8 +93,9 @@ class QueueConfig(Section):
     """Bytes of a dead-lettered entry's fields (names and values, in order) its dead letter keeps;
     the field that crosses the bound keeps a prefix, later ones are left out. `orig_bytes` and
     `orig_sha256` in the dead letter describe the whole entry."""
-    dead_letter_max_entries: int = Field(default=10_000, ge=1)
-    """Length cap of the dead-letter stream: beyond it the oldest dead letters are trimmed."""
+    dead_letter_max_entries: int = Field(default=1000, ge=1)
+    """Length cap of the dead-letter stream: beyond it the oldest dead letters are trimmed. With
+    `dead_letter_payload_bytes` it bounds the stream's memory (about 64 MiB by default)."""
 
 
 class Stopped(Exception):

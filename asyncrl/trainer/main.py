@@ -518,9 +518,11 @@ class Trainer:
         self.metrics.observe_step(line, staleness)
         if self.jsonl is not None:
             self.jsonl.write(line)
-        self.redis.call(
-            lambda: self.client.set(self.keys.last_step, json.dumps(line)), "write last_step"
-        )
+        # Only `asyncrl status` reads it: SIGTERM in an outage skips it, the step is complete.
+        with contextlib.suppress(Stopped):
+            self.redis.call(
+                lambda: self.client.set(self.keys.last_step, json.dumps(line)), "write last_step"
+            )
 
     def _checkpoint(self) -> None:
         """Collective: every rank contributes its entry ids and (sharded) state; rank 0 writes."""
