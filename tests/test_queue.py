@@ -591,3 +591,18 @@ def test_should_stop_ends_a_wait_not_a_call(redis_server: RedisServer) -> None:
     redis_server.start()
     assert pending_ids(client) == ids[1:]
     client.close()
+
+
+def test_dead_letter_of_an_entry_with_many_fields(redis_client: redis.Redis) -> None:
+    """An outsider's entry of 5000 fields: copied whole, it would overflow the Lua stack of the
+    dead-letter transaction (the consumer would fail on every read); the dead letter keeps its
+    first fields only."""
+    fields = {b"junk": b"x", **{b"f%d" % i: b"v" for i in range(5000)}}
+    entry = cast(bytes, redis_client.xadd(STREAM, dict(fields))).decode()
+    c = consumer(redis_client, "c", decode=toy_decode)
+    assert c.read(count=1, block_ms=100) == []
+    ((_, dead),) = redis_client.xrange(DLQ)
+    assert dead[b"id"].decode() == entry and dead[b"reason"] == b"decode_error"
+    assert [k for k in dead if k.startswith(b"f")] == [b"f%d" % i for i in range(63)]
+    assert int(dead[b"orig_bytes"]) == sum(len(k) + len(v) for k, v in fields.items())
+    assert pending_ids(redis_client) == [] and counter(redis_client, "groups_dead_lettered") == 1
