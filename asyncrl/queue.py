@@ -23,6 +23,11 @@ that this consumer still owns the entry. The rules:
 - Streams are trimmed only below what every group has acked.
 - Every call survives Redis outages (reconnect with capped backoff) and a full Redis (producers
   pause below `maxmemory`); neither raises. `should_stop` ends such a wait with `Stopped`.
+- Dead letters are for inspection, not a second queue: each keeps a bounded prefix of its entry
+  and the stream only the newest ones. A full Redis takes them without the entry's fields (or
+  not at all), never making them wait: acking junk is how memory is freed.
+- A consumer group that vanished (Redis restarted empty) fails no call: acks of the entries it
+  held are not applied, and the next read recreates it.
 
 redis is imported lazily: the config tree imports `QueueConfig`, and `asyncrl --help` must not pay
 for redis-py.
@@ -30,6 +35,7 @@ for redis-py.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -54,14 +60,22 @@ R = TypeVar("R")
 # dict[bytes, bytes].
 EntryFields = Mapping[str | bytes, bytes | str | int | float]
 RawFields = dict[bytes, bytes]
+_Fields = dict[str | bytes, bytes | str | int | float]  # an entry being built
 
 # Run-accounting counters (of `asyncrl.keys.COUNTERS`): a dead letter that ended an open group,
 # and one that ended none (junk, a duplicate).
 DEAD_LETTERED = "groups_dead_lettered"
 REJECTED = "entries_rejected"
+# What a dead letter that ends its group counts, and what one that ends none counts.
+_DEAD_LETTER_COUNTERS = (DEAD_LETTERED, REJECTED)
 
-_DLQ_META = (b"stream", b"id", b"reason", b"detail")
+_DLQ_META = (b"stream", b"id", b"reason", b"detail", b"orig_bytes", b"orig_sha256")
 _DETAIL_MAX = 1000
+# Fields a dead letter copies at most: the transaction script unpacks them onto Lua's stack.
+_DLQ_MAX_FIELDS = 64
+# How Redis says it is full; 6.2 wraps it in a generic script error ("-OOM command not ...").
+_OOM_MESSAGE = "OOM command not allowed"
+_GONE = -2  # `_transact` status: the consumer group (or the whole stream) no longer exists
 _LOG_EVERY_S = 5.0
 _FULL_WAIT_MAX_S = 0.5  # backpressure polls faster than reconnects: memory frees in bursts
 _MEMORY_SAMPLE_S = 0.5
@@ -82,6 +96,13 @@ class QueueConfig(Section):
     """Fraction of Redis `maxmemory` at which producers pause until consumers catch up."""
     max_message_bytes: int = Field(default=64 * 2**20, ge=1)
     """Largest entry (sum of its field sizes) a producer may add; a bigger one is a caller error."""
+    dead_letter_payload_bytes: int = Field(default=64 * 2**10, ge=0)
+    """Bytes of a dead-lettered entry's fields (names and values, in order) its dead letter keeps;
+    the field that crosses the bound keeps a prefix, later ones are left out. `orig_bytes` and
+    `orig_sha256` in the dead letter describe the whole entry."""
+    dead_letter_max_entries: int = Field(default=1000, ge=1)
+    """Length cap of the dead-letter stream: beyond it the oldest dead letters are trimmed. With
+    `dead_letter_payload_bytes` it bounds the stream's memory (about 64 MiB by default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +151,9 @@ class RedisGuard:
     mark the start and end of each, so metrics can show Redis being down, and `outages` counts
     them. A refused password or ACL is raised at once, not waited out. A full Redis (an OOM reply,
     or memory above the watermark of a `MemoryGauge`) pauses the call the same way. Waits log at
-    most every few seconds and poll `should_stop`, which ends them with `Stopped`. Threads may
+    most every few seconds and poll `should_stop`, which ends them with `Stopped`: it is asked only
+    once an attempt has failed, so a stopping role still makes its last calls to a healthy Redis,
+    but does not wait out an outage. Threads may
     share a guard (the trainer's reader and main loop do): an outage is counted once, started by
     the first call that fails and ended by the first that succeeds.
     """
@@ -151,7 +174,7 @@ class RedisGuard:
             rx.AuthenticationError,
             rx.AuthorizationError,
         )
-        self._oom = rx.OutOfMemoryError
+        self._response = rx.ResponseError
         self._max_s = reconnect_max_s
         self._should_stop = should_stop
         self._on_outage = on_outage
@@ -173,22 +196,26 @@ class RedisGuard:
         the failed attempt was an outage (True: its outcome is unknown) or a full Redis (False)."""
         delay = 0.05
         started = time.monotonic()
+        waiting = False
         while True:
-            if self._should_stop is not None and self._should_stop():
+            if waiting and self._should_stop is not None and self._should_stop():
                 raise Stopped(what)
+            waiting = True
             try:
                 if memory is None or not memory.full():
                     result = fn()
                     break
                 reason = f"Redis memory above {memory.watermark:.0%} of maxmemory"
                 outage = False
-            except self._oom:
-                reason, outage = "Redis is out of memory", False
             except self._refused:
                 raise
             except self._transient as exc:
                 reason, outage = f"Redis unreachable ({type(exc).__name__}: {exc})", True
                 self._mark_down(True, what, started)
+            except self._response as exc:
+                if not is_oom(exc):
+                    raise
+                reason, outage = "Redis is out of memory", False
             now = time.monotonic()
             if now >= self._next_log:
                 verb = "retrying" if outage else "pausing"
@@ -222,6 +249,13 @@ class RedisGuard:
             if self._should_stop is not None and self._should_stop():
                 return
             time.sleep(min(left, 0.1))
+
+
+def is_oom(exc: Exception) -> bool:
+    """Whether a Redis error says that Redis is full (`maxmemory` reached, nothing to evict)."""
+    from redis import exceptions as rx
+
+    return isinstance(exc, rx.OutOfMemoryError) or _OOM_MESSAGE in str(exc)
 
 
 class MemoryGauge:
@@ -373,6 +407,35 @@ def _transact(
         args += [group_field, owner]
     reply = script(keys=keys, args=args)
     return int(reply[0]), [_str(x) for x in reply[1:]]
+
+
+def dead_letter_payload(fields: RawFields, budget: int) -> _Fields:
+    """The fields of an entry as its dead letter keeps them: in order while names and values
+    together fit `budget` bytes (and at most `_DLQ_MAX_FIELDS`); the value that crosses the bound
+    keeps a prefix, later fields are left out. Fields named like dead-letter metadata are renamed
+    `orig.NAME`."""
+    kept: _Fields = {}
+    for k, v in fields.items():
+        budget -= len(k)
+        if budget < 0 or len(kept) == _DLQ_MAX_FIELDS:
+            break
+        kept[b"orig." + k if k in _DLQ_META else k] = v[:budget]
+        budget -= min(len(v), budget)
+    return kept
+
+
+def dead_letter_summary(fields: RawFields) -> _Fields:
+    """Size and digest of a whole entry, so that a dead letter holding only part of it still
+    tells entries apart: `orig_bytes` (names and values) and `orig_sha256` (of the names and
+    values in order, each preceded by its length as 8 bytes big-endian)."""
+    digest = hashlib.sha256()
+    size = 0
+    for k, v in fields.items():
+        for part in (k, v):
+            digest.update(len(part).to_bytes(8, "big"))
+            digest.update(part)
+            size += len(part)
+    return {b"orig_bytes": size, b"orig_sha256": digest.hexdigest().encode()}
 
 
 def _entry_size(fields: EntryFields, limit: int) -> int:
@@ -584,8 +647,9 @@ class Consumer(Generic[T]):
         True when applied — by this call, or by an attempt whose reply was lost in an outage (the
         retry then finds the ids acked and does not apply it again). False when an id was already
         acked, or is now owned by another consumer that took it over while this one's heartbeat
-        had lapsed; nothing is applied then. Blocks while Redis is unreachable, and while its
-        memory is above the watermark if there is something to add.
+        had lapsed, or the group is gone with its entries (Redis restarted empty); nothing is
+        applied then. Blocks while Redis is unreachable, and while its memory is above the
+        watermark if there is something to add.
         """
         ids = list(ids)
         adds = also_add or []
@@ -612,6 +676,8 @@ class Consumer(Generic[T]):
         self._memory.added(size)
         if status == 1 or (status == 0 and outcome_unknown):
             return True
+        if status == _GONE:
+            return False  # `_group_gone` said so
         log.warning(
             "%s: ack of %d entries on %s not applied: %s",
             self.name,
@@ -629,19 +695,44 @@ class Consumer(Generic[T]):
         ends: list[tuple[str, str]] | None = None,
         end_counters: tuple[str, str] = ("", ""),
     ) -> tuple[int, list[str]]:
-        return _transact(
-            self._script,
-            stream=self.stream,
-            group=self.group,
-            consumer=self.name,
-            ids=ids,
-            counters_key=self._counters_key,
-            counters=counters,
-            adds=adds,
-            groups_key=self._groups.key if self._groups is not None else None,
-            ends=ends,
-            end_counters=end_counters,
-        )
+        from redis import exceptions as rx
+
+        try:
+            return _transact(
+                self._script,
+                stream=self.stream,
+                group=self.group,
+                consumer=self.name,
+                ids=ids,
+                counters_key=self._counters_key,
+                counters=counters,
+                adds=adds,
+                groups_key=self._groups.key if self._groups is not None else None,
+                ends=ends,
+                end_counters=end_counters,
+            )
+        except rx.ResponseError as exc:
+            # The script's first command fails on a missing group: nothing was applied.
+            if "NOGROUP" not in str(exc):
+                raise
+            self._group_gone()
+            return _GONE, []
+
+    def _group_gone(self) -> None:
+        """The group or the stream vanished (deleted, or Redis lost its data), and with it every
+        entry this consumer held: say so once, and recreate the group at the next read."""
+        if self._group_ready:
+            log.warning(
+                "%s: group %s on %s is gone with its pending entries (Redis lost its data?); "
+                "acks of them are not applied; recreating it",
+                self.name,
+                self.group,
+                self.stream,
+            )
+        self._group_ready = False
+        self._held.clear()
+        self._held_groups.clear()
+        self._own_from = "-"
 
     def _ends(self, ids: list[str]) -> list[tuple[str, str]]:
         """(group, id) of the acked entries. An entry this consumer did not hand out (one a
@@ -684,11 +775,7 @@ class Consumer(Generic[T]):
         except rx.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            # The group or the stream vanished (deleted, or Redis lost its data): recreate.
-            log.warning(
-                "%s: group %s on %s is gone; recreating it", self.name, self.group, self.stream
-            )
-            self._group_ready = False
+            self._group_gone()
             return []
         return self._deliver(raw)
 
@@ -832,17 +919,25 @@ class Consumer(Generic[T]):
         *,
         value: T | None = None,
     ) -> None:
-        """Move an entry to the dead-letter stream and ack it, in one transaction; `value` (the
-        decoded entry, if it was) helps find its group."""
-        entry: dict[str | bytes, bytes | str | int | float] = {
+        """Move an entry to the dead-letter stream and ack it, in one transaction that runs only
+        while the entry is pending for this consumer; `value` (the decoded entry, if it was)
+        helps find its group. Waits out outages.
+
+        The dead letter keeps the first `queue.dead_letter_payload_bytes` of the entry (see
+        `dead_letter_payload`), and the stream its newest `queue.dead_letter_max_entries`. A full
+        Redis is not waited for: entries that only this consumer can dead-letter may be what
+        fills it, and their ack is what frees it. The dead letter then goes without the entry's
+        fields, or, should Redis refuse even that, not at all (the log line is what is left).
+        """
+        entry: _Fields = {
             b"stream": self.stream,
             b"id": entry_id,
             b"reason": reason,
             b"detail": detail[:_DETAIL_MAX],
         }
-        # The original fields travel unchanged, except any named like the metadata above.
-        for k, v in (fields or {}).items():
-            entry[b"orig." + k if k in _DLQ_META else k] = v
+        if fields is not None:
+            entry.update(dead_letter_summary(fields))
+        payload = dead_letter_payload(fields or {}, self._cfg.dead_letter_payload_bytes)
         counters: dict[str, int] = {DEAD_LETTERED: 1}
         ends: list[tuple[str, str]] = []
         if self._groups is not None:
@@ -850,18 +945,55 @@ class Consumer(Generic[T]):
                 entry_id, fields, value
             )
             counters, ends = ({}, [(group, entry_id)]) if group is not None else ({REJECTED: 1}, [])
-        status, _ = self._transact(
-            [entry_id], counters, [(self._dlq, entry)], ends, (DEAD_LETTERED, REJECTED)
+        status, note = self._guard.call(
+            lambda: self._dead_letter_once(entry_id, counters, ends, entry, payload),
+            f"dead-letter on {self.stream}",
         )
+        self._held.discard(entry_id)
+        self._held_groups.pop(entry_id, None)
         if status == 1:
             log.warning(
-                "%s: dead-lettered %s of %s: %s (%s)",
+                "%s: dead-lettered %s of %s: %s (%s)%s",
                 self.name,
                 entry_id,
                 self.stream,
                 reason,
                 detail[:200],
+                note,
             )
+
+    def _dead_letter_once(
+        self,
+        entry_id: str,
+        counters: Mapping[str, int],
+        ends: list[tuple[str, str]],
+        entry: EntryFields,
+        payload: EntryFields,
+    ) -> tuple[int, str]:
+        """One attempt of `dead_letter`: the transaction's status, and a note on what of the
+        dead letter a full Redis left out."""
+        from redis import exceptions as rx
+
+        records = [(entry, "; Redis is full: the dead letter keeps none of the entry's fields")]
+        if not self._memory.full():
+            records.insert(0, ({**entry, **payload}, ""))
+        for record, note in records:
+            try:
+                status, _ = self._transact(
+                    [entry_id], counters, [(self._dlq, record)], ends, _DEAD_LETTER_COUNTERS
+                )
+            except rx.ResponseError as exc:
+                if not is_oom(exc):
+                    raise
+                continue
+            if status == 1:
+                self._client.xtrim(
+                    self._dlq, maxlen=self._cfg.dead_letter_max_entries, approximate=False
+                )
+            return status, note
+        # Not even that fits: a plain ack, whose XACK Redis never refuses, frees the entry.
+        status, _ = self._transact([entry_id], counters, [], ends, _DEAD_LETTER_COUNTERS)
+        return status, "; Redis is full: no dead letter written"
 
 
 def trim_acked(client: redis.Redis, stream: str) -> int:

@@ -3,11 +3,12 @@ outages and backpressure."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -34,6 +35,7 @@ def consumer(
     group: str = GROUP,
     alive: Callable[[str], bool] = lambda _: True,
     decode: Callable[[RawFields], Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
     **cfg: Any,
 ) -> Consumer[Any]:
     return Consumer(
@@ -47,6 +49,7 @@ def consumer(
         is_alive=alive,
         decode=decode,
         reconnect_max_s=0.2,
+        should_stop=should_stop,
     )
 
 
@@ -437,3 +440,169 @@ def test_producer_pauses_under_memory_pressure_instead_of_raising(tmp_path: Path
             Producer(client, STREAM, should_stop=stop.is_set).add({"n": "x"})
         assert stop.is_set()
         client.close()
+
+
+def fill_with_junk(client: redis.Redis, key: str) -> int:
+    """Junk entries on `key` until Redis refuses more (big ones, then small ones, so that it is
+    full to the last kilobyte); how many went in."""
+    n = 0
+    for size in (100_000, 1000):
+        try:
+            while True:
+                client.xadd(key, {"junk": b"x" * size})
+                n += 1
+        except redis.exceptions.OutOfMemoryError:
+            pass
+    return n
+
+
+def digest(fields: dict[bytes, bytes]) -> bytes:
+    """`orig_sha256` as the queue documents it: names and values in order, each preceded by
+    its length as 8 bytes big-endian."""
+    h = hashlib.sha256()
+    for part in (p for kv in fields.items() for p in kv):
+        h.update(len(part).to_bytes(8, "big") + part)
+    return h.hexdigest().encode()
+
+
+def test_dead_letter_keeps_a_bounded_prefix_and_the_stream_is_capped(
+    redis_client: redis.Redis,
+) -> None:
+    originals = [
+        {b"bad": b"too_large", b"data": bytes([65 + i]) * 100_000, b"id": b"x"} for i in range(5)
+    ]
+    ids = [cast(bytes, redis_client.xadd(STREAM, dict(f))).decode() for f in originals]
+    c = consumer(
+        redis_client,
+        "c",
+        decode=toy_decode,
+        dead_letter_payload_bytes=1000,
+        dead_letter_max_entries=3,
+    )
+    assert c.read(count=10, block_ms=100) == []
+    assert counter(redis_client, "groups_dead_lettered") == 5 and pending_ids(redis_client) == []
+
+    dead = redis_client.xrange(DLQ)
+    assert [e[b"id"].decode() for _, e in dead] == ids[2:]  # the newest 3
+    for (_, e), original in zip(dead, originals[2:], strict=True):
+        assert e[b"reason"] == b"too_large"
+        # 1000 bytes of names and values: "bad" and its value whole, then a prefix of data.
+        assert e[b"bad"] == b"too_large"
+        assert e[b"data"] == original[b"data"][: 1000 - len(b"badtoo_largedata")]
+        assert b"orig.id" not in e  # past the bound
+        assert int(e[b"orig_bytes"]) == sum(len(k) + len(v) for k, v in original.items())
+        assert e[b"orig_sha256"] == digest(original)
+
+
+def test_dead_letters_free_a_full_redis(tmp_path: Path) -> None:
+    """Junk fills Redis to maxmemory. The consumer still dead-letters all of it — the dead
+    letters without the junk, or none where Redis refuses even those — and acks it, so trimming
+    frees the memory; it does not wait for memory that only these acks can free."""
+    with RedisServer(data_dir=tmp_path, appendonly=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        give_up = time.monotonic() + 120  # a consumer waiting for memory fails the test
+        c = consumer(
+            client,
+            "c",
+            decode=toy_decode,
+            should_stop=lambda: time.monotonic() > give_up,
+            trim_every_s=0.05,
+            dead_letter_payload_bytes=1000,
+        )
+        assert c.read(count=1, block_ms=10) == []  # creates the group
+        junk = fill_with_junk(client, STREAM)
+        while client.xlen(STREAM):
+            assert c.read(count=50, block_ms=10) == []
+        assert counter(client, "groups_dead_lettered") == junk and pending_ids(client) == []
+        memory = client.info("memory")
+        assert memory["used_memory"] < 0.9 * memory["maxmemory"]
+        # Which dead letters Redis had room for depends on the order of acks and trims.
+        dead = [e for _, e in client.xrange(DLQ)]
+        assert len(dead) <= junk
+        assert all(len(e.get(b"junk", b"")) <= 1000 - len(b"junk") for e in dead)
+
+        # Room again: producers and consumers carry on.
+        entry = Producer(client, STREAM).add({"n": "1"})
+        assert [(d.id, d.value) for d in c.read(count=1, block_ms=100)] == [(entry, 1)]
+        client.close()
+
+
+def test_an_oom_inside_a_script_pauses_like_any_full_redis(tmp_path: Path) -> None:
+    """Redis 6.2 reports a write refused for memory inside a script as a generic script error
+    (`-OOM command not allowed ...`): the guard still sees a full Redis, pauses and retries."""
+    with RedisServer(data_dir=tmp_path, appendonly=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        fill_with_junk(client, "q:ballast")
+        script = client.register_script("return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])")
+        retries: list[bool] = []
+
+        def free_memory(outage: bool) -> None:
+            retries.append(outage)
+            client.delete("q:ballast")
+
+        RedisGuard().call(
+            lambda: script(keys=["q:x"], args=["y" * 10_000]), "add", on_retry=free_memory
+        )
+        assert retries == [False]  # one pause for memory, not an outage
+        assert client.xlen("q:x") == 1
+        client.close()
+
+
+def test_acks_after_redis_lost_its_data_are_not_applied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis restarts empty (no AOF) under a consumer holding entries: its acks and dead
+    letters of them apply nothing and raise nothing, the loss is logged once, and the next
+    read recreates the group."""
+    with RedisServer(data_dir=tmp_path, appendonly=False) as server:
+        client = redis.Redis.from_url(server.url, socket_timeout=5)
+        ids = add(client, 3)
+        c = consumer(client, "w")
+        held = c.read(count=3, block_ms=100)
+        assert [d.id for d in held] == ids
+        server.stop()
+        server.start()
+
+        assert c.ack(ids[:1], counters={"groups_trained": 1}) is False
+        assert c.ack(ids[1:2], also_add=[("q:traj", {"g": "1"})]) is False
+        c.dead_letter(ids[2], held[2].fields, "malformed", "rejected")
+        assert client.keys("*") == []  # nothing applied
+        gone = [r for r in caplog.records if "is gone" in r.getMessage()]
+        assert len(gone) == 1
+
+        later = add(client, 2, start=3)
+        assert [d.id for d in c.read(count=10, block_ms=100)] == later
+        assert c.ack(later, counters={"groups_trained": 2}) is True
+        assert counter(client, "groups_trained") == 2
+        client.close()
+
+
+def test_should_stop_ends_a_wait_not_a_call(redis_server: RedisServer) -> None:
+    """A stopping consumer still reads and acks while Redis answers; once a call has to wait
+    for Redis, should_stop ends it with Stopped, and what it did not ack stays pending."""
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    ids = add(client, 2)
+    c = consumer(client, "w", should_stop=lambda: True)
+    assert [d.id for d in c.read(count=2, block_ms=100)] == ids
+    assert c.ack(ids[:1]) is True
+    redis_server.stop()
+    with pytest.raises(Stopped):
+        c.ack(ids[1:])
+    redis_server.start()
+    assert pending_ids(client) == ids[1:]
+    client.close()
+
+
+def test_dead_letter_of_an_entry_with_many_fields(redis_client: redis.Redis) -> None:
+    """An outsider's entry of 5000 fields: copied whole, it would overflow the Lua stack of the
+    dead-letter transaction (the consumer would fail on every read); the dead letter keeps its
+    first fields only."""
+    fields = {b"junk": b"x", **{b"f%d" % i: b"v" for i in range(5000)}}
+    entry = cast(bytes, redis_client.xadd(STREAM, dict(fields))).decode()
+    c = consumer(redis_client, "c", decode=toy_decode)
+    assert c.read(count=1, block_ms=100) == []
+    ((_, dead),) = redis_client.xrange(DLQ)
+    assert dead[b"id"].decode() == entry and dead[b"reason"] == b"decode_error"
+    assert [k for k in dead if k.startswith(b"f")] == [b"f%d" % i for i in range(63)]
+    assert int(dead[b"orig_bytes"]) == sum(len(k) + len(v) for k, v in fields.items())
+    assert pending_ids(redis_client) == [] and counter(redis_client, "groups_dead_lettered") == 1

@@ -231,7 +231,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
 
     from asyncrl.config import load_config
     from asyncrl.rollout.tiny_model import new_tiny_model
-    from asyncrl.trainer.checkpoint import TrainerState, record_version, save_checkpoint
+    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
     from asyncrl.trainer.main import Trainer
     from asyncrl.trainer.parallel import full_state
 

@@ -6,7 +6,9 @@ room frees up. Each group is published as soon as its n episodes have ended. Pub
 trajectory group and acking its prompt happen in one Redis transaction, so a worker killed at
 any moment leaves either a whole group or a prompt that is still pending and is re-claimed once
 its heartbeat expires (DESIGN §9). SIGTERM drains: episodes in flight are finished and their
-groups published; prompts read but not started stay pending for another worker.
+groups published; prompts read but not started stay pending for another worker. A worker that
+is told to stop while Redis is unreachable stops waiting for it: what it has not published stays
+pending and is delivered again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from asyncrl.protocol import (
     stream_fields,
 )
 from asyncrl.provenance import prompt_groups
+from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.rollout.episodes import (
@@ -72,11 +75,13 @@ class RolloutWorker:
         self.keys = Keys(cfg.run.id)
         self.client = connect(cfg.redis)
         self.metrics = RoleMetrics("rollout", self.id)
-        # The worker's own Redis calls wait out outages like the queue's do.
-        self.redis = RedisGuard(
-            reconnect_max_s=cfg.redis.reconnect_max_s, on_outage=self.metrics.redis_outage
-        )
         self.stopping = False
+        # The worker's own Redis calls wait out outages like the queue's do, until SIGTERM.
+        self.redis = RedisGuard(
+            reconnect_max_s=cfg.redis.reconnect_max_s,
+            should_stop=lambda: self.stopping,
+            on_outage=self.metrics.redis_outage,
+        )
         device = resolve_device(cfg.trainer.device if cfg.rollout.engine.type == "torch" else "cpu")
         model_dir = ensure_model(cfg, wait_s=600.0 if cfg.model.build_tiny else 0.0)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -129,6 +134,7 @@ class RolloutWorker:
             decode=self._decode,
             groups=prompt_groups(self.keys),
             reconnect_max_s=cfg.redis.reconnect_max_s,
+            should_stop=lambda: self.stopping,
             on_outage=self.metrics.redis_outage,
         )
         self.limits = Limits(
@@ -185,6 +191,8 @@ class RolloutWorker:
         self.stopping = True
 
     def run(self) -> int:
+        from redis import RedisError
+
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.heartbeat.start()
         published = self.redis.call(
@@ -213,10 +221,21 @@ class RolloutWorker:
                 room = self._room() >= self.cfg.rollout.n
                 finished, failed = self.episodes.advance(0.05 if room else 1.0)
                 self._publish(finished, failed)
+        except Stopped as exc:
+            log.warning(
+                "rollout %s: stopped while waiting for Redis (%s); the prompts of groups not "
+                "published stay pending and are delivered again",
+                self.id,
+                exc,
+            )
         finally:
             self.heartbeat.stop()
             self.episodes.close()
-            self.subscriber.close()
+            try:
+                self.subscriber.close()
+            except RedisError as exc:
+                # Redis is unreachable: the registration lapses by itself with its lease.
+                log.warning("rollout %s: could not leave the weight sync: %s", self.id, exc)
             close = getattr(self.engine, "close", None)
             if close is not None:
                 close()

@@ -15,6 +15,7 @@ and a restarted rank 0 acks those the previous trainer did not, on behalf of all
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from asyncrl.config import Config
 from asyncrl.keys import TRAJECTORIES_GROUP, Keys
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
 from asyncrl.provenance import trajectory_groups
+from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
@@ -111,9 +113,11 @@ class Trainer:
         self.client = connect(cfg.redis)
         self.name = consumer_name(self.rank)
         self.metrics = RoleMetrics("trainer", self.name)
-        # The trainer's own Redis calls wait out outages like the queue's do.
+        # The trainer's own Redis calls wait out outages like the queue's do, until SIGTERM.
         self.redis = RedisGuard(
-            reconnect_max_s=cfg.redis.reconnect_max_s, on_outage=self.metrics.redis_outage
+            reconnect_max_s=cfg.redis.reconnect_max_s,
+            should_stop=lambda: self.stopping,
+            on_outage=self.metrics.redis_outage,
         )
 
         model_dir = ensure_model(cfg)
@@ -189,6 +193,7 @@ class Trainer:
             decode=self._decode,
             groups=trajectory_groups(self.keys),
             reconnect_max_s=cfg.redis.reconnect_max_s,
+            should_stop=lambda: self.stopping,
             on_outage=self.metrics.redis_outage,
         )
         self.admission: Admission | None = None
@@ -314,7 +319,9 @@ class Trainer:
         if self.stopping or self.admission is None:
             return
         release = partial(self.admission.release, *self.released_for)
-        self.redis.call(release, "release prompts")
+        # SIGTERM while Redis is unreachable ends the wait: a stopping trainer needs no prompts.
+        with contextlib.suppress(Stopped):
+            self.redis.call(release, "release prompts")
 
     def _decode(self, fields: dict[bytes, bytes]) -> TrajectoryGroup:
         data = fields.get(b"data")
@@ -450,6 +457,9 @@ class Trainer:
                     self._evaluate()
             if self.unacked or self.step % self.cfg.trainer.checkpoint_every:
                 self._checkpoint()
+        except Stopped as exc:
+            # What was not acked stays pending; what a checkpoint covers is acked at restart.
+            log.warning("trainer %s: stopped while waiting for Redis (%s)", self.name, exc)
         finally:
             # Stopping already: a later SIGTERM must not kill the exit (Python restores the
             # default disposition of handled signals while it finalises).
@@ -534,9 +544,11 @@ class Trainer:
         self.metrics.observe_step(line, staleness)
         if self.jsonl is not None:
             self.jsonl.write(line)
-        self.redis.call(
-            lambda: self.client.set(self.keys.last_step, json.dumps(line)), "write last_step"
-        )
+        # Only `asyncrl status` reads it: SIGTERM in an outage skips it, the step is complete.
+        with contextlib.suppress(Stopped):
+            self.redis.call(
+                lambda: self.client.set(self.keys.last_step, json.dumps(line)), "write last_step"
+            )
 
     def _checkpoint(self) -> None:
         """Collective: every rank contributes its entry ids and (sharded) state; rank 0 writes."""

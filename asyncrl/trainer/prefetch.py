@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
-from asyncrl.queue import Consumer, Delivery
+from asyncrl.queue import Consumer, Delivery, Stopped
 
 T = TypeVar("T")
 
@@ -111,6 +111,8 @@ class Prefetcher(Generic[T]):
             self._thread.join()
 
     def _raise(self) -> None:
+        if isinstance(self._error, Stopped):
+            raise self._error  # the consumer's owner is stopping: not a failure of the thread
         if self._error is not None:
             raise RuntimeError("the prefetch thread failed") from self._error
 

@@ -1,0 +1,220 @@
+"""A rollout worker told to stop while Redis hangs leaves at once, and loses nothing.
+
+The worker takes one batch of prompts and generates; Redis is frozen (SIGSTOP: connections are
+accepted and never answered, the harshest outage) before the worker publishes, so it is stuck in
+the ack that publishes its groups. SIGTERM then ends that wait: the worker exits cleanly instead
+of waiting for Redis to return. Once Redis thaws, the prompts it held are still pending (or the
+ack it sent last went through whole), and a restarted worker makes exactly one group per prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from asyncrl.keys import Keys
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.launch.status import collect_status
+from asyncrl.rollout.config import ArithmeticTaskConfig
+from asyncrl.rollout.tasks import build_task
+from asyncrl.trainer.admission import Admission, Cursor
+from asyncrl.trainer.checkpoint import list_checkpoints
+
+sys.path.insert(0, str(Path(__file__).parent))
+from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from test_rollout_kill import pending_of
+
+PROMPTS = 2  # one batch: the worker reads no more until it has published
+N = 8
+G = 2
+# SIGTERM to exit: the attempt in flight ends at the socket timeout, then the heartbeat and the
+# weight lease give up on Redis within one socket timeout each.
+EXIT_BOUND_S = 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    keys = Keys("stopout")
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(tmp_path / "run"),
+            "redis.url": redis_server.url,
+            "redis.socket_timeout_s": 2.0,
+            "redis.reconnect_max_s": 1.0,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "rollout.n": N,
+            "rollout.prompts_per_batch": PROMPTS,
+            "rollout.heartbeat_ttl_s": 1.5,
+            # An untrained model rarely stops early: 16 responses of 64 tokens take a while.
+            "rollout.sampling.max_new_tokens": 64,
+            "queue.claim_idle_s": 1.0,
+            "weights.type": "broadcast",
+        },
+    )
+    tokenizer = AutoTokenizer.from_pretrained(random_model)
+    admission = Admission(
+        redis_client,
+        keys,
+        build_task(ArithmeticTaskConfig(), tokenizer),
+        task_name="arithmetic",
+        n=N,
+        max_staleness=PROMPTS - 1,
+        groups_per_step=1,
+        cursor=Cursor(seed=0),
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert redis_server.proc is not None
+    redis_pid = redis_server.proc.pid
+    worker = Role("rollout", config, logs / "w.log", "--worker-id", "W")
+    again: Role | None = None
+    frozen = False
+    try:
+        wait_until(
+            lambda: bool(redis_client.exists(keys.worker("rollout", "W"))),
+            180,
+            "worker starting",
+            [worker],
+        )
+        assert admission.release(step=0, version=0) == PROMPTS
+        released = [i.decode() for i, _ in redis_client.xrange(keys.prompts)]
+        wait_until(
+            lambda: len(pending_of(redis_client, keys, "W")) == PROMPTS,
+            60,
+            "the worker taking its batch",
+            [worker],
+        )
+        os.kill(redis_pid, signal.SIGSTOP)
+        frozen = True
+        wait_until(
+            lambda: f"ack on {keys.prompts}: Redis unreachable" in worker.tail(20_000),
+            120,
+            "the worker stuck publishing",
+            [worker],
+        )
+        worker.proc.send_signal(signal.SIGTERM)
+        try:
+            code = worker.wait(EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker ignored SIGTERM for {EXIT_BOUND_S}s:\n{worker.tail()}")
+        assert code == 0, worker.tail()
+        assert "stopped while waiting for Redis" in worker.tail(20_000)
+        assert "Traceback" not in worker.tail(20_000)
+        os.kill(redis_pid, signal.SIGCONT)
+        frozen = False
+
+        # Nothing lost: under the same id, the worker gets back what it held.
+        again = Role("rollout", config, logs / "again.log", "--worker-id", "W")
+        wait_until(
+            lambda: redis_client.xlen(keys.trajectories) >= PROMPTS,
+            180,
+            "the restarted worker publishing",
+            [again],
+        )
+        assert again.stop() == 0, again.tail()
+    finally:
+        if frozen:
+            os.kill(redis_pid, signal.SIGCONT)
+        stop_all([worker, *([again] if again else [])])
+
+    groups = [msgpack.unpackb(f[b"data"]) for _, f in redis_client.xrange(keys.trajectories)]
+    assert sorted(g["group_id"] for g in groups) == sorted(released)  # one group per prompt
+    status = collect_status(redis_client, keys, tmp_path / "run")
+    assert status["counters"]["groups_published"] == PROMPTS
+    assert status["streams"]["prompts"]["lag"] == status["streams"]["prompts"]["pending"] == 0
+    assert status["balanced"], status
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
+    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+) -> None:
+    """The same for the trainer: SIGTERM while Redis hangs, it leaves without its final ack —
+    after writing its final checkpoint, or, stopped in the middle of a step (publishing its
+    version), without one, as if killed. Restarted, it acks what its checkpoint covers and trains
+    on, each step's groups of the surviving lineage counted trained once."""
+    keys = Keys("stopout-t")
+    run_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": keys.run_id,
+            "run.dir": str(run_dir),
+            "redis.url": redis_server.url,
+            "redis.socket_timeout_s": 2.0,
+            "redis.reconnect_max_s": 1.0,
+            "model.path": str(random_model),
+            "metrics.port": 0,
+            "rollout.n": 2,
+            "rollout.heartbeat_ttl_s": 1.5,
+            "rollout.sampling.max_new_tokens": 4,
+            "queue.claim_idle_s": 1.0,
+            "trainer.groups_per_step": G,
+            "trainer.max_steps": 10**6,
+            "trainer.checkpoint_every": 1000,  # only the final one: the step groups stay unacked
+            "trainer.eval_every": 0,
+            "weights.type": "broadcast",
+            # A send in flight when Redis froze ends within this, and the trainer's exit waits
+            # for it (the publisher's close is bounded by a few sync timeouts).
+            "weights.sync_timeout_s": 3.0,
+        },
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert redis_server.proc is not None
+    redis_pid = redis_server.proc.pid
+    trainer = Role("trainer", config, logs / "trainer.log")
+    worker = Role("rollout", config, logs / "w.log", "--worker-id", "W")
+    again: Role | None = None
+    frozen = False
+    try:
+        wait_until(lambda: len(step_lines(run_dir)) >= 2, 180, "first steps", [trainer, worker])
+        os.kill(redis_pid, signal.SIGSTOP)
+        frozen = True
+        wait_until(
+            lambda: "Redis unreachable" in trainer.tail(20_000), 60, "an outage seen", [trainer]
+        )
+        trainer.proc.send_signal(signal.SIGTERM)
+        try:
+            code = trainer.wait(EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the trainer ignored SIGTERM for {EXIT_BOUND_S}s:\n{trainer.tail()}")
+        assert code == 0, trainer.tail()
+        assert "Traceback" not in trainer.tail(20_000)
+        os.kill(redis_pid, signal.SIGCONT)
+        frozen = False
+
+        lines = len(step_lines(run_dir))
+        again = Role("trainer", config, logs / "again.log")
+        wait_until(
+            lambda: len(step_lines(run_dir)) >= lines + 2,
+            180,
+            "steps after the restart",
+            [again, worker],
+        )
+        assert worker.stop() == 0, worker.tail()
+        assert again.stop() == 0, again.tail()
+    finally:
+        if frozen:
+            os.kill(redis_pid, signal.SIGCONT)
+        stop_all([worker, trainer, *([again] if again else [])])
+
+    status = collect_status(redis_client, keys, run_dir)
+    final = int(list_checkpoints(run_dir / "checkpoints")[-1].name.removeprefix("step_"))
+    assert status["counters"]["groups_trained"] == final * G  # each step's groups once
+    assert status["balanced"], status
