@@ -98,6 +98,17 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
             "the worker taking its batch",
             [worker],
         )
+        # The read ends with the script that checks the prompts were released; once it has run,
+        # the worker's next Redis call is the publishing ack (its other threads run no script).
+        me = redis_client.client_id()
+        wait_until(
+            lambda: any(
+                c["cmd"] == "evalsha" and int(c["id"]) != me for c in redis_client.client_list()
+            ),
+            60,
+            "the worker admitting its batch",
+            [worker],
+        )
         os.kill(redis_pid, signal.SIGSTOP)
         frozen = True
         wait_until(
