@@ -367,6 +367,40 @@ end
 return out
 """
 
+# Settle entries one by one with an outcome. KEYS: stream, counters, groups hash. ARGV: group,
+# consumer, outcome counter, n_ids, ids..., then (group, entry id) pairs. An id pending on this
+# consumer is acked, counted and ends its group; one the stream no longer has at all (neither
+# entry nor pending: Redis lost its data since it was read) is counted and ends its group only
+# where that group names it (admission opened it again for its holder when it found the loss);
+# any other (acked already, or taken over) is left. pcall: after a loss the group may not exist
+# yet, and every id is then gone. Returns the number counted.
+_SETTLE_LUA = """
+local stream, counters, groups = KEYS[1], KEYS[2], KEYS[3]
+local group, consumer, outcome = ARGV[1], ARGV[2], ARGV[3]
+local n = tonumber(ARGV[4])
+local group_of = {}
+for e = 5 + n, #ARGV, 2 do group_of[ARGV[e + 1]] = ARGV[e] end
+local counted = 0
+for i = 5, 4 + n do
+  local id = ARGV[i]
+  local g = group_of[id]
+  local own = redis.pcall('XPENDING', stream, group, id, id, 1, consumer)
+  if type(own) == 'table' and #own == 1 then
+    redis.call('XACK', stream, group, id)
+    counted = counted + 1
+    if g and redis.call('HGET', groups, g) == '' then redis.call('HDEL', groups, g) end
+  elseif g and #redis.call('XRANGE', stream, id, id) == 0 then
+    local any = redis.pcall('XPENDING', stream, group, id, id, 1)
+    if (type(any) ~= 'table' or #any == 0) and redis.call('HGET', groups, g) == id then
+      counted = counted + 1
+    end
+  end
+  if g and redis.call('HGET', groups, g) == id then redis.call('HDEL', groups, g) end
+end
+if counted > 0 then redis.call('HINCRBY', counters, outcome, counted) end
+return counted
+"""
+
 # Entries after `ARGV[1]`, counted server-side (Redis 6.2 has no `lag` in XINFO GROUPS).
 _COUNT_AFTER_LUA = """
 local n, start = 0, '(' .. ARGV[1]
@@ -588,6 +622,7 @@ class Consumer(Generic[T]):
         self.group = group
         self._groups = groups
         self._admit_script = client.register_script(_ADMIT_LUA)
+        self._settle_script = client.register_script(_SETTLE_LUA)
         # Group of each held entry of a claiming consumer, for its ack to end.
         self._held_groups: dict[str, str] = {}
         self.name = name
@@ -687,6 +722,47 @@ class Consumer(Generic[T]):
         )
         return False
 
+    def settle(self, ids: Iterable[str], outcome: str) -> int:
+        """Ack each of `ids` still pending on this consumer, counting it as `outcome` (a run
+        counter) and ending its group; how many were counted. Unlike `ack`, entry by entry: one
+        entry that cannot be acked holds back none of the others. An entry Redis no longer has
+        (it came back without its data after the entry was read) is counted as `outcome` too
+        where admission opened its group again for it (`held_groups`, when it found the loss):
+        the trainer did train it, or drop it. One taken over or acked already is left alone.
+        Waits out outages; a retry after a lost reply finds its work done and counts nothing
+        twice."""
+        ids = list(ids)
+        if not ids:
+            return 0
+
+        def attempt() -> int:
+            ends = self._ends(ids) if self._groups is not None and self._groups.claims else []
+            keys = [self.stream, self._counters_key, self._groups.key if self._groups else "-"]
+            args: list[Any] = [self.group, self.name, outcome, len(ids), *ids]
+            for group, entry_id in ends:
+                args += [group, entry_id]
+            return int(cast(int, self._settle_script(keys=keys, args=args)))
+
+        counted = self._guard.call(attempt, f"ack on {self.stream}")
+        self._held.difference_update(ids)
+        for i in ids:
+            self._held_groups.pop(i, None)
+        if counted < len(ids):
+            log.warning(
+                "%s: %d of %d entries on %s not acked: acked already, taken over, or lost with "
+                "Redis's data before they were read",
+                self.name,
+                len(ids) - counted,
+                len(ids),
+                self.stream,
+            )
+        return counted
+
+    def held_groups(self) -> dict[str, str]:
+        """Entry id → group of the entries handed out and not yet acked (a claiming consumer's;
+        any thread may ask)."""
+        return self._held_groups.copy()
+
     def _transact(
         self,
         ids: list[str],
@@ -731,7 +807,6 @@ class Consumer(Generic[T]):
             )
         self._group_ready = False
         self._held.clear()
-        self._held_groups.clear()
         self._own_from = "-"
 
     def _ends(self, ids: list[str]) -> list[tuple[str, str]]:

@@ -214,7 +214,7 @@ def collect(
     grown = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     new_dlq = client.xrange(keys.dlq)[len(dlq_before) :]
     # The step "runs" and checkpoints: ack the collected groups like the trainer does.
-    assert trainer.prefetch.ack(got_ids, {"groups_trained": len(got_ids)})
+    assert trainer.prefetch.settle(got_ids, "groups_trained") == len(got_ids)
     return groups, staleness, got_ids, ids, grown, new_dlq
 
 

@@ -91,12 +91,12 @@ def test_acks_run_on_the_thread_in_order(
     got = []
     while len(got) < 6:
         got += p.take(6, 1.0)
-    assert p.ack([got[0].id], {"dropped": 1}, wait=False) is None
-    assert p.ack([d.id for d in got[1:4]], {"trained": 3}) is True
+    assert p.settle([got[0].id], "dropped", wait=False) is None
+    assert p.settle([d.id for d in got[1:4]], "trained") == 3
     assert counter(redis_client, "dropped") == 1 and counter(redis_client, "trained") == 3
     assert pending(redis_client) == 2
     # Acked already: not applied twice.
-    assert p.ack([got[1].id], {"trained": 1}) is False
+    assert p.settle([got[1].id], "trained") == 0
     assert counter(redis_client, "trained") == 3
 
 
@@ -107,7 +107,7 @@ def test_close_applies_queued_acks_and_leaves_buffered_entries_pending(
     p = Prefetcher(consumer(redis_client, "c"), read_ahead=5).start()
     taken = p.take(2, 1.0)
     wait_for(lambda: pending(redis_client) == 5)
-    p.ack([d.id for d in taken], {"trained": len(taken)}, wait=False)
+    p.settle([d.id for d in taken], "trained", wait=False)
     p.close()
     assert counter(redis_client, "trained") == len(taken)
     assert pending(redis_client) == 5 - len(taken)
@@ -126,4 +126,4 @@ def test_a_failing_read_reaches_the_caller(
         p.take(1, 5.0)
     assert "decoder bug" in str(info.value.__cause__)
     with pytest.raises(RuntimeError, match="prefetch thread failed"):
-        p.ack(["0-1"])
+        p.settle(["0-1"], "trained")

@@ -24,13 +24,16 @@ from transformers import AutoTokenizer
 from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status, is_balanced, read_accounting
-from asyncrl.provenance import group_id_of
+from asyncrl.protocol import decode_group, stream_fields
+from asyncrl.provenance import group_id_of, trajectory_groups
+from asyncrl.queue import Consumer
 from asyncrl.rollout.config import ArithmeticTaskConfig
 from asyncrl.rollout.tasks import build_task
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from test_dead_letter import make_group
 
 PROMPT_IDS = np.array([1, 5, 6, 13, 7, 8, 14], "<i4").tobytes()
 
@@ -225,7 +228,6 @@ def test_admission_after_redis_lost_its_data(
     server = RedisServer(data_dir=tmp_path / "redis", appendonly=False).start()
     client = redis.Redis.from_url(server.url)
     keys = Keys("lost")
-    trained: list[str] = []  # trained, not yet acked (no checkpoint since)
     admission = Admission(
         client,
         keys,
@@ -235,11 +237,28 @@ def test_admission_after_redis_lost_its_data(
         max_staleness=eta,
         groups_per_step=g,
         cursor=Cursor(seed=0),
-        trained_unacked=lambda: len(trained),
+        held=lambda: trainer.held_groups(),
+    )
+    trainer = Consumer(
+        client,
+        keys.trajectories,
+        TRAJECTORIES_GROUP,
+        "trainer-0",
+        dlq=keys.dlq,
+        counters_key=keys.counters,
+        is_alive=lambda _: True,
+        decode=lambda fields: decode_group(fields[b"data"]),
+        groups=trajectory_groups(keys),
     )
     try:
         assert admission.release(0, 0) == (eta + 1) * g
-        trained += ["t1", "t2"]  # one step trained, its checkpoint (and ack) not yet written
+        # The trainer reads two groups and trains them; the step's checkpoint (and its ack) is
+        # not written yet when Redis loses its data.
+        for group_id in [i.decode() for i, _ in client.xrange(keys.prompts, count=2)]:
+            client.xadd(keys.trajectories, stream_fields(make_group(group_id)))
+        held = trainer.read(count=2, block_ms=100)
+        trained = [d.id for d in held]
+        assert len(trained) == 2
         assert admission.release(1, 1) == g  # the bound: (1 + η + 1) × G released in all
         released_before = (eta + 2) * g
 
@@ -247,14 +266,20 @@ def test_admission_after_redis_lost_its_data(
         server.start()
         with caplog.at_level(logging.ERROR, logger="asyncrl.trainer.admission"):
             after = admission.release(1, 1)
-        # Nothing is in flight any more: (η + 1) × G may be, less nothing.
+        # In flight now: only what the trainer holds, which step 1 consumed: (η + 1) × G more.
         assert after == (eta + 1) * g
         assert admission.release(1, 1) == 0
         assert "Redis lost the run's state" in caplog.text
         counters, in_flight = read_accounting(client, keys)
         assert counters["prompts_released"] == released_before + after
-        assert counters["groups_trained"] == len(trained)  # their acks can no longer apply
         assert counters["groups_lost"] == released_before - len(trained)
+        assert in_flight == after + len(trained)
+        assert is_balanced(counters, in_flight)
+        # The step's checkpoint is written: its groups, gone with Redis, count as trained, once.
+        assert trainer.settle(trained, "groups_trained") == len(trained)
+        assert trainer.settle(trained, "groups_trained") == 0
+        counters, in_flight = read_accounting(client, keys)
+        assert counters["groups_trained"] == len(trained)
         assert in_flight == after
         assert is_balanced(counters, in_flight)
         # The cursor goes on where it was: no prompt is released twice.

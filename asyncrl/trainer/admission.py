@@ -13,10 +13,13 @@ prompt, opens its group in `released` and counts it released, so a restarted tra
 releases a prompt twice and never skips one, whatever checkpoint it restarts from.
 
 A Redis that comes back without its data (no AOF) has lost the counters, which would make the
-budget a burst of (step + η + 1) × groups_per_step. Admission keeps the counters it last read and,
-finding them gone, seeds them again (once, atomically): the groups then in flight are gone with
-the streams and count as `groups_lost`, except those trained but not yet acked, whose ack can no
-longer apply: they count as trained.
+budget a burst of (step + η + 1) × groups_per_step. Admission keeps the counters it last read
+(at start, those of the checkpoint it resumes from, so a trainer started after the loss finds it
+too) and, finding them gone, seeds them again (once, atomically): the groups then in flight are
+gone with the streams and count as `groups_lost` — except those this trainer holds (read, or
+trained and awaiting their checkpoint's ack), whose groups are opened again in `released` under
+the entries that hold them, so that settling them (`Consumer.settle`) counts them as trained or
+dropped as if nothing had happened. Groups other trainer ranks hold count as lost.
 """
 
 from __future__ import annotations
@@ -51,12 +54,17 @@ redis.call('HSET', KEYS[3], 'seed', ARGV[2], 'epoch', ARGV[3], 'position', ARGV[
 return n
 """
 
-# Seed the counters again, unless someone did already. KEYS: counters. ARGV: (field, value)...
+# Seed the counters again, unless someone did already. KEYS: counters, released. ARGV: n, then
+# n (field, value) pairs, then (group, entry id) pairs to open again for the entries holding them.
 # HINCRBY, not HSET: what was counted since the loss (a junk dead letter) stays counted.
 _RESEED_LUA = """
 if redis.call('HEXISTS', KEYS[1], 'prompts_released') == 1 then return 0 end
-for i = 1, #ARGV, 2 do
+local n = tonumber(ARGV[1])
+for i = 2, 2 * n, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+for i = 2 + 2 * n, #ARGV, 2 do
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
 end
 return 1
 """
@@ -111,11 +119,13 @@ class Admission:
         max_staleness: int,
         groups_per_step: int,
         cursor: Cursor,
-        trained_unacked: Callable[[], int] = lambda: 0,
+        counters: dict[str, int] | None = None,
+        held: Callable[[], dict[str, str]] = dict,
         max_message_bytes: int = QueueConfig().max_message_bytes,
     ) -> None:
-        """`trained_unacked` gives the groups trained but not yet acked (all ranks'), counted as
-        trained if Redis loses its data; `max_message_bytes` bounds each prompt entry."""
+        """`counters`: the run counters as last known (a checkpoint's), to find a loss of Redis's
+        data by; `held`: entry id → group of the trajectory entries the trainer holds, kept in
+        flight through such a loss; `max_message_bytes` bounds each prompt entry."""
         self.client = client
         self.keys = keys
         self.task = task
@@ -127,11 +137,11 @@ class Admission:
         self._items = task.train_items(cursor.seed, cursor.epoch)
         self._cursor_unknown = False
         self._lock = threading.Lock()
-        self._trained_unacked = trained_unacked
         self._max_message_bytes = max_message_bytes
         self._script = client.register_script(_RELEASE_LUA)
         self._reseed_script = client.register_script(_RESEED_LUA)
-        self._counters: dict[str, int] = {}
+        self._held = held
+        self._counters: dict[str, int] = dict(counters or {})
         """The counters as last read (and counted by this process since)."""
 
     def release(self, step: int, version: int) -> int:
@@ -151,10 +161,7 @@ class Admission:
             self.cursor = load_cursor(self.client, self.keys, self.cursor)
             self._items = self.task.train_items(self.cursor.seed, self.cursor.epoch)
             self._cursor_unknown = False
-        counters = read_counters(self.client, self.keys)
-        if "prompts_released" not in counters and self._counters.get("prompts_released", 0):
-            counters = self._reseed()
-        self._counters = counters
+        counters = self._read()
         budget = release_budget(step, self.max_staleness, self.groups_per_step, counters)
         if budget <= 0:
             return 0
@@ -185,24 +192,45 @@ class Admission:
         counters["prompts_released"] = counters.get("prompts_released", 0) + budget
         return budget
 
+    def recover(self) -> None:
+        """Seed the counters again if Redis lost them (as `release` does first): a restarted
+        trainer calls this before it settles its checkpoint's entries, which the seed counts
+        lost until they are settled."""
+        with self._lock:
+            self._read()
+
+    def _read(self) -> dict[str, int]:
+        counters = read_counters(self.client, self.keys)
+        if "prompts_released" not in counters and self._counters.get("prompts_released", 0):
+            counters = self._reseed()
+        self._counters = counters
+        return counters
+
+    def counters(self) -> dict[str, int]:
+        """The counters as last read, for a checkpoint."""
+        with self._lock:
+            return dict(self._counters)
+
     def _reseed(self) -> dict[str, int]:
         """Redis lost the run's state: seed the counters from the last read; the counters now."""
         seed = {name: self._counters.get(name, 0) for name in COUNTERS}
-        unacked = self._trained_unacked()
-        seed["groups_trained"] += unacked
         settled = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered", "groups_lost")
-        lost = max(0, seed["prompts_released"] - sum(seed[name] for name in settled))
+        held = self._held()
+        in_flight = seed["prompts_released"] - sum(seed[name] for name in settled)
+        lost = max(0, in_flight - len(held))
         seed["groups_lost"] += lost
-        args: list[str | int] = []
+        args: list[str | int] = [len(seed)]
         for name, value in seed.items():
             args += [name, value]
-        if self._reseed_script(keys=[self.keys.counters], args=args):
+        for entry_id, group in held.items():
+            args += [group, entry_id]
+        if self._reseed_script(keys=[self.keys.counters, self.keys.released], args=args):
             log.error(
                 "Redis lost the run's state (its counters are gone: restarted without its data?); "
                 "counters seeded from the last read: %d groups in flight at the loss counted "
-                "lost, %d trained but not acked counted trained; %d prompts released so far",
+                "lost, %d the trainer holds kept; %d prompts released so far",
                 lost,
-                unacked,
+                len(held),
                 seed["prompts_released"],
             )
         return read_counters(self.client, self.keys)

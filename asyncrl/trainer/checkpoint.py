@@ -41,6 +41,9 @@ class TrainerState:
     """Trajectory entry ids trained in the steps since the previous checkpoint, by the consumer
     (`trainer-{rank}`) that holds them. They are acked right after this checkpoint is durable; a
     trainer killed in between acks them at restart instead of training them again."""
+    counters: dict[str, int] = field(default_factory=dict)
+    """The run counters as last read before this checkpoint: what a trainer resumed from it
+    compares Redis's with, to find a Redis that lost its data (`Admission.recover`)."""
 
 
 class CheckpointError(Exception):

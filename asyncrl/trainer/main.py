@@ -22,7 +22,7 @@ import os
 import signal
 import time
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -149,12 +149,14 @@ class Trainer:
         self.wall_offset = 0.0
         cursor = Cursor(seed=cfg.run.seed)
         resumed_version = -1
+        resumed_counters: dict[str, int] = {}
         if ckpts:
             state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
             self.step, self.wall_offset = state.step, state.wall_seconds
             self.covered_at_restart = state.covered if self.rank == 0 else {}
             cursor = Cursor(**state.cursor)
             resumed_version = state.version
+            resumed_counters = state.counters
             log.info("resumed from %s (step %d)", ckpts[-1].name, self.step)
         published = self.redis.call(
             lambda: self.client.get(self.keys.version), "read the published version"
@@ -212,7 +214,8 @@ class Trainer:
                     lambda: load_cursor(self.client, self.keys, cursor), "read the data cursor"
                 ),
                 # Ranks train in lockstep: every rank holds as many unacked groups as this one.
-                trained_unacked=lambda: len(self.unacked) * self.world_size,
+                counters=resumed_counters,
+                held=self.consumer.held_groups,
                 max_message_bytes=cfg.queue.max_message_bytes,
             )
             from asyncrl.weights import build_publisher
@@ -286,23 +289,31 @@ class Trainer:
     def _ack_covered(self) -> None:
         """Rank 0 at restart: ack the entries trained into the checkpoint we resumed from whose
         ack did not happen before the previous trainer died. Rank 0 first takes each list over
-        from its consumer (XCLAIM, which returns only ids still pending: those already acked are
-        neither acked nor counted again), so it also serves ranks that no longer exist."""
+        from its consumer (XCLAIM moves only ids still pending; those already acked are neither
+        acked nor counted again), so it also serves ranks that no longer exist. Entries Redis
+        lost meanwhile count as trained (`Consumer.settle`), after `recover` counted them lost."""
+        assert self.admission is not None
+        self.admission.recover()
         for consumer, ids in self.covered_at_restart.items():
-            held = self._take_over(ids) if ids else []
-            if held:
-                log.info("acking %d entries of %s trained before the restart", len(held), consumer)
-                self.consumer.ack(held, counters={"groups_trained": len(held)})
+            if ids:
+                self._take_over(ids)
+                settled = self.consumer.settle(ids, "groups_trained")
+                if settled:
+                    log.info("acked %d entries of %s trained before the restart", settled, consumer)
 
-    def _take_over(self, ids: list[str]) -> list[str]:
-        """Those of `ids` still pending, now pending on this rank's consumer."""
+    def _take_over(self, ids: list[str]) -> None:
+        """Make those of `ids` still pending pending on this rank's consumer."""
+        from redis import exceptions as rx
 
-        def claim() -> list[str]:
+        def claim() -> None:
             stream, group = self.keys.trajectories, TRAJECTORIES_GROUP
-            reply = self.client.xclaim(stream, group, self.name, 0, list(ids), justid=True)
-            return [i.decode() for i in cast(list[bytes], reply)]
+            try:
+                self.client.xclaim(stream, group, self.name, 0, list(ids), justid=True)
+            except rx.ResponseError as exc:
+                if "NOGROUP" not in str(exc):  # no group: Redis lost the entries with it
+                    raise
 
-        return self.redis.call(claim, "take over trained entries")
+        self.redis.call(claim, "take over trained entries")
 
     def _read_ahead(self) -> int:
         """Deliveries to read ahead of the current step: two steps' worth, so that groups which
@@ -404,7 +415,7 @@ class Trainer:
                     ids.append(d.id)
                 if stale:
                     # Not waited for: the reading thread applies it before its next read.
-                    self.prefetch.ack(stale, {"groups_dropped_stale": len(stale)}, wait=False)
+                    self.prefetch.settle(stale, "groups_dropped_stale", wait=False)
                     self.metrics.trajectories_dropped["stale"].inc(len(stale))
             short = len(groups) < self.local_groups
             starved = short and time.monotonic() - waited_since > self.cfg.trainer.wait_timeout_s
@@ -563,6 +574,7 @@ class Trainer:
                     cursor=self.admission.cursor_dict(),
                     wall_seconds=self.wall_seconds(),
                     covered=covered,
+                    counters=self.admission.counters(),
                 )
                 save_checkpoint(
                     self.run_dir / "checkpoints",
@@ -577,7 +589,7 @@ class Trainer:
                 dist.barrier(self.world)
             # The checkpoint holding these steps is durable: now they count as trained.
             if self.unacked:
-                self.prefetch.ack(self.unacked, {"groups_trained": len(self.unacked)})
+                self.prefetch.settle(self.unacked, "groups_trained")
                 self.unacked = []
 
     def _evaluate(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
@@ -45,7 +45,7 @@ class Prefetcher(Generic[T]):
         self._before_read = before_read
         self._block_ms = block_ms
         self._buffer: deque[Delivery[T]] = deque()
-        self._acks: deque[tuple[list[str], Mapping[str, int], Future[bool]]] = deque()
+        self._acks: deque[tuple[list[str], str, Future[int]]] = deque()
         self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
@@ -86,21 +86,19 @@ class Prefetcher(Generic[T]):
             self._changed.notify_all()  # room to read into
         return taken
 
-    def ack(
-        self, ids: list[str], counters: Mapping[str, int] | None = None, *, wait: bool = True
-    ) -> bool | None:
-        """`Consumer.ack` on the thread; with `wait`, its result once applied."""
-        done: Future[bool] = Future()
+    def settle(self, ids: list[str], outcome: str = "", *, wait: bool = True) -> int | None:
+        """`Consumer.settle` on the thread; with `wait`, how many it counted once applied."""
+        done: Future[int] = Future()
         self.start()
         with self._changed:
             self._raise()
-            self._acks.append((ids, counters or {}, done))
+            self._acks.append((ids, outcome, done))
             self._changed.notify_all()
         return done.result() if wait else None
 
     def flush(self) -> None:
         """Wait until the acks handed over so far are applied."""
-        self.ack([])
+        self.settle([])
 
     def close(self) -> None:
         """Stop after the acks handed over so far; buffered deliveries stay pending."""
@@ -117,7 +115,7 @@ class Prefetcher(Generic[T]):
             raise RuntimeError("the prefetch thread failed") from self._error
 
     def _run(self) -> None:
-        acks: list[tuple[list[str], Mapping[str, int], Future[bool]]] = []
+        acks: list[tuple[list[str], str, Future[int]]] = []
         try:
             while True:
                 with self._changed:
@@ -127,8 +125,8 @@ class Prefetcher(Generic[T]):
                     self._acks.clear()
                     closed = self._closed
                 while acks:
-                    ids, counters, done = acks[0]
-                    done.set_result(not ids or self._consumer.ack(ids, counters=counters))
+                    ids, outcome, done = acks[0]
+                    done.set_result(self._consumer.settle(ids, outcome) if ids else 0)
                     acks.pop(0)
                 if closed:
                     return
