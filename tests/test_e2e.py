@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.trainer.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart.yaml"
@@ -212,7 +213,7 @@ def test_async_run_accounting(async_run: Run) -> None:
 def test_async_run_checkpoints_load(async_run: Run, warm_model: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ckpts = sorted((async_run.dir / "checkpoints").iterdir())
+    ckpts = list_checkpoints(async_run.dir / "checkpoints")
     assert [p.name for p in ckpts] == ["step_00000020", f"step_{ASYNC_STEPS:08d}"]
     latest = ckpts[-1]
     state = json.loads((latest / "trainer_state.json").read_text())

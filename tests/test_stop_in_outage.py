@@ -80,26 +80,22 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
     logs.mkdir()
     assert redis_server.proc is not None
     redis_pid = redis_server.proc.pid
+    # Released before the worker starts, so that its first read takes the whole batch at once.
+    assert admission.release(step=0, version=0) == PROMPTS
+    released = [i.decode() for i, _ in redis_client.xrange(keys.prompts)]
     worker = Role("rollout", config, logs / "w.log", "--worker-id", "W")
     again: Role | None = None
     frozen = False
     try:
         wait_until(
-            lambda: bool(redis_client.exists(keys.worker("rollout", "W"))),
-            180,
-            "worker starting",
-            [worker],
-        )
-        assert admission.release(step=0, version=0) == PROMPTS
-        released = [i.decode() for i, _ in redis_client.xrange(keys.prompts)]
-        wait_until(
             lambda: len(pending_of(redis_client, keys, "W")) == PROMPTS,
-            60,
+            240,
             "the worker taking its batch",
             [worker],
         )
         # The read ends with the script that checks the prompts were released; once it has run,
-        # the worker's next Redis call is the publishing ack (its other threads run no script).
+        # the worker's next Redis call is the publishing ack (its other threads run no script,
+        # and it reads no more prompts while the batch is in flight).
         me = redis_client.client_id()
         wait_until(
             lambda: any(

@@ -245,7 +245,13 @@ class Trainer:
         """Step and version prompts are released for: set once the step's weights are published
         (sync mode's prompts must not precede them) and its groups acked (the bound counts
         unacked ones as not yet trained)."""
-        self.prefetch = Prefetcher(self.consumer, before_read=self._release)
+        # Rank 0 looks for a loss of Redis's data before settling entries, so that those it holds
+        # are kept in flight through it rather than found gone (`Admission.recover`).
+        self.prefetch = Prefetcher(
+            self.consumer,
+            before_read=self._release,
+            before_settle=self._recover if self.admission is not None else lambda: None,
+        )
         self.unacked: list[str] = []
         self.evaluator: Any = None
         self.last_sync_seconds: float | None = None
@@ -292,8 +298,7 @@ class Trainer:
         from its consumer (XCLAIM moves only ids still pending; those already acked are neither
         acked nor counted again), so it also serves ranks that no longer exist. Entries Redis
         lost meanwhile count as trained (`Consumer.settle`), after `recover` counted them lost."""
-        assert self.admission is not None
-        self.admission.recover()
+        self._recover()
         for consumer, ids in self.covered_at_restart.items():
             if ids:
                 self._take_over(ids)
@@ -333,6 +338,10 @@ class Trainer:
         # SIGTERM while Redis is unreachable ends the wait: a stopping trainer needs no prompts.
         with contextlib.suppress(Stopped):
             self.redis.call(release, "release prompts")
+
+    def _recover(self) -> None:
+        assert self.admission is not None
+        self.redis.call(self.admission.recover, "look for a loss of Redis's data")
 
     def _decode(self, fields: dict[bytes, bytes]) -> TrajectoryGroup:
         data = fields.get(b"data")
