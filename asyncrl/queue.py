@@ -472,7 +472,8 @@ def dead_letter_summary(fields: RawFields) -> _Fields:
     return {b"orig_bytes": size, b"orig_sha256": digest.hexdigest().encode()}
 
 
-def _entry_size(fields: EntryFields, limit: int) -> int:
+def entry_size(fields: EntryFields, limit: int) -> int:
+    """The size a stream entry counts for (its field values); ValueError above `limit`."""
     size = sum(len(v) if isinstance(v, bytes | str) else 8 for v in fields.values())
     if size > limit:
         raise ValueError(f"stream entry of {size} bytes exceeds queue.max_message_bytes={limit}")
@@ -562,7 +563,7 @@ class Producer:
 
         Blocks while Redis is unreachable or its memory is above the watermark.
         """
-        size = _entry_size(fields, self._cfg.max_message_bytes)
+        size = entry_size(fields, self._cfg.max_message_bytes)
         if counters and counters_key is None:
             raise ValueError("counters need a counters_key")
         entry: dict[Any, Any] = dict(fields)
@@ -688,7 +689,7 @@ class Consumer(Generic[T]):
         """
         ids = list(ids)
         adds = also_add or []
-        size = sum(_entry_size(fields, self._cfg.max_message_bytes) for _, fields in adds)
+        size = sum(entry_size(fields, self._cfg.max_message_bytes) for _, fields in adds)
         outcome_unknown = False
 
         def on_retry(outage: bool) -> None:

@@ -34,7 +34,7 @@ import redis
 
 from asyncrl.keys import COUNTERS, Keys
 from asyncrl.protocol import PromptGroup, encode_prompt
-from asyncrl.queue import QueueConfig, _entry_size
+from asyncrl.queue import QueueConfig, entry_size
 from asyncrl.rollout.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class Admission:
                 release_version=version,
             )
             data = encode_prompt(prompt)
-            _entry_size({"data": data, "schema": b"1"}, self._max_message_bytes)
+            entry_size({"data": data, "schema": b"1"}, self._max_message_bytes)
             messages.append(data)
             self._advance()
         c = self.cursor
