@@ -2,6 +2,7 @@
 that nothing was lost or trained twice (DESIGN §9; figures in docs/reliability.md).
 
     python tools/chaos.py --seconds 120 --workers 3 [--trainer-ranks 1] --seed 0
+    python tools/chaos.py --seconds 120 --workers 1   # a lone worker: the shape that deadlocked
 
 It runs a local cluster of real processes — its own redis-server (AOF with `appendfsync always`),
 one trainer (under torchrun for several ranks) and `--workers` rollout workers on an untrained
