@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +285,55 @@ def test_admission_after_redis_lost_its_data(
         assert is_balanced(counters, in_flight)
         # The cursor goes on where it was: no prompt is released twice.
         assert load_cursor(client, keys, Cursor(seed=9)).position == released_before + after
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_loss_right_after_a_settle_keeps_what_it_counted(tmp_path: Path) -> None:
+    """Redis loses its data just after the trainer's checkpoint settled two groups, before any
+    other read of the counters: the seed still counts them trained (admission remembers what
+    it settled), so the lineage's count stays exact."""
+    server = RedisServer(data_dir=tmp_path / "redis", appendonly=False).start()
+    client = redis.Redis.from_url(server.url)
+    keys = Keys("lost2")
+    admission = Admission(
+        client,
+        keys,
+        Items(),
+        task_name="items",
+        n=1,
+        max_staleness=1,
+        groups_per_step=2,
+        cursor=Cursor(seed=0),
+        held=lambda: trainer.held_groups(),
+    )
+    trainer = Consumer(
+        client,
+        keys.trajectories,
+        TRAJECTORIES_GROUP,
+        "trainer-0",
+        dlq=keys.dlq,
+        counters_key=keys.counters,
+        is_alive=lambda _: True,
+        decode=lambda fields: decode_group(fields[b"data"]),
+        groups=trajectory_groups(keys),
+    )
+    try:
+        assert admission.release(0, 0) == 4
+        for group_id in [i.decode() for i, _ in client.xrange(keys.prompts, count=2)]:
+            client.xadd(keys.trajectories, stream_fields(make_group(group_id)))
+        ids = [d.id for d in trainer.read(count=2, block_ms=100)]
+        settle = partial(trainer.settle, ids, "groups_trained")
+        assert admission.settle(settle, "groups_trained") == 2
+        server.kill()
+        server.start()
+        # The two prompts never read are lost; nothing is in flight: (η + 1) × G go out.
+        assert admission.release(1, 1) == 4
+        counters, in_flight = read_accounting(client, keys)
+        assert counters["groups_trained"] == 2
+        assert counters["groups_lost"] == 2 and in_flight == 4
+        assert is_balanced(counters, in_flight)
     finally:
         client.close()
         server.stop()

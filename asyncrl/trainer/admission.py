@@ -192,14 +192,19 @@ class Admission:
         counters["prompts_released"] = counters.get("prompts_released", 0) + budget
         return budget
 
-    def recover(self) -> None:
-        """Seed the counters again if Redis lost them (as `release` does first): a restarted
-        trainer calls this before it settles its checkpoint's entries, which the seed counts
-        lost until they are settled."""
+    def settle(self, settle: Callable[[], int], outcome: str) -> int:
+        """Run `settle` (the trainer settling entries as `outcome`), having looked for a loss of
+        Redis's data first: the entries it settles are then still held, so kept in flight through
+        the loss. What it counted joins the counters remembered, under the lock that reads them,
+        so that a loss found right after it knows of it."""
         with self._lock:
             self._read()
+            counted = settle()
+            self._counters[outcome] = self._counters.get(outcome, 0) + counted
+            return counted
 
     def _read(self) -> dict[str, int]:
+        """The counters now, seeded again first if Redis lost them."""
         counters = read_counters(self.client, self.keys)
         if "prompts_released" not in counters and self._counters.get("prompts_released", 0):
             counters = self._reseed()

@@ -43,7 +43,7 @@ class TrainerState:
     trainer killed in between acks them at restart instead of training them again."""
     counters: dict[str, int] = field(default_factory=dict)
     """The run counters as last read before this checkpoint: what a trainer resumed from it
-    compares Redis's with, to find a Redis that lost its data (`Admission.recover`)."""
+    compares Redis's with, to find a Redis that lost its data (`asyncrl.trainer.admission`)."""
 
 
 class CheckpointError(Exception):

@@ -245,13 +245,7 @@ class Trainer:
         """Step and version prompts are released for: set once the step's weights are published
         (sync mode's prompts must not precede them) and its groups acked (the bound counts
         unacked ones as not yet trained)."""
-        # Rank 0 looks for a loss of Redis's data before settling entries, so that those it holds
-        # are kept in flight through it rather than found gone (`Admission.recover`).
-        self.prefetch = Prefetcher(
-            self.consumer,
-            before_read=self._release,
-            before_settle=self._recover if self.admission is not None else lambda: None,
-        )
+        self.prefetch = Prefetcher(self.consumer, before_read=self._release, settle=self._settle)
         self.unacked: list[str] = []
         self.evaluator: Any = None
         self.last_sync_seconds: float | None = None
@@ -296,13 +290,11 @@ class Trainer:
         """Rank 0 at restart: ack the entries trained into the checkpoint we resumed from whose
         ack did not happen before the previous trainer died. Rank 0 first takes each list over
         from its consumer (XCLAIM moves only ids still pending; those already acked are neither
-        acked nor counted again), so it also serves ranks that no longer exist. Entries Redis
-        lost meanwhile count as trained (`Consumer.settle`), after `recover` counted them lost."""
-        self._recover()
+        acked nor counted again), so it also serves ranks that no longer exist."""
         for consumer, ids in self.covered_at_restart.items():
             if ids:
                 self._take_over(ids)
-                settled = self.consumer.settle(ids, "groups_trained")
+                settled = self._settle(ids, "groups_trained")
                 if settled:
                     log.info("acked %d entries of %s trained before the restart", settled, consumer)
 
@@ -339,9 +331,16 @@ class Trainer:
         with contextlib.suppress(Stopped):
             self.redis.call(release, "release prompts")
 
-    def _recover(self) -> None:
-        assert self.admission is not None
-        self.redis.call(self.admission.recover, "look for a loss of Redis's data")
+    def _settle(self, ids: list[str], outcome: str) -> int:
+        """`Consumer.settle`; on rank 0 through admission, which looks for a loss of Redis's data
+        first (so that the entries held are kept in flight through it, not found gone) and
+        counts what was settled in the counters it remembers."""
+        if self.admission is None:
+            return self.consumer.settle(ids, outcome)
+        settle = partial(
+            self.admission.settle, partial(self.consumer.settle, ids, outcome), outcome
+        )
+        return self.redis.call(settle, f"settle entries as {outcome}")
 
     def _decode(self, fields: dict[bytes, bytes]) -> TrajectoryGroup:
         data = fields.get(b"data")

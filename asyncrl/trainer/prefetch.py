@@ -37,14 +37,14 @@ class Prefetcher(Generic[T]):
         *,
         read_ahead: int = 0,
         before_read: Callable[[], None] = lambda: None,
-        before_settle: Callable[[], None] = lambda: None,
+        settle: Callable[[list[str], str], int] | None = None,
         block_ms: int = READ_BLOCK_MS,
     ) -> None:
         self._consumer = consumer
         self._read_ahead = read_ahead
         self._wanted = 0  # what a waiting `take` asks for
         self._before_read = before_read
-        self._before_settle = before_settle
+        self._settle = settle or consumer.settle
         self._block_ms = block_ms
         self._buffer: deque[Delivery[T]] = deque()
         self._acks: deque[tuple[list[str], str, Future[int]]] = deque()
@@ -89,7 +89,8 @@ class Prefetcher(Generic[T]):
         return taken
 
     def settle(self, ids: list[str], outcome: str = "", *, wait: bool = True) -> int | None:
-        """`Consumer.settle` on the thread; with `wait`, how many it counted once applied."""
+        """`settle` (default `Consumer.settle`) on the thread; with `wait`, how many it counted
+        once applied."""
         done: Future[int] = Future()
         self.start()
         with self._changed:
@@ -126,11 +127,9 @@ class Prefetcher(Generic[T]):
                     acks = list(self._acks)
                     self._acks.clear()
                     closed = self._closed
-                if any(ids for ids, _, _ in acks):
-                    self._before_settle()
                 while acks:
                     ids, outcome, done = acks[0]
-                    done.set_result(self._consumer.settle(ids, outcome) if ids else 0)
+                    done.set_result(self._settle(ids, outcome) if ids else 0)
                     acks.pop(0)
                 if closed:
                     return
