@@ -213,7 +213,6 @@ class Trainer:
                 cursor=self.redis.call(
                     lambda: load_cursor(self.client, self.keys, cursor), "read the data cursor"
                 ),
-                # Ranks train in lockstep: every rank holds as many unacked groups as this one.
                 counters=resumed_counters,
                 held=self.consumer.held_groups,
                 max_message_bytes=cfg.queue.max_message_bytes,
