@@ -24,9 +24,25 @@ class AlgoConfig(Section):
     dual_clip: float | None = Field(default=3.0, gt=1)
     """Dual-clip bound c for negative advantages (PPO only); null disables it."""
     aggregation: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-horizon",
     ] = "token-mean"
-    """How the token loss matrix becomes a scalar (GSPO always uses seq-mean-token-mean)."""
+    """How the token loss matrix L (mask m) becomes a scalar, as verl's `loss_agg_mode`:
+    `token-mean` Σ mL / Σ m; `seq-mean-token-mean` mean over responses of their token mean;
+    `seq-mean-token-sum` mean over responses of their token sum; `seq-mean-token-sum-norm`
+    verl's Dr.GRPO, Σ mL / T, summed over all responses and divided by the horizon T only (so it
+    grows with the batch); `seq-mean-token-sum-horizon` the batch-size-free Dr.GRPO,
+    Σ mL / (T × responses) (SkyRL's seq_mean_token_sum_norm, TRL's dr_grpo; not in verl). T is
+    `loss_scale_factor`. Responses without a trained token do not count. GSPO always uses
+    seq-mean-token-mean."""
+    loss_scale_factor: int | None = Field(default=None, ge=1)
+    """T of the `seq-mean-token-sum-norm` and `seq-mean-token-sum-horizon` aggregations (verl's
+    `actor.loss_scale_factor`); null: the step's longest response, the width verl's default
+    `loss_mask.shape[-1]` has. verl's rollouts pad responses to `data.max_response_length`, so
+    set rollout.sampling.max_new_tokens here to reproduce a verl run's constant T."""
     correction: Literal["truncate", "mask", "none"] = "truncate"
     """Behaviour-policy correction: truncated IS weights, masking tokens outside [mask_low,
     mask_high], or none (plain PPO against π_prox)."""

@@ -114,6 +114,8 @@ def train_step(
         int(v)
         for v in _all_reduce([float(len(bins)), float(horizon_local)], world, dist.ReduceOp.MAX)
     )
+    if algo.loss_scale_factor is not None:
+        horizon = algo.loss_scale_factor
     sums = dict(loss=0.0, clip=0.0, w=0.0, capped=0.0, diff=0.0, lag0=0.0)
     trained_weights: list[torch.Tensor] = []
     for i in range(n_bins):
