@@ -160,6 +160,57 @@ def test_seq_mean_token_sum_norm_is_verls_sum_over_rows(micro_batch_tokens: int)
     assert _step_loss(rows, per_row, micro_batch_tokens) == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_masking_removes_rejected_tokens_from_the_loss_and_its_normalisers(
+    aggregation: str,
+) -> None:
+    """verl's rejection sampling (`rollout_rs`) replaces the response mask: a rejected token
+    leaves the loss and its normalisers. So a masking step equals a step without correction on
+    rows whose loss mask already lacks the tokens masking rejects."""
+    import dataclasses
+
+    from asyncrl.algo.correction import behaviour_mask_weights
+    from asyncrl.trainer.batch import collate
+    from asyncrl.trainer.step import token_logprobs, train_step
+
+    torch.set_num_threads(1)
+    algo = AlgoConfig(correction="mask", aggregation=aggregation)
+    rows = group_rows(proc.make_groups(), algo, proc.SAMPLING.max_new_tokens)
+    model = proc.new_tiny_model(seed=0).train()
+    with torch.no_grad():
+        mb = collate(rows)
+        prox = token_logprobs(model, mb, proc.SAMPLING)
+    keep = behaviour_mask_weights(prox, mb.behav_logp, mb.mask, lo=algo.mask_low, hi=algo.mask_high)
+    pre_masked = [
+        dataclasses.replace(r, loss_mask=keep[i, r.n_prompt - 1 : r.length - 1].numpy())
+        for i, r in enumerate(rows)
+    ]
+    dropped = float(mb.mask.sum() - keep.sum()) / float(mb.mask.sum())
+    assert 0.1 < dropped < 0.9
+    assert any(not r.loss_mask.any() for r in pre_masked if r.advantage)  # a whole row goes too
+
+    results = []
+    no_correction = algo.model_copy(update={"correction": "none"})
+    for batch, step_algo in ((rows, algo), (pre_masked, no_correction)):
+        m = proc.new_tiny_model(seed=0)
+        stats = train_step(
+            m,
+            torch.optim.SGD(m.parameters(), lr=0.5),
+            batch,
+            algo=step_algo,
+            sampling=proc.SAMPLING,
+            micro_batch_tokens=24,
+            grad_clip=1.0,
+            current_version=proc.CURRENT_VERSION,
+        )
+        results.append((stats, m.state_dict()))
+    (masked, masked_params), (none, none_params) = results
+    assert masked.loss == pytest.approx(none.loss, rel=1e-5)
+    assert masked.grad_norm == pytest.approx(none.grad_norm, rel=1e-5)
+    for key, value in none_params.items():
+        torch.testing.assert_close(masked_params[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 def test_lag0_figures_count_only_responses_of_the_current_weights() -> None:
     """`behaviour_logprob_abs_diff_lag0` compares like with like: only responses generated
     entirely by the weights being trained. A response whose weights were swapped mid-generation

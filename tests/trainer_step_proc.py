@@ -39,6 +39,13 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "seq-mean-token-mean-small-mb": ({"aggregation": "seq-mean-token-mean"}, 24),
     "seq-mean-token-sum-norm-small-mb": ({"aggregation": "seq-mean-token-sum-norm"}, 24),
     "seq-mean-token-sum-horizon-small-mb": ({"aggregation": "seq-mean-token-sum-horizon"}, 24),
+    # Masking drops tokens from the loss and its normalisers after each forward: the trainer
+    # rescales the gradients by the global kept counts (tokens, then non-empty rows).
+    "mask-token-mean-small-mb": ({"correction": "mask"}, 24),
+    "mask-seq-mean-token-mean-small-mb": (
+        {"correction": "mask", "aggregation": "seq-mean-token-mean"},
+        24,
+    ),
     # A KL term to a frozen reference model (another seed), sharded like the policy under fsdp.
     "kl-loss-small-mb": ({"kl_coef": 0.5, "kl_in": "loss"}, 24),
 }
