@@ -1,9 +1,11 @@
 import math
+import typing
 
 import pytest
 import torch
 
 from asyncrl.algo import losses
+from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.losses import AGG_MODES, KL_KINDS, aggregate, gspo_loss, kl_penalty, ppo_loss
 
 DOC_L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -13,7 +15,9 @@ DOC_M = torch.tensor([[1, 1, 0], [0, 0, 0]])
 def test_public_names() -> None:
     assert losses.LOSS_NAMES == ("ppo", "gspo")
     assert set(KL_KINDS) == {"k1", "abs", "k2", "k3"}
-    assert len(AGG_MODES) == 4
+    assert len(AGG_MODES) == 5
+    # the config accepts exactly the modes `aggregate` knows
+    assert typing.get_args(AlgoConfig.model_fields["aggregation"].annotation) == AGG_MODES
 
 
 @pytest.mark.parametrize(
@@ -23,6 +27,7 @@ def test_public_names() -> None:
         ("seq-mean-token-mean", 1.5),
         ("seq-mean-token-sum", 3.0),
         ("seq-mean-token-sum-norm", 1.0),
+        ("seq-mean-token-sum-horizon", 1.0),
     ],
 )
 def test_aggregate_2x3_with_empty_row(mode: str, expected: float) -> None:
@@ -35,7 +40,9 @@ def test_aggregate_2x3_with_empty_row(mode: str, expected: float) -> None:
         ("token-mean", 27 / 5),
         ("seq-mean-token-mean", (1.5 + 8) / 2),
         ("seq-mean-token-sum", (3 + 24) / 2),
-        ("seq-mean-token-sum-norm", (3 / 3 + 24 / 3) / 2),
+        # verl's agg_loss: the sum over rows divided by T alone, not by the number of rows
+        ("seq-mean-token-sum-norm", (3 + 24) / 3),
+        ("seq-mean-token-sum-horizon", (3 / 3 + 24 / 3) / 2),
     ],
 )
 def test_aggregate_rows_of_different_lengths(mode: str, expected: float) -> None:
@@ -45,8 +52,9 @@ def test_aggregate_rows_of_different_lengths(mode: str, expected: float) -> None
     assert aggregate(loss_mat, mask.bool(), mode).item() == pytest.approx(expected)
 
 
-def test_aggregate_horizon_overrides_width() -> None:
-    out = aggregate(DOC_L, DOC_M, "seq-mean-token-sum-norm", horizon=6)
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum-norm", "seq-mean-token-sum-horizon"])
+def test_aggregate_horizon_overrides_width(mode: str) -> None:
+    out = aggregate(DOC_L, DOC_M, mode, horizon=6)
     assert out.item() == pytest.approx(0.5)
 
 
@@ -86,21 +94,27 @@ def test_aggregate_global_normalisers_make_parts_sum_to_whole(mode: str) -> None
         for rows in (slice(0, 3), slice(3, 7))
     ]
     torch.testing.assert_close(parts[0] + parts[1], whole)
-    # Without global normalisers each part normalises by itself and the sum is off.
     local = [aggregate(loss_mat[r], mask[r], mode) for r in (slice(0, 3), slice(3, 7))]
-    assert not torch.allclose(local[0] + local[1], whole)
+    if mode == "seq-mean-token-sum-norm":
+        # Divided by the common width alone: the parts need no global normaliser.
+        torch.testing.assert_close(local[0] + local[1], whole)
+    else:
+        # Without global normalisers each part normalises by itself and the sum is off.
+        assert not torch.allclose(local[0] + local[1], whole)
 
 
-def test_aggregate_horizon_keeps_equivalence_across_padded_widths() -> None:
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum-norm", "seq-mean-token-sum-horizon"])
+def test_aggregate_horizon_keeps_equivalence_across_padded_widths(mode: str) -> None:
     loss_mat, mask = _random_batch(1)
-    whole = aggregate(loss_mat, mask, "seq-mean-token-sum-norm", horizon=6)
+    whole = aggregate(loss_mat, mask, mode, horizon=6)
     n_seqs = mask.any(-1).sum()
     # the second micro-batch is padded only to its own longest row (5 of 6 columns)
-    a = aggregate(loss_mat[:1], mask[:1], "seq-mean-token-sum-norm", global_seqs=n_seqs, horizon=6)
-    b = aggregate(
-        loss_mat[1:, :5], mask[1:, :5], "seq-mean-token-sum-norm", global_seqs=n_seqs, horizon=6
-    )
+    a = aggregate(loss_mat[:1], mask[:1], mode, global_seqs=n_seqs, horizon=6)
+    b = aggregate(loss_mat[1:, :5], mask[1:, :5], mode, global_seqs=n_seqs, horizon=6)
     torch.testing.assert_close(a + b, whole)
+    # without the common horizon each micro-batch would divide by its own width
+    b_own = aggregate(loss_mat[1:, :5], mask[1:, :5], mode, global_seqs=n_seqs)
+    assert not torch.allclose(a + b_own, whole)
 
 
 def _logp_pair(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,10 @@ def test_overrides_are_typed_and_nested() -> None:
 @pytest.mark.parametrize(
     ("overrides", "key", "hint"),
     [
-        (["algo.weight_cap=0"], "algo.weight_cap", "> 0"),
+        (["algo.weight_cap=0"], "algo.weight_cap", "≥ 1"),
+        (["algo.weight_cap=0.5"], "algo.weight_cap", "≥ 1"),
+        (["algo.mask_low=1.5", "algo.mask_high=3"], "algo.mask_low", "[0, 1]"),
+        (["algo.kl_coef=0.1", "algo.kl_in=reward"], "algo.kl_in", "not implemented"),
         (["algo.max_staleness=-1"], "algo.max_staleness", "greater than or equal to 0"),
         (["algo.loss=reinforce"], "algo.loss", "'ppo' or 'gspo'"),
         (["trainer.lr=abc"], "trainer.lr", "number"),

@@ -94,6 +94,123 @@ def test_two_ranks_equal_one_rank(name: str, two_rank_results: dict[str, list[di
         assert counts[0] > counts[1], f"ranks should run different micro-batch counts: {counts}"
 
 
+SMALL_MB_CASES = [n for n in proc.CASES if n.endswith("-small-mb")]
+
+
+@pytest.mark.parametrize("name", SMALL_MB_CASES)
+def test_micro_batches_change_nothing(name: str) -> None:
+    """One process, the whole batch in one micro-batch or split over several (padded to
+    different widths): the same update. With `test_two_ranks_equal_one_rank`, single process ==
+    micro-batched == 2 ranks for every aggregation and correction of the cases."""
+    torch.set_num_threads(1)
+    groups = proc.make_groups()
+    split = proc.run_case(name, groups, None)
+    whole = proc.run_case(name, groups, None, micro_batch_tokens=100_000)
+    rows = group_rows(groups, AlgoConfig(), proc.SAMPLING.max_new_tokens)
+    lengths = [r.length for r in rows]
+    assert len(pack_microbatches(lengths, proc.CASES[name][1])[0]) > 3
+    assert len(pack_microbatches(lengths, 100_000)[0]) == 1
+    for key, value in whole["params"].items():
+        torch.testing.assert_close(split["params"][key], value, rtol=0, atol=1e-6, msg=key)
+    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    if "mask" in name:  # masking dropped some tokens and kept others: not a vacuous case
+        assert 0.1 < whole["weight_mean"] < 0.9
+
+
+def _step_loss(rows: list, algo: AlgoConfig, micro_batch_tokens: int) -> float:
+    from asyncrl.trainer.step import train_step
+
+    model = proc.new_tiny_model(seed=0)
+    stats = train_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        rows,
+        algo=algo,
+        sampling=proc.SAMPLING,
+        micro_batch_tokens=micro_batch_tokens,
+        grad_clip=1.0,
+        current_version=proc.CURRENT_VERSION,
+    )
+    return stats.loss
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [100_000, 24])
+def test_seq_mean_token_sum_norm_is_verls_sum_over_rows(micro_batch_tokens: int) -> None:
+    """verl's `agg_loss(..., "seq-mean-token-sum-norm")` = Σ mL / T, T = `loss_scale_factor` or
+    the response width. With π_prox = sg(logp) the ratio is 1 and, without correction, each
+    trained token's loss is -A, so the step's loss is -Σ_rows A_i n_i / T (n_i trained tokens),
+    T the longest response; not divided by the number of rows (the old definition was). The
+    batch-size-free `seq-mean-token-sum-horizon` divides by the rows as well."""
+    torch.set_num_threads(1)
+    groups = proc.make_groups()
+    algo = AlgoConfig(aggregation="seq-mean-token-sum-norm", correction="none")
+    rows = group_rows(groups, algo, proc.SAMPLING.max_new_tokens)
+    horizon = max(r.length - r.n_prompt for r in rows)
+    trained = [r for r in rows if r.loss_mask.any()]
+    total = -sum(r.advantage * float(r.loss_mask.sum()) for r in trained)
+    assert len(trained) > 1 and abs(total) > 1e-3
+
+    loss = _step_loss(rows, algo, micro_batch_tokens)
+    assert loss == pytest.approx(total / horizon, rel=1e-5)
+    scaled = algo.model_copy(update={"loss_scale_factor": 64})
+    assert _step_loss(rows, scaled, micro_batch_tokens) == pytest.approx(total / 64, rel=1e-5)
+    per_row = algo.model_copy(update={"aggregation": "seq-mean-token-sum-horizon"})
+    expected = total / (horizon * len(trained))
+    assert _step_loss(rows, per_row, micro_batch_tokens) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_masking_removes_rejected_tokens_from_the_loss_and_its_normalisers(
+    aggregation: str,
+) -> None:
+    """verl's rejection sampling (`rollout_rs`) replaces the response mask: a rejected token
+    leaves the loss and its normalisers. So a masking step equals a step without correction on
+    rows whose loss mask already lacks the tokens masking rejects."""
+    import dataclasses
+
+    from asyncrl.algo.correction import behaviour_mask_weights
+    from asyncrl.trainer.batch import collate
+    from asyncrl.trainer.step import token_logprobs, train_step
+
+    torch.set_num_threads(1)
+    algo = AlgoConfig(correction="mask", aggregation=aggregation)
+    rows = group_rows(proc.make_groups(), algo, proc.SAMPLING.max_new_tokens)
+    model = proc.new_tiny_model(seed=0).train()
+    with torch.no_grad():
+        mb = collate(rows)
+        prox = token_logprobs(model, mb, proc.SAMPLING)
+    keep = behaviour_mask_weights(prox, mb.behav_logp, mb.mask, lo=algo.mask_low, hi=algo.mask_high)
+    pre_masked = [
+        dataclasses.replace(r, loss_mask=keep[i, r.n_prompt - 1 : r.length - 1].numpy())
+        for i, r in enumerate(rows)
+    ]
+    dropped = float(mb.mask.sum() - keep.sum()) / float(mb.mask.sum())
+    assert 0.1 < dropped < 0.9
+    assert any(not r.loss_mask.any() for r in pre_masked if r.advantage)  # a whole row goes too
+
+    results = []
+    no_correction = algo.model_copy(update={"correction": "none"})
+    for batch, step_algo in ((rows, algo), (pre_masked, no_correction)):
+        m = proc.new_tiny_model(seed=0)
+        stats = train_step(
+            m,
+            torch.optim.SGD(m.parameters(), lr=0.5),
+            batch,
+            algo=step_algo,
+            sampling=proc.SAMPLING,
+            micro_batch_tokens=24,
+            grad_clip=1.0,
+            current_version=proc.CURRENT_VERSION,
+        )
+        results.append((stats, m.state_dict()))
+    (masked, masked_params), (none, none_params) = results
+    assert masked.loss == pytest.approx(none.loss, rel=1e-5)
+    assert masked.grad_norm == pytest.approx(none.grad_norm, rel=1e-5)
+    for key, value in none_params.items():
+        torch.testing.assert_close(masked_params[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 def test_lag0_figures_count_only_responses_of_the_current_weights() -> None:
     """`behaviour_logprob_abs_diff_lag0` compares like with like: only responses generated
     entirely by the weights being trained. A response whose weights were swapped mid-generation

@@ -38,6 +38,14 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "token-mean-small-mb": ({"aggregation": "token-mean"}, 24),
     "seq-mean-token-mean-small-mb": ({"aggregation": "seq-mean-token-mean"}, 24),
     "seq-mean-token-sum-norm-small-mb": ({"aggregation": "seq-mean-token-sum-norm"}, 24),
+    "seq-mean-token-sum-horizon-small-mb": ({"aggregation": "seq-mean-token-sum-horizon"}, 24),
+    # Masking drops tokens from the loss and its normalisers after each forward: the trainer
+    # rescales the gradients by the global kept counts (tokens, then non-empty rows).
+    "mask-token-mean-small-mb": ({"correction": "mask"}, 24),
+    "mask-seq-mean-token-mean-small-mb": (
+        {"correction": "mask", "aggregation": "seq-mean-token-mean"},
+        24,
+    ),
     # A KL term to a frozen reference model (another seed), sharded like the policy under fsdp.
     "kl-loss-small-mb": ({"kl_coef": 0.5, "kl_in": "loss"}, 24),
 }
@@ -86,9 +94,12 @@ def run_case(
     groups: list[TrajectoryGroup],
     world: torch.distributed.ProcessGroup | None,
     parallel: str = "ddp",
+    micro_batch_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Train one step of case `name` on `groups` from the seed-0 tiny model."""
-    overrides, micro_batch_tokens = CASES[name]
+    """Train one step of case `name` on `groups` from the seed-0 tiny model (with the case's
+    micro-batch size unless `micro_batch_tokens` is given)."""
+    overrides, case_micro_batch_tokens = CASES[name]
+    micro_batch_tokens = micro_batch_tokens or case_micro_batch_tokens
     algo = AlgoConfig(**overrides)
     torch.manual_seed(0)
     model = new_tiny_model(seed=0)
@@ -125,6 +136,7 @@ def run_case(
         "tokens": stats.tokens,
         "lag0_tokens": stats.lag0_tokens,
         "diff": stats.logprob_abs_diff_lag0,
+        "weight_mean": stats.behaviour_weight_mean,
     }
 
 

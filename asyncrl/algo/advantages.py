@@ -33,8 +33,11 @@ def grpo_advantages(
 ) -> Tensor:
     """GRPO advantage ``(r_i - mean_g) / (std_g + eps)`` with the unbiased (N-1) std.
 
-    ``norm_by_std=False`` gives Dr.GRPO, ``r_i - mean_g``. As in verl, a group of one sample
-    has mean 0 and std 1, so its advantage is its raw reward (divided by ``1 + eps``).
+    ``norm_by_std=False`` gives Dr.GRPO, ``r_i - mean_g``. This is verl's
+    ``compute_grpo_outcome_advantage`` (``adv_estimator=grpo``, ``norm_adv_by_std_in_grpo``,
+    ``epsilon``): ``torch.std`` is the unbiased one, and a group of one sample has mean 0 and
+    std 1, so its advantage is its raw reward (divided by ``1 + eps``). verl's
+    ``grpo_vectorized`` differs only in flooring the variance at ``eps``.
 
     Example: rewards ``[1, 0, 1, 0]`` in one group have mean 0.5 and std 0.57735, so
     ``A = [0.866, -0.866, 0.866, -0.866]``; with ``norm_by_std=False``, ``[0.5, -0.5, ...]``.
@@ -55,9 +58,11 @@ def grpo_advantages(
 def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """REINFORCE leave-one-out: ``A_i = r_i - mean of the other samples of i's group``.
 
-    A group of one sample has no leave-one-out baseline; its advantage is 0 (no gradient),
-    unlike verl, which leaves the raw reward there as an unbaselined REINFORCE term whose
-    scale does not match the rest of the batch.
+    verl's ``compute_rloo_outcome_advantage`` writes it ``(n r_i - Σ_g r) / (n - 1)``, the
+    same value. A group of one sample has no leave-one-out baseline; its advantage is 0 (no
+    gradient), as in verl's ``rloo_vectorized`` and SkyRL; verl's ``rloo`` leaves the raw
+    reward there instead, an unbaselined REINFORCE term whose scale does not match the rest
+    of the batch.
 
     Example: rewards ``[1, 2, 3]`` in one group give ``[1 - 2.5, 2 - 2, 3 - 1.5]``.
     """

@@ -24,20 +24,39 @@ class AlgoConfig(Section):
     dual_clip: float | None = Field(default=3.0, gt=1)
     """Dual-clip bound c for negative advantages (PPO only); null disables it."""
     aggregation: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-horizon",
     ] = "token-mean"
-    """How the token loss matrix becomes a scalar (GSPO always uses seq-mean-token-mean)."""
+    """How the token loss matrix L (mask m) becomes a scalar, as verl's `loss_agg_mode`:
+    `token-mean` Σ mL / Σ m; `seq-mean-token-mean` mean over responses of their token mean;
+    `seq-mean-token-sum` mean over responses of their token sum; `seq-mean-token-sum-norm`
+    verl's Dr.GRPO, Σ mL / T, summed over all responses and divided by the horizon T only (so it
+    grows with the batch); `seq-mean-token-sum-horizon` the batch-size-free Dr.GRPO,
+    Σ mL / (T × responses) (SkyRL's seq_mean_token_sum_norm, TRL's dr_grpo; not in verl). T is
+    `loss_scale_factor`. Responses without a trained token do not count. GSPO always uses
+    seq-mean-token-mean."""
+    loss_scale_factor: int | None = Field(default=None, ge=1)
+    """T of the `seq-mean-token-sum-norm` and `seq-mean-token-sum-horizon` aggregations (verl's
+    `actor.loss_scale_factor`); null: the step's longest response, the width verl's default
+    `loss_mask.shape[-1]` has. verl's rollouts pad responses to `data.max_response_length`, so
+    set rollout.sampling.max_new_tokens here to reproduce a verl run's constant T."""
     correction: Literal["truncate", "mask", "none"] = "truncate"
-    """Behaviour-policy correction: truncated IS weights, masking tokens outside [mask_low,
-    mask_high], or none (plain PPO against π_prox)."""
+    """Behaviour-policy correction, from r = π_prox/π_behav: truncated IS weights min(r,
+    weight_cap) (verl's rollout_is with rollout_is_threshold); masking, which drops the tokens
+    (or, at sequence level, whole responses) whose r is outside [mask_low, mask_high] from the
+    loss and its normalisers (verl's rollout_rs=token_k1 / seq_sum_k1 with threshold
+    "1/mask_high_1/mask_low", as verl bounds −log r); or none (plain PPO against π_prox)."""
     correction_level: Literal["token", "sequence"] = "token"
-    """Whether IS weights are per token or one per sequence."""
+    """Whether r is per token or, for the whole response, the product of its token ratios."""
     weight_cap: float = 2.0
-    """Truncation cap of the behaviour importance weights (must be > 0)."""
+    """Truncation cap of the behaviour importance weights (must be ≥ 1)."""
     mask_low: float = 0.5
-    """Masking mode: tokens whose weight is below this are dropped."""
+    """Masking mode: tokens whose ratio is below this are dropped (must be ≤ 1)."""
     mask_high: float = 2.0
-    """Masking mode: tokens whose weight is above this are dropped."""
+    """Masking mode: tokens whose ratio is above this are dropped (must be ≥ 1)."""
     filter_zero_variance: bool = True
     """Drop groups whose rewards are all equal (no learning signal; DAPO dynamic sampling)."""
     overlong_buffer: int = Field(default=0, ge=0)
@@ -50,14 +69,19 @@ class AlgoConfig(Section):
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
     """KL estimator."""
     kl_in: Literal["loss", "reward"] = "loss"
-    """Apply the KL as a loss term or as a per-token reward penalty."""
+    """Apply the KL as a loss term (verl's use_kl_loss, aggregated like the policy loss);
+    `reward` (verl's use_kl_in_reward) is not implemented yet and is refused when kl_coef > 0."""
     eps: float = 1e-6
     """ε in the GRPO std normalisation."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
-        if self.weight_cap <= 0:
-            raise ValueError("algo.weight_cap must be > 0")
-        if not 0 <= self.mask_low < self.mask_high:
-            raise ValueError("algo.mask_low must be ≥ 0 and below algo.mask_high")
+        # The bounds `correction.py` enforces, checked here so a run fails at start, not at
+        # its first step: an on-policy token (r = 1) keeps weight 1 and is never dropped.
+        if self.weight_cap < 1:
+            raise ValueError("algo.weight_cap must be ≥ 1 (an on-policy token keeps weight 1)")
+        if not 0 <= self.mask_low <= 1 <= self.mask_high:
+            raise ValueError("algo.mask_low must be in [0, 1] and algo.mask_high ≥ 1")
+        if self.kl_coef > 0 and self.kl_in == "reward":
+            raise ValueError("algo.kl_in=reward is not implemented; use algo.kl_in=loss")
         return self

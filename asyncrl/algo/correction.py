@@ -10,6 +10,17 @@ Levels: ``token`` uses each token's own ratio ``π_prox/π_behav``; ``sequence``
 product of the row's token ratios (the exact sequence-likelihood ratio, the one that
 matches a reward given to the whole response) on every token of the row. The product has
 far higher variance than any single token ratio, which is why both are truncated or masked.
+
+These are verl's rollout correction (``verl/trainer/ppo/rollout_corr_helper.py``):
+:func:`behaviour_weights` is ``compute_rollout_correction_weights`` (``rollout_is=token`` or
+``sequence``, ``rollout_is_threshold=cap``; the same ±20 clamp of the token or summed log
+ratio, the same truncation after masking); verl also accepts a threshold below 1 and offers
+``rollout_is_batch_normalize``, neither of which is here. :func:`behaviour_mask_weights` is
+``compute_rollout_rejection_mask`` with ``rollout_rs=token_k1`` (token level) or
+``seq_sum_k1`` (sequence level): verl bounds ``-log r`` by ``[log a, log b]`` for a threshold
+``"a_b"``, i.e. keeps ``1/b ≤ r ≤ 1/a``, so ``[lo, hi]`` here is verl's ``"1/hi_1/lo"``. As in
+verl, the rejected tokens leave the loss mask (``trainer/step.py`` multiplies the mask by the
+returned weights), and with it the loss normalisers; they are not merely weighted 0.
 """
 
 from __future__ import annotations
@@ -65,7 +76,8 @@ def behaviour_mask_weights(
     """Masking instead of truncation: weight 1 where ``lo ≤ π_prox/π_behav ≤ hi``, else 0.
 
     Tokens (or, at sequence level, whole rows) too far off-policy are dropped rather than
-    down-weighted, so the kept ones stay unbiased; the drop rate is the price.
+    down-weighted, so the kept ones stay unbiased; the drop rate is the price. The result is
+    meant as the new loss mask (verl's ``modified_response_mask``), not as loss weights.
 
     Example: token ratios ``[1, 1.5, 3]`` with ``[lo, hi] = [0.5, 2]`` give ``[1, 1, 0]``.
     """

@@ -1,7 +1,10 @@
 """Policy losses (PPO with dual clip, GSPO), loss aggregation and KL estimators.
 
 Token tensors are ``[B, T]``: one row per response, ``mask`` 1 on response tokens that
-count and 0 on padding. Losses are to be minimised. Numerics follow verl's ``core_algos``.
+count and 0 on padding. Losses are to be minimised. Definitions follow verl's
+``verl/trainer/ppo/core_algos.py`` (``agg_loss``, ``compute_policy_loss_vanilla``,
+``compute_policy_loss_gspo``, ``kl_penalty_forward``; read at commit b178a3cd, 2026-01-29);
+where they differ, the docstring says how.
 """
 
 from __future__ import annotations
@@ -52,29 +55,40 @@ def aggregate(
     global_seqs: Normaliser = None,
     horizon: int | None = None,
 ) -> Tensor:
-    """Reduce a ``[B, T]`` per-token loss to a scalar.
+    """Reduce a ``[B, T]`` per-token loss to a scalar (verl's ``agg_loss``).
 
-    Modes (m = mask, L = loss_mat, "rows" = rows with at least one unmasked token):
+    Modes (m = mask, L = loss_mat, "rows" = rows with at least one unmasked token, H =
+    ``horizon``, by default ``T = mask.shape[-1]``):
 
     - ``token-mean``: ``Σ mL / Σ m``; every token weighs the same (DAPO).
     - ``seq-mean-token-mean``: mean over rows of ``Σ_t mL / Σ_t m`` (original GRPO, GSPO).
     - ``seq-mean-token-sum``: mean over rows of ``Σ_t mL``.
-    - ``seq-mean-token-sum-norm``: mean over rows of ``Σ_t mL / horizon`` (Dr.GRPO), with
-      ``horizon`` defaulting to ``T = mask.shape[-1]``. This is verl's current definition
-      (older verl summed over rows instead of averaging, which scaled the loss with the
-      batch size). Pass a fixed ``horizon``, e.g. the maximum response length, when
-      micro-batches are padded to different widths, or each would use its own divisor.
+    - ``seq-mean-token-sum-norm``: ``Σ mL / H``, the sum over *all* rows divided by the
+      horizon alone (Dr.GRPO as verl defines it: ``torch.sum(seq_losses) /
+      loss_scale_factor``, ``loss_mask.shape[-1]`` when no factor is given). There is no
+      division by the number of rows, so the loss, and its gradient, grow with the batch.
+    - ``seq-mean-token-sum-horizon``: mean over rows of ``Σ_t mL / H``, i.e. ``Σ mL / (H ×
+      rows)``: the batch-size-free variant. It is SkyRL's ``seq_mean_token_sum_norm`` and
+      TRL's ``loss_type="dr_grpo"`` (which divide by all rows of the batch, where this
+      counts non-empty rows, as the other ``seq-*`` modes do); not in verl.
+
+    Pass a fixed ``horizon`` (verl's ``loss_scale_factor``) when micro-batches are padded to
+    different widths, or each would use its own divisor.
 
     Global normalisers: by default the denominators (``Σ m``, number of rows) are those of
     this call's batch. When one step's batch is split over micro-batches or ranks, pass the
     step-wide totals, all-reduced: ``global_tokens`` for ``token-mean`` and ``global_seqs``
-    (non-empty rows) for the ``seq-*`` modes; the one a mode does not use is ignored. The
-    results of the parts then *sum* to the single-process value on the whole batch, so
-    gradients must be summed across ranks, not averaged (or each rank's loss multiplied by
-    the world size when the data-parallel wrapper averages).
+    (non-empty rows) for ``seq-mean-token-mean``, ``seq-mean-token-sum`` and
+    ``seq-mean-token-sum-horizon``; ``seq-mean-token-sum-norm`` needs only the common
+    ``horizon``; a normaliser a mode does not use is ignored. The results of the parts then
+    *sum* to the single-process value on the whole batch, so gradients must be summed across
+    ranks, not averaged (or each rank's loss multiplied by the world size when the
+    data-parallel wrapper averages, as verl's ``dp_size`` factor does).
 
-    Example: ``L = [[1, 2, 3], [4, 5, 6]]``, ``m = [[1, 1, 0], [0, 0, 0]]``: token-mean 1.5,
-    seq-mean-token-mean 1.5, seq-mean-token-sum 3, seq-mean-token-sum-norm 1 (3 / T=3).
+    Example: ``L = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]``, ``m = [[1, 1, 0], [0, 0, 0],
+    [1, 1, 1]]``: token-mean 27/5, seq-mean-token-mean (1.5 + 8)/2, seq-mean-token-sum
+    (3 + 24)/2, seq-mean-token-sum-norm (3 + 24)/3 = 9, seq-mean-token-sum-horizon
+    (3/3 + 24/3)/2 = 4.5.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; allowed: {', '.join(AGG_MODES)}")
@@ -82,12 +96,15 @@ def aggregate(
     masked = loss_mat * m
     if mode == "token-mean":
         return _safe_div(masked.sum(), m.sum() if global_tokens is None else global_tokens)
+    width = mask.shape[-1] if horizon is None else horizon
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / width
     tokens_per_row = m.sum(-1)
     row_loss = masked.sum(-1)
     if mode == "seq-mean-token-mean":
         row_loss = row_loss / tokens_per_row.clamp(min=1)
-    elif mode == "seq-mean-token-sum-norm":
-        row_loss = row_loss / (mask.shape[-1] if horizon is None else horizon)
+    elif mode == "seq-mean-token-sum-horizon":
+        row_loss = row_loss / width
     n_seqs = (tokens_per_row > 0).sum() if global_seqs is None else global_seqs
     return _safe_div(row_loss.sum(), n_seqs)
 
@@ -109,17 +126,20 @@ def ppo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO surrogate with DAPO's asymmetric clip and dual clip for ``A < 0``.
 
-    ``r = exp(clamp(logp - old_logp, ±20))``, ``L = max(-A·r, -A·clip(r, 1-clip_low,
-    1+clip_high))``; where ``A < 0`` additionally ``L = min(L, -A·dual_clip)``, so a token
-    whose ratio exploded cannot dominate the batch (``dual_clip=None`` disables it). ``L`` is
-    multiplied by ``weights`` (detached; e.g. behaviour importance weights) and reduced with
+    verl's ``compute_policy_loss_vanilla`` (``clip_ratio_low``/``clip_ratio_high``,
+    ``clip_ratio_c``): ``r = exp(clamp(logp - old_logp, ±20))``, ``L = max(-A·r,
+    -A·clip(r, 1-clip_low, 1+clip_high))``; where ``A < 0`` additionally ``L = min(L,
+    -A·dual_clip)``, so a token whose ratio exploded cannot dominate the batch (verl always
+    applies it; ``dual_clip=None`` disables it here). ``L`` is multiplied by ``weights``
+    (detached; verl's ``rollout_is_weights``) after the clipping and reduced with
     :func:`aggregate` (``agg``, ``global_*`` and ``horizon`` are passed through).
 
     ``adv`` is ``[B]`` (broadcast over tokens) or ``[B, T]``; it and ``old_logp`` are treated
     as constants. Returned stats are detached means over unmasked tokens:
-    ``clip_fraction`` (the clipped branch is active), ``dual_clip_fraction``, ``ratio_mean``
-    and ``approx_kl``, verl's ``ppo_kl``: the k1 estimate ``mean(-Δ)`` of KL(old ‖ new),
-    unbiased but able to go negative on a small batch.
+    ``clip_fraction`` (the clipped branch is active; verl's ``pg_clipfrac``),
+    ``dual_clip_fraction`` (``pg_clipfrac_lower``), ``ratio_mean`` and ``approx_kl``, verl's
+    ``ppo_kl``: the k1 estimate ``mean(-Δ)`` of KL(old ‖ new) from the clamped ``Δ``, unbiased
+    but able to go negative on a small batch.
 
     Example: ``A = 1``, ``r = 1.5``, ``clip_high = 0.2``: ``L = max(-1.5, -1.2) = -1.2``,
     clipped. ``A = -1``, ``r = 5``: ``L = min(max(5, 1.2), 3) = 3``, dual-clipped.
@@ -171,7 +191,9 @@ def gspo_loss(
     has value ``s_i`` on every token of row i and gradient ``s_i · ∇logp_it``, so with
     ``seq-mean-token-mean`` aggregation the gradient equals GSPO's sequence-level one,
     ``-A_i s_i / |y_i| Σ_t ∇logp_it`` per row, and clipping keeps or drops whole sequences.
-    ``L = max(-A·s_it, -A·clip(s_it, 1-clip_low, 1+clip_high))``, times detached ``weights``.
+    ``L = max(-A·s_it, -A·clip(s_it, 1-clip_low, 1+clip_high))``, times detached ``weights``;
+    no dual clip. This is verl's ``compute_policy_loss_gspo``, which likewise aggregates with
+    ``seq-mean-token-mean`` whatever ``loss_agg_mode`` is set.
 
     Stats (detached): ``clip_fraction`` over unmasked tokens, ``ratio_mean`` (mean of
     ``s_i`` over non-empty rows) and ``approx_kl`` as in :func:`ppo_loss`.
@@ -205,11 +227,17 @@ def gspo_loss(
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(π ‖ π_ref) from log-probs of tokens sampled from π.
 
-    - ``k1``: ``logp - ref`` (unbiased, high variance, can be negative).
+    verl's ``kl_penalty_forward``; verl's names in brackets:
+
+    - ``k1`` (``kl``): ``logp - ref`` (unbiased, high variance, can be negative).
     - ``abs``: ``|logp - ref|``.
-    - ``k2``: ``½(logp - ref)²`` (biased, low variance; its gradient is that of the true KL).
-    - ``k3``: ``e^x - x - 1`` with ``x = clamp(ref - logp, ±20)``, clamped to ``[-10, 10]``
-      (unbiased, low variance, never negative; verl's ``low_var_kl``).
+    - ``k2`` (``mse``): ``½(logp - ref)²`` (biased, low variance; its gradient is that of the
+      true KL).
+    - ``k3`` (``low_var_kl``): ``e^x - x - 1`` with ``x = clamp(ref - logp, ±20)``, clamped
+      to ``[-10, 10]`` (unbiased, low variance, never negative).
+
+    verl's straight-through variants (``k1+``, ``k3+``: k2's gradient under k1's or k3's
+    value) are not offered.
 
     Example: ``logp = -1``, ``ref = -2``: k1 1, abs 1, k2 0.5, k3 ``e^-1 + 1 - 1 = 0.3679``.
     """

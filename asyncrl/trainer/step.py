@@ -11,6 +11,12 @@ ranks — by one all-reduce here, or by FSDP's reduce-scatter for a sharded mode
 the update of one rank on the whole batch. Every rank runs the same number of forward and backward
 passes (padding with empty micro-batches), which a sharded model's collectives need.
 
+With `algo.correction=mask` the rejected tokens leave the loss mask, as in verl, so they must also
+leave the normalisers; but which tokens are rejected is known only after each micro-batch's
+forward. The loss is therefore built with the normalisers of the unmasked batch, and once every
+micro-batch has run, the gradients (all terms share the normaliser) are multiplied by
+normaliser(all) / normaliser(kept), all-reduced — exact, since the loss is linear in 1/normaliser.
+
 A step whose loss or gradient norm is not finite is skipped (the optimizer does not step): one
 overflowing batch must not turn the weights into NaN. Both figures are global, so every rank
 skips together.
@@ -114,7 +120,10 @@ def train_step(
         int(v)
         for v in _all_reduce([float(len(bins)), float(horizon_local)], world, dist.ReduceOp.MAX)
     )
-    sums = dict(loss=0.0, clip=0.0, w=0.0, capped=0.0, diff=0.0, lag0=0.0)
+    if algo.loss_scale_factor is not None:
+        horizon = algo.loss_scale_factor
+    masking = algo.correction == "mask"
+    sums = dict(loss=0.0, clip=0.0, w=0.0, capped=0.0, diff=0.0, lag0=0.0, kept=0.0, kept_seqs=0.0)
     trained_weights: list[torch.Tensor] = []
     for i in range(n_bins):
         idx = bins[i] if i < len(bins) else []
@@ -125,15 +134,18 @@ def train_step(
         logp = token_logprobs(model, mb, sampling)
         prox = logp.detach()
         weights = _correction(prox, mb, algo)
+        # Masking rejects tokens: they leave the loss mask (verl's modified response_mask).
+        loss_mask = weights if masking and weights is not None else mb.mask
+        loss_weights = None if masking else weights
         if algo.loss == "gspo":
             loss, stats = gspo_loss(
                 logp,
                 prox,
                 mb.advantages,
-                mb.mask,
+                loss_mask,
                 clip_low=algo.clip_low,
                 clip_high=algo.clip_high,
-                weights=weights,
+                weights=loss_weights,
                 global_seqs=g_seqs,
             )
         else:
@@ -141,12 +153,12 @@ def train_step(
                 logp,
                 prox,
                 mb.advantages,
-                mb.mask,
+                loss_mask,
                 clip_low=algo.clip_low,
                 clip_high=algo.clip_high,
                 dual_clip=algo.dual_clip,
                 agg=algo.aggregation,
-                weights=weights,
+                weights=loss_weights,
                 global_tokens=g_tokens,
                 global_seqs=g_seqs,
                 horizon=horizon,
@@ -157,14 +169,16 @@ def train_step(
             kl = kl_penalty(logp, ref_logp, algo.kl_kind)
             loss = loss + algo.kl_coef * aggregate(
                 kl,
-                mb.mask,
+                loss_mask,
                 algo.aggregation,
                 global_tokens=g_tokens,
                 global_seqs=g_seqs,
                 horizon=horizon,
             )
         loss.backward()
-        n_tok = float(mb.mask.sum())
+        n_kept = float(loss_mask.sum())
+        sums["kept"] += n_kept
+        sums["kept_seqs"] += float((loss_mask.sum(-1) > 0).sum())
         w = weights if weights is not None else mb.mask
         # Lag 0 is a property of a whole response: a token after an in-flight swap carries the
         # current version but attended to keys the older weights computed.
@@ -175,7 +189,7 @@ def train_step(
         lag0 = row_lag0.float() * mb.mask
         trained_weights.append(w[mb.mask > 0].detach().float())
         sums["loss"] += float(loss.detach())
-        sums["clip"] += float(stats["clip_fraction"]) * n_tok
+        sums["clip"] += float(stats["clip_fraction"]) * n_kept
         sums["w"] += float((w * mb.mask).sum())
         sums["capped"] += float(((w >= algo.weight_cap) & (mb.mask > 0)).sum())
         sums["diff"] += float(((prox - mb.behav_logp).abs() * lag0).sum())
@@ -186,6 +200,12 @@ def train_step(
     params = [p for p in model.parameters() if p.requires_grad]
     if world is not None and not is_sharded(model):
         _all_reduce_grads(params, world)  # FSDP has reduce-scattered them in backward
+    if masking:
+        scale = _rejection_rescale(algo, (g_tokens, g_seqs), (totals["kept"], totals["kept_seqs"]))
+        totals["loss"] *= scale
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
     # Over sharded gradients the norm is a DTensor: the global norm, the same on every rank.
     grad_norm = global_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     skipped = not (math.isfinite(grad_norm) and math.isfinite(totals["loss"]))
@@ -197,7 +217,7 @@ def train_step(
         loss=totals["loss"],
         grad_norm=grad_norm,
         tokens=int(g_tokens),
-        clip_fraction=totals["clip"] / tokens,
+        clip_fraction=totals["clip"] / max(totals["kept"], 1.0),
         behaviour_weight_mean=totals["w"] / tokens,
         behaviour_weight_capped_fraction=totals["capped"] / tokens,
         logprob_abs_diff_lag0=totals["diff"] / totals["lag0"] if totals["lag0"] else None,
@@ -229,6 +249,20 @@ def _quantiles(values: torch.Tensor | None) -> dict[str, float]:
         "behaviour_weight_p90": q[1],
         "behaviour_weight_p99": q[2],
     }
+
+
+def _rejection_rescale(
+    algo: AlgoConfig, normalisers: tuple[float, float], kept: tuple[float, float]
+) -> float:
+    """Factor turning a loss normalised over all tokens into one normalised over the tokens
+    masking kept: (tokens, non-empty rows) of the whole step, then of the kept tokens."""
+    mode = "seq-mean-token-mean" if algo.loss == "gspo" else algo.aggregation
+    if mode == "seq-mean-token-sum-norm":
+        return 1.0  # divided by the horizon alone, which rejection does not change
+    (tokens, seqs), (kept_tokens, kept_seqs) = normalisers, kept
+    full, part = (tokens, kept_tokens) if mode == "token-mean" else (seqs, kept_seqs)
+    # Nothing kept: every gradient is 0 already. The loss divided by max(·, 1), as aggregate does.
+    return max(full, 1.0) / max(part, 1.0) if part > 0 else 1.0
 
 
 def _correction(prox: torch.Tensor, mb: MicroBatch, algo: AlgoConfig) -> torch.Tensor | None:
