@@ -235,9 +235,11 @@ def test_every_dashboard_and_alert_series_has_data(
             f"run.dir={tmp_path / 'run'}",
             f"model.path={warm_model}",
             "rollout.workers=1",
-            # Evals every 2 of 12 steps: several 1 s scrapes see the eval gauge set.
-            "trainer.max_steps=12",
-            "trainer.checkpoint_every=3",
+            # 36 steps (about 8 s on 2 idle cores; 12 took 2.5 s, and a rate over a 10 s window
+            # then sometimes had one scrape to go on), an eval every 2: several 1 s scrapes see
+            # the counters grow and the eval gauge set.
+            "trainer.max_steps=36",
+            "trainer.checkpoint_every=6",
             "trainer.eval_every=2",
             "trainer.eval_size=100",
             f"metrics.port={metrics_port}",
