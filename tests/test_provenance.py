@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from transformers import AutoTokenizer
 from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status, is_balanced, read_accounting
-from asyncrl.protocol import decode_group, stream_fields
+from asyncrl.protocol import TrajectoryGroup, decode_group, stream_fields
 from asyncrl.provenance import group_id_of, trajectory_groups
 from asyncrl.queue import Consumer
 from asyncrl.rollout.config import ArithmeticTaskConfig
@@ -222,25 +224,34 @@ class Items:
         return 0.0
 
 
-def test_admission_after_redis_lost_its_data(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    g, eta = 2, 1
+@dataclass
+class Lossy:
+    """A Redis without persistence (killed, it comes back empty), admission over it with G = 2
+    and η = 1, and the trainer's consumer, which admission asks what it holds."""
+
+    server: RedisServer
+    client: redis.Redis
+    keys: Keys
+    admission: Admission
+    trainer: Consumer[TrajectoryGroup]
+
+    def lose_data(self) -> None:
+        self.server.kill()
+        self.server.start()
+
+    def read_groups(self, n: int) -> list[str]:
+        """Answer the first `n` released prompts and have the trainer read the groups; their ids."""
+        for group_id in [i.decode() for i, _ in self.client.xrange(self.keys.prompts, count=n)]:
+            self.client.xadd(self.keys.trajectories, stream_fields(make_group(group_id)))
+        return [d.id for d in self.trainer.read(count=n, block_ms=100)]
+
+
+@pytest.fixture
+def lossy(tmp_path: Path) -> Iterator[Lossy]:
     server = RedisServer(data_dir=tmp_path / "redis", appendonly=False).start()
     client = redis.Redis.from_url(server.url)
     keys = Keys("lost")
-    admission = Admission(
-        client,
-        keys,
-        Items(),
-        task_name="items",
-        n=1,
-        max_staleness=eta,
-        groups_per_step=g,
-        cursor=Cursor(seed=0),
-        held=lambda: trainer.held_groups(),
-    )
-    trainer = Consumer(
+    trainer: Consumer[TrajectoryGroup] = Consumer(
         client,
         keys.trajectories,
         TRAJECTORIES_GROUP,
@@ -251,52 +262,6 @@ def test_admission_after_redis_lost_its_data(
         decode=lambda fields: decode_group(fields[b"data"]),
         groups=trajectory_groups(keys),
     )
-    try:
-        assert admission.release(0, 0) == (eta + 1) * g
-        # The trainer reads two groups and trains them; the step's checkpoint (and its ack) is
-        # not written yet when Redis loses its data.
-        for group_id in [i.decode() for i, _ in client.xrange(keys.prompts, count=2)]:
-            client.xadd(keys.trajectories, stream_fields(make_group(group_id)))
-        held = trainer.read(count=2, block_ms=100)
-        trained = [d.id for d in held]
-        assert len(trained) == 2
-        assert admission.release(1, 1) == g  # the bound: (1 + η + 1) × G released in all
-        released_before = (eta + 2) * g
-
-        server.kill()  # no AOF, no RDB: it comes back empty
-        server.start()
-        with caplog.at_level(logging.ERROR, logger="asyncrl.trainer.admission"):
-            after = admission.release(1, 1)
-        # In flight now: only what the trainer holds, which step 1 consumed: (η + 1) × G more.
-        assert after == (eta + 1) * g
-        assert admission.release(1, 1) == 0
-        assert "Redis lost the run's state" in caplog.text
-        counters, in_flight = read_accounting(client, keys)
-        assert counters["prompts_released"] == released_before + after
-        assert counters["groups_lost"] == released_before - len(trained)
-        assert in_flight == after + len(trained)
-        assert is_balanced(counters, in_flight)
-        # The step's checkpoint is written: its groups, gone with Redis, count as trained, once.
-        assert trainer.settle(trained, "groups_trained") == len(trained)
-        assert trainer.settle(trained, "groups_trained") == 0
-        counters, in_flight = read_accounting(client, keys)
-        assert counters["groups_trained"] == len(trained)
-        assert in_flight == after
-        assert is_balanced(counters, in_flight)
-        # The cursor goes on where it was: no prompt is released twice.
-        assert load_cursor(client, keys, Cursor(seed=9)).position == released_before + after
-    finally:
-        client.close()
-        server.stop()
-
-
-def test_a_loss_right_after_a_settle_keeps_what_it_counted(tmp_path: Path) -> None:
-    """Redis loses its data just after the trainer's checkpoint settled two groups, before any
-    other read of the counters: the seed still counts them trained (admission remembers what
-    it settled), so the lineage's count stays exact."""
-    server = RedisServer(data_dir=tmp_path / "redis", appendonly=False).start()
-    client = redis.Redis.from_url(server.url)
-    keys = Keys("lost2")
     admission = Admission(
         client,
         keys,
@@ -306,37 +271,66 @@ def test_a_loss_right_after_a_settle_keeps_what_it_counted(tmp_path: Path) -> No
         max_staleness=1,
         groups_per_step=2,
         cursor=Cursor(seed=0),
-        held=lambda: trainer.held_groups(),
-    )
-    trainer = Consumer(
-        client,
-        keys.trajectories,
-        TRAJECTORIES_GROUP,
-        "trainer-0",
-        dlq=keys.dlq,
-        counters_key=keys.counters,
-        is_alive=lambda _: True,
-        decode=lambda fields: decode_group(fields[b"data"]),
-        groups=trajectory_groups(keys),
+        held=trainer.held_groups,
     )
     try:
-        assert admission.release(0, 0) == 4
-        for group_id in [i.decode() for i, _ in client.xrange(keys.prompts, count=2)]:
-            client.xadd(keys.trajectories, stream_fields(make_group(group_id)))
-        ids = [d.id for d in trainer.read(count=2, block_ms=100)]
-        settle = partial(trainer.settle, ids, "groups_trained")
-        assert admission.settle(settle, "groups_trained") == 2
-        server.kill()
-        server.start()
-        # The two prompts never read are lost; nothing is in flight: (η + 1) × G go out.
-        assert admission.release(1, 1) == 4
-        counters, in_flight = read_accounting(client, keys)
-        assert counters["groups_trained"] == 2
-        assert counters["groups_lost"] == 2 and in_flight == 4
-        assert is_balanced(counters, in_flight)
+        yield Lossy(server, client, keys, admission, trainer)
     finally:
         client.close()
         server.stop()
+
+
+def test_admission_after_redis_lost_its_data(
+    lossy: Lossy, caplog: pytest.LogCaptureFixture
+) -> None:
+    g, eta = 2, 1
+    client, keys, admission, trainer = lossy.client, lossy.keys, lossy.admission, lossy.trainer
+    assert admission.release(0, 0) == (eta + 1) * g
+    # The trainer reads two groups and trains them; the step's checkpoint (and its ack) is not
+    # written yet when Redis loses its data.
+    trained = lossy.read_groups(2)
+    assert len(trained) == 2
+    assert admission.release(1, 1) == g  # the bound: (1 + η + 1) × G released in all
+    released_before = (eta + 2) * g
+
+    lossy.lose_data()
+    with caplog.at_level(logging.ERROR, logger="asyncrl.trainer.admission"):
+        after = admission.release(1, 1)
+    # In flight now: only what the trainer holds, which step 1 consumed: (η + 1) × G more.
+    assert after == (eta + 1) * g
+    assert admission.release(1, 1) == 0
+    assert "Redis lost the run's state" in caplog.text
+    counters, in_flight = read_accounting(client, keys)
+    assert counters["prompts_released"] == released_before + after
+    assert counters["groups_lost"] == released_before - len(trained)
+    assert in_flight == after + len(trained)
+    assert is_balanced(counters, in_flight)
+    # The step's checkpoint is written: its groups, gone with Redis, count as trained, once.
+    assert trainer.settle(trained, "groups_trained") == len(trained)
+    assert trainer.settle(trained, "groups_trained") == 0
+    counters, in_flight = read_accounting(client, keys)
+    assert counters["groups_trained"] == len(trained)
+    assert in_flight == after
+    assert is_balanced(counters, in_flight)
+    # The cursor goes on where it was: no prompt is released twice.
+    assert load_cursor(client, keys, Cursor(seed=9)).position == released_before + after
+
+
+def test_a_loss_right_after_a_settle_keeps_what_it_counted(lossy: Lossy) -> None:
+    """Redis loses its data just after the trainer's checkpoint settled two groups, before any
+    other read of the counters: the seed still counts them trained (admission remembers what
+    it settled), so the lineage's count stays exact."""
+    assert lossy.admission.release(0, 0) == 4
+    ids = lossy.read_groups(2)
+    settle = partial(lossy.trainer.settle, ids, "groups_trained")
+    assert lossy.admission.settle(settle, "groups_trained") == 2
+    lossy.lose_data()
+    # The two prompts never read are lost; nothing is in flight: (η + 1) × G go out.
+    assert lossy.admission.release(1, 1) == 4
+    counters, in_flight = read_accounting(lossy.client, lossy.keys)
+    assert counters["groups_trained"] == 2
+    assert counters["groups_lost"] == 2 and in_flight == 4
+    assert is_balanced(counters, in_flight)
 
 
 def test_group_id_of_reads_only_the_head_of_a_message() -> None:
