@@ -72,6 +72,29 @@ class Role:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
+def arithmetic_admission(
+    client: Any, keys: Any, model: Path, *, n: int, max_staleness: int, groups_per_step: int = 1
+) -> Any:
+    """The trainer's admission over the quickstart's arithmetic task, run from the test process
+    to release prompts to real rollout workers without a trainer."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.config import ArithmeticTaskConfig
+    from asyncrl.rollout.tasks import build_task
+    from asyncrl.trainer.admission import Admission, Cursor
+
+    return Admission(
+        client,
+        keys,
+        build_task(ArithmeticTaskConfig(), AutoTokenizer.from_pretrained(model)),
+        task_name="arithmetic",
+        n=n,
+        max_staleness=max_staleness,
+        groups_per_step=groups_per_step,
+        cursor=Cursor(seed=0),
+    )
+
+
 def stop_all(roles: Iterable[Role]) -> None:
     for r in roles:
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -22,7 +22,6 @@ import msgpack
 import numpy as np
 import pytest
 import redis
-from transformers import AutoTokenizer
 
 from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
@@ -30,12 +29,10 @@ from asyncrl.launch.status import collect_status, is_balanced, read_accounting
 from asyncrl.protocol import TrajectoryGroup, decode_group, stream_fields
 from asyncrl.provenance import group_id_of, trajectory_groups
 from asyncrl.queue import Consumer
-from asyncrl.rollout.config import ArithmeticTaskConfig
-from asyncrl.rollout.tasks import build_task
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
 from test_dead_letter import make_group
 
 PROMPT_IDS = np.array([1, 5, 6, 13, 7, 8, 14], "<i4").tobytes()
@@ -173,16 +170,7 @@ def test_worker_refuses_a_prompt_nobody_released(
         "release_version": 0,
     }
     junk_id = redis_client.xadd(keys.prompts, {"data": msgpack.packb(junk), "schema": b"1"})
-    admission = Admission(
-        redis_client,
-        keys,
-        build_task(ArithmeticTaskConfig(), AutoTokenizer.from_pretrained(random_model)),
-        task_name="arithmetic",
-        n=2,
-        max_staleness=0,
-        groups_per_step=1,
-        cursor=Cursor(seed=0),
-    )
+    admission = arithmetic_admission(redis_client, keys, random_model, n=2, max_staleness=0)
     assert admission.release(0, 0) == 1
     real_id = redis_client.xrange(keys.prompts)[-1][0].decode()
     worker = Role("rollout", config, tmp_path / "rollout.log", "--worker-id", "w0")

@@ -14,17 +14,14 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from transformers import AutoTokenizer
 
 from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
-from asyncrl.rollout.config import ArithmeticTaskConfig
-from asyncrl.rollout.tasks import build_task
-from asyncrl.trainer.admission import Admission, Cursor, read_counters
+from asyncrl.trainer.admission import read_counters
 
 sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
 
 PROMPTS = 8
 PER_BATCH = 4
@@ -63,16 +60,8 @@ def test_killed_rollout_worker_loses_no_prompt(
             "weights.type": "store",
         },
     )
-    tokenizer = AutoTokenizer.from_pretrained(random_model)
-    admission = Admission(
-        redis_client,
-        keys,
-        build_task(ArithmeticTaskConfig(), tokenizer),
-        task_name="arithmetic",
-        n=16,
-        max_staleness=PROMPTS - 1,
-        groups_per_step=1,
-        cursor=Cursor(seed=0),
+    admission = arithmetic_admission(
+        redis_client, keys, random_model, n=16, max_staleness=PROMPTS - 1
     )
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -18,18 +18,14 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from transformers import AutoTokenizer
 
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
-from asyncrl.rollout.config import ArithmeticTaskConfig
-from asyncrl.rollout.tasks import build_task
-from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
 from test_rollout_kill import pending_of
 
 PROMPTS = 2  # one batch: the worker reads no more until it has published
@@ -65,16 +61,8 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
             "weights.type": "broadcast",
         },
     )
-    tokenizer = AutoTokenizer.from_pretrained(random_model)
-    admission = Admission(
-        redis_client,
-        keys,
-        build_task(ArithmeticTaskConfig(), tokenizer),
-        task_name="arithmetic",
-        n=N,
-        max_staleness=PROMPTS - 1,
-        groups_per_step=1,
-        cursor=Cursor(seed=0),
+    admission = arithmetic_admission(
+        redis_client, keys, random_model, n=N, max_staleness=PROMPTS - 1
     )
     logs = tmp_path / "logs"
     logs.mkdir()
