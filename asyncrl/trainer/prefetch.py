@@ -68,6 +68,11 @@ class Prefetcher(Generic[T]):
             self._read_ahead = count
             self._changed.notify_all()
 
+    def buffered(self) -> int:
+        """Deliveries read and decoded but not yet taken (read-ahead depth)."""
+        with self._changed:
+            return len(self._buffer)
+
     def take(self, count: int, timeout_s: float) -> list[Delivery[T]]:
         """Up to `count` buffered deliveries, oldest first; waits up to `timeout_s` for one."""
         deadline = time.monotonic() + timeout_s
