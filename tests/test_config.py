@@ -51,7 +51,7 @@ def test_overrides_are_typed_and_nested() -> None:
         (["algo.loss=reinforce"], "algo.loss", "'ppo' or 'gspo'"),
         (["trainer.lr=abc"], "trainer.lr", "number"),
         (["trainer.bogus=1"], "trainer.bogus", "allowed keys"),
-        (["weights.type=carrier-pigeon"], "weights.type", "'broadcast' or 'store'"),
+        (["weights.type=carrier-pigeon"], "weights.type", "'broadcast', 'store', 'sglang'"),
         (["task.type=chess"], "task", "arithmetic"),
         (["rollout.sampling.temperature=0"], "rollout.sampling.temperature", "> 0"),
         (["algo.loss=gspo"], "algo.aggregation", "seq-mean-token-mean"),

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
-from asyncrl.rollout.engine import build_engine
-from asyncrl.rollout.sglang_engine import EngineError, SglangEngine
+from asyncrl.engines.base import EngineError, build_engine
+from asyncrl.engines.config import SamplingParams
+from asyncrl.sglang.config import SglangEngineConfig
+from asyncrl.sglang.engine import SglangEngine
 
 EOS = 2
 PARAMS = SamplingParams(max_new_tokens=3)

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, assert_never
+from typing import TYPE_CHECKING, Literal, Protocol, assert_never, runtime_checkable
 
 import numpy as np
 
-from asyncrl.rollout.config import (
-    EngineConfig,
-    SamplingParams,
-    SglangEngineConfig,
-    TorchEngineConfig,
-)
+from asyncrl.engines.config import EngineConfig, SamplingParams, TorchEngineConfig
+from asyncrl.sglang.config import SglangEngineConfig
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -41,19 +37,46 @@ class Generation:
     the engine keeps none or does not say)."""
 
 
+class EngineError(RuntimeError):
+    """Generation failed for some prompts after retries; the caller dead-letters them.
+
+    `reason` is a short stable code: `timeout`, `unreachable`, `server_error` (HTTP 5xx),
+    `malformed` (bad reply), `rejected` (HTTP 4xx), `aborted` (the server aborted the request,
+    e.g. paused with mode abort) or `no_server` (none in rotation).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        generations: list[Generation | None] | None = None,
+    ) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.generations: list[Generation | None] = generations or []
+        """One entry per prompt of the failed `generate` call: the result, or None where the
+        prompt failed (`failed` lists those)."""
+
+    @property
+    def failed(self) -> list[int]:
+        """Indices of the prompts that got no generation."""
+        return [i for i, g in enumerate(self.generations) if g is None]
+
+
 class RolloutEngine(Protocol):
-    """Generates responses and takes new weights while it does.
+    """Generates responses; new weights reach it while it does.
 
     Choices:
     - Token ids in, token ids out. Tokenising and chat templates belong to the task, so the ids
       the trainer sees are exactly the ids the engine conditioned on.
     - One result per prompt; n samples of a prompt are n copies of it in the request. Engines
       batch better than they share prefixes at our sizes, and the caller keeps group bookkeeping.
-    - Weights are pushed, not pulled: the weight-sync thread calls `stage_weights`, and the engine
-      swaps them in between two decode steps of a running `generate` (immediately when idle).
-      Running sequences keep their KV cache, so tokens after the swap are drawn from the new
-      weights attending to keys computed by the old ones; each token's recorded version and
-      log-prob describe exactly that draw, and the trainer's importance correction does the rest.
+    - Weights are pushed, not pulled, and may change during a `generate`: each token's recorded
+      version and log-prob describe the weights it was drawn from, and the trainer's importance
+      correction does the rest. How they arrive is the engine's affair: an engine in this
+      process takes them through `InProcessWeights`; one in servers of its own (SGLang) gets
+      them from the trainer's publisher directly.
     """
 
     @property
@@ -64,6 +87,17 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Sample one response per prompt, in the order of `prompts`."""
         ...
+
+
+@runtime_checkable
+class InProcessWeights(Protocol):
+    """The capability of an engine whose weights live in this process: the worker's weight
+    subscriber hands it each new version.
+
+    The engine swaps staged weights in between two decode steps of a running `generate`
+    (immediately when idle). Running sequences keep their KV cache, so tokens after the swap are
+    drawn from the new weights attending to keys computed by the old ones.
+    """
 
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Hand over weights of `version` (thread-safe); the engine owns the tensors from now on.
@@ -78,17 +112,16 @@ class RolloutEngine(Protocol):
         ...
 
 
-def build_engine(cfg: EngineConfig, *, model_path: str, device: str = "cpu") -> RolloutEngine:
+def build_engine(cfg: EngineConfig, *, model_path: str) -> RolloutEngine:
     """The engine `cfg.type` names, serving the Hugging Face model in the local directory
-    `model_path`; heavy imports happen here."""
+    `model_path` on the device its config names; heavy imports happen here."""
     match cfg:
         case TorchEngineConfig():
-            from asyncrl.rollout.torch_engine import TorchEngine
+            from asyncrl.engines.torch_engine import TorchEngine
 
-            return TorchEngine.from_config(cfg, model_path=model_path, device=device)
+            return TorchEngine.from_config(cfg, model_path=model_path)
         case SglangEngineConfig():
-            # The servers hold the model and their own devices; `device` is not used.
-            from asyncrl.rollout.sglang_engine import SglangEngine
+            from asyncrl.sglang.engine import SglangEngine
 
             return SglangEngine.from_config(cfg, model_path=model_path)
         case _:

@@ -35,225 +35,33 @@ short `reason`, which the worker turns into dead-lettered prompts; it never ends
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
-import os
 import random
-import signal
 import subprocess
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from asyncrl.device import sglang_device_args, visible_devices_env
-from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
-from asyncrl.rollout.engine import Generation
+from asyncrl.engines.base import EngineError, Generation
+from asyncrl.sglang.client import (
+    RequestFailure,
+    Server,
+    ServerPool,
+    http_json,
+    launch_servers,
+    malformed,
+    parse_version,
+    stop_servers,
+)
 
 if TYPE_CHECKING:
-    import torch
+    from asyncrl.engines.config import SamplingParams
+    from asyncrl.sglang.config import SglangEngineConfig
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """Generation failed for some prompts after retries; the caller dead-letters them.
-
-    `reason` is a short stable code: `timeout`, `unreachable`, `server_error` (HTTP 5xx),
-    `malformed` (bad reply), `rejected` (HTTP 4xx), `aborted` (the server aborted the request,
-    e.g. paused with mode abort) or `no_server` (none in rotation).
-    """
-
-    def __init__(
-        self,
-        reason: str,
-        detail: str,
-        generations: list[Generation | None] | None = None,
-    ) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-        self.generations: list[Generation | None] = generations or []
-        """One entry per prompt of the failed `generate` call: the result, or None where the
-        prompt failed (`failed` lists those)."""
-
-    @property
-    def failed(self) -> list[int]:
-        """Indices of the prompts that got no generation."""
-        return [i for i, g in enumerate(self.generations) if g is None]
-
-
-class RequestFailure(Exception):
-    """One failed HTTP exchange. `server_fault`: the server, not the request, is to blame (it
-    leaves the rotation); `retry`: another attempt may succeed."""
-
-    def __init__(
-        self,
-        reason: str,
-        detail: str,
-        *,
-        server_fault: bool,
-        retry: bool,
-        status: int | None = None,
-    ) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
-        self.server_fault, self.retry = server_fault, retry
-        self.status = status
-        """HTTP status of a reply that came with an error status."""
-
-
-def _malformed(detail: str) -> RequestFailure:
-    return RequestFailure("malformed", detail, server_fault=True, retry=True)
-
-
-def http_json(url: str, path: str, body: Any = None, *, timeout_s: float) -> Any:
-    """One request to `url + path` (POST with a JSON body when `body` is given, else GET);
-    the decoded JSON reply, None for an empty one. Raises RequestFailure."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port
-    conn_cls = (
-        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    )
-    conn = conn_cls(host, port, timeout=timeout_s)
-    data = None if body is None else json.dumps(body).encode()
-    try:
-        conn.request(
-            "GET" if body is None else "POST",
-            parts.path.rstrip("/") + path,
-            body=data,
-            headers={"Content-Type": "application/json"} if data is not None else {},
-        )
-        reply = conn.getresponse()
-        payload = reply.read()
-    except TimeoutError as exc:
-        raise RequestFailure(
-            "timeout", f"{url}{path}: {exc}", server_fault=True, retry=True
-        ) from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise RequestFailure(
-            "unreachable",
-            f"{url}{path}: {type(exc).__name__}: {exc}",
-            server_fault=True,
-            retry=True,
-        ) from None
-    finally:
-        conn.close()
-    if reply.status >= 500:
-        raise RequestFailure(
-            "server_error",
-            f"{url}{path}: HTTP {reply.status}",
-            server_fault=True,
-            retry=True,
-            status=reply.status,
-        )
-    if reply.status >= 400:
-        raise RequestFailure(
-            "rejected",
-            f"{url}{path}: HTTP {reply.status}: {payload[:300].decode(errors='replace')}",
-            server_fault=False,
-            retry=False,
-            status=reply.status,
-        )
-    if not payload.strip():
-        return None
-    try:
-        return json.loads(payload)
-    except ValueError:
-        raise _malformed(f"{url}{path}: reply is not JSON: {payload[:100]!r}") from None
-
-
-def parse_version(value: Any) -> int:
-    """A weight version name as asyncrl uses it: an integer; SGLang's initial "default" is 0."""
-    if value == "default":
-        return 0
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise _malformed(f"weight version {value!r} is not an integer") from None
-
-
-@dataclass
-class _Server:
-    url: str
-    alive: bool = True
-    inflight: int = 0
-    next_probe: float = 0.0
-    probing: bool = False
-
-
-@dataclass
-class ServerPool:
-    """The servers in rotation. A request goes to the live server with the fewest requests in
-    flight; a server that failed leaves the rotation and rejoins once /health answers 200.
-    Dead servers are probed lazily by the threads that ask for a server (at most once per
-    `health_interval_s` each, and at once when none is alive), so nothing runs in the
-    background."""
-
-    urls: list[str]
-    health_interval_s: float
-    health_timeout_s: float
-    _servers: list[_Server] = field(init=False)
-    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        if not self.urls:
-            raise ValueError("no SGLang server URLs")
-        self._servers = [_Server(url.rstrip("/")) for url in self.urls]
-
-    def alive(self) -> list[str]:
-        with self._lock:
-            return [s.url for s in self._servers if s.alive]
-
-    def acquire(self) -> _Server:
-        self._probe_dead()
-        with self._lock:
-            alive = [s for s in self._servers if s.alive]
-            if not alive:
-                raise RequestFailure(
-                    "no_server", "no SGLang server is in rotation", server_fault=False, retry=True
-                )
-            server = min(alive, key=lambda s: s.inflight)
-            server.inflight += 1
-            return server
-
-    def release(self, server: _Server, *, failed: RequestFailure | None = None) -> None:
-        with self._lock:
-            server.inflight -= 1
-            if failed is not None and failed.server_fault and server.alive:
-                server.alive = False
-                server.next_probe = time.monotonic() + self.health_interval_s
-                log.warning("SGLang server %s out of rotation: %s", server.url, failed)
-
-    def _probe_dead(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            none_alive = not any(s.alive for s in self._servers)
-            due = [
-                s
-                for s in self._servers
-                if not s.alive and not s.probing and (none_alive or s.next_probe <= now)
-            ]
-            for s in due:
-                s.probing = True
-        for server in due:
-            try:
-                http_json(server.url, "/health", timeout_s=self.health_timeout_s)
-                healthy = True
-            except RequestFailure:
-                healthy = False
-            with self._lock:
-                server.probing = False
-                server.alive = healthy
-                server.next_probe = time.monotonic() + self.health_interval_s
-            if healthy:
-                log.info("SGLang server %s back in rotation", server.url)
 
 
 def sglang_sampling(params: SamplingParams) -> dict[str, Any]:
@@ -279,7 +87,7 @@ def _versions(meta: Mapping[str, Any], n: int) -> np.ndarray:
     spans = meta.get("weight_versions")
     if spans is None:
         if "weight_version" not in meta:
-            raise _malformed("reply has neither weight_versions nor weight_version")
+            raise malformed("reply has neither weight_versions nor weight_version")
         return np.full(n, parse_version(meta["weight_version"]), dtype=np.int32)
     versions = np.empty(n, dtype=np.int32)
     end = 0
@@ -287,22 +95,22 @@ def _versions(meta: Mapping[str, Any], n: int) -> np.ndarray:
         for span in spans:
             start, stop = int(span["start"]), int(span["end"])
             if start != end or stop < start:
-                raise _malformed(f"weight_versions spans are not contiguous: {spans}")
+                raise malformed(f"weight_versions spans are not contiguous: {spans}")
             versions[start:stop] = parse_version(span["version"])
             end = stop
     except (TypeError, KeyError, ValueError):
-        raise _malformed(f"weight_versions is not a list of spans: {spans!r:.200}") from None
+        raise malformed(f"weight_versions is not a list of spans: {spans!r:.200}") from None
     if end != n:
-        raise _malformed(f"weight_versions cover {end} tokens of {n}")
+        raise malformed(f"weight_versions cover {end} tokens of {n}")
     if (np.diff(versions) < 0).any():
-        raise _malformed(f"weight_versions go backwards: {spans}")
+        raise malformed(f"weight_versions go backwards: {spans}")
     return versions
 
 
 def parse_generation(item: Any, greedy: bool) -> Generation:
     """One reply item → Generation; RequestFailure if it is malformed or was aborted."""
     if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict):
-        raise _malformed(f"reply item has no meta_info: {item!r:.200}")
+        raise malformed(f"reply item has no meta_info: {item!r:.200}")
     meta = item["meta_info"]
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else None
@@ -311,26 +119,26 @@ def parse_generation(item: Any, greedy: bool) -> Generation:
             "aborted", f"server aborted the request: {finish}", server_fault=False, retry=True
         )
     if kind not in ("stop", "length"):
-        raise _malformed(f"finish_reason {finish!r} is not stop, length or abort")
+        raise malformed(f"finish_reason {finish!r} is not stop, length or abort")
     triples = meta.get("output_token_logprobs")
     if not isinstance(triples, list) or not triples:
-        raise _malformed("reply has no output_token_logprobs")
+        raise malformed("reply has no output_token_logprobs")
     try:
         logprobs = np.array([float(t[0]) for t in triples], dtype=np.float64)
         tokens = np.array([int(t[1]) for t in triples], dtype=np.int32)
     except (TypeError, ValueError, IndexError):
-        raise _malformed(
+        raise malformed(
             f"output_token_logprobs are not [logprob, id, text] triples: {triples[:3]!r}"
         ) from None
     n = len(tokens)
     output_ids = item.get("output_ids")
     if output_ids is not None and list(output_ids) != tokens.tolist():
-        raise _malformed(f"{n} log-probs for {len(output_ids)} output ids, or other ids")
+        raise malformed(f"{n} log-probs for {len(output_ids)} output ids, or other ids")
     completion = meta.get("completion_tokens")
     if completion is not None and completion != n:
-        raise _malformed(f"{n} log-probs for {completion} completion tokens")
+        raise malformed(f"{n} log-probs for {completion} completion tokens")
     if not np.isfinite(logprobs).all():
-        raise _malformed("non-finite log-prob")
+        raise malformed("non-finite log-prob")
     # Greedy draws are certain: log-prob 0, as `sampling_logprobs` records them (SGLang returns
     # the untempered distribution's value). Rounding can leave a sampled one a hair above 0.
     recorded = np.zeros(n) if greedy else np.minimum(logprobs, 0.0)
@@ -342,72 +150,6 @@ def parse_generation(item: Any, greedy: bool) -> Generation:
         finish=kind,
         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0,
     )
-
-
-def _flags(args: Mapping[str, str | int | float | bool]) -> list[str]:
-    out: list[str] = []
-    for name, value in args.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is not False:
-            out += [flag, str(value)]
-    return out
-
-
-def launch_servers(cfg: SglangEngineConfig, model_path: str) -> list[subprocess.Popen[bytes]]:
-    """Start `cfg.servers` SGLang servers and wait until each answers /health. Each gets its
-    own session (SGLang forks scheduler and detokenizer processes) so that `stop_servers` ends
-    the whole tree through the handle."""
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for i in range(cfg.servers):
-            cmd = [
-                cfg.python, "-m", "sglang.launch_server",
-                "--model-path", model_path,
-                "--host", cfg.host,
-                "--port", str(cfg.port + i),
-                "--weight-version", "0",
-                *sglang_device_args(cfg.device),
-                *_flags(cfg.server_args),
-            ]  # fmt: skip
-            devices = range(i * cfg.devices_per_server, (i + 1) * cfg.devices_per_server)
-            env = {**os.environ, **visible_devices_env(cfg.device, list(devices))}
-            # Log-probs must be of the tempered distribution, the one sampled from.
-            env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
-            log.info("starting SGLang server %d: %s", i, " ".join(cmd))
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        for i, proc in enumerate(procs):
-            url = f"http://{cfg.host}:{cfg.port + i}"
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"SGLang server {url} exited with code {proc.returncode}")
-                try:
-                    http_json(url, "/health", timeout_s=cfg.health_timeout_s)
-                    break
-                except RequestFailure:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"SGLang server {url} not healthy after {cfg.startup_timeout_s:.0f}s"
-                        ) from None
-                    time.sleep(1.0)
-    except BaseException:
-        stop_servers(procs)
-        raise
-    return procs
-
-
-def stop_servers(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 class SglangEngine:
@@ -451,15 +193,6 @@ class SglangEngine:
             if seen:
                 self._version = min(seen)
         return self._version
-
-    def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        raise NotImplementedError(
-            "SGLang servers take weights from the trainer's SGLang publisher "
-            "(asyncrl.weights.sglang), not through the rollout worker"
-        )
-
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("SGLang servers hold their weights; see stage_weights")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):
@@ -515,12 +248,12 @@ class SglangEngine:
             if attempt:
                 wait = min(self.cfg.backoff_s * 2 ** (attempt - 1), self.cfg.backoff_max_s)
                 time.sleep(wait * random.uniform(0.5, 1.0))
-            server: _Server | None = None
+            server: Server | None = None
             try:
                 server = self.pool.acquire()
                 reply = http_json(server.url, "/generate", body, timeout_s=self.cfg.timeout_s)
                 if not isinstance(reply, list) or len(reply) != len(prompts):
-                    raise _malformed(
+                    raise malformed(
                         f"{type(reply).__name__} reply for a batch of {len(prompts)} prompts"
                     )
                 gens = [parse_generation(item, greedy) for item in reply]

@@ -1,8 +1,8 @@
 """The weight-sync seam: a publisher on trainer rank 0, a subscriber in each rollout worker.
 
 Both ends are small Protocols so that the trainer and the rollout engine never see a transport;
-`build_publisher` / `build_subscriber` pick one from `WeightsConfig.type`. The choices common to
-all transports live here, in two base classes:
+`build_publisher` / `build_subscriber` pick one from `WeightsConfig.type`, and are the only
+places that do. The choices common to all transports live here, in two base classes:
 
 - Publishing never waits on the network. `publish()` copies the parameters into a staging buffer
   (the only time the trainer blocks, returned in seconds; on an accelerator the copies are only
@@ -25,16 +25,19 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, assert_never
 
 import torch
 
+from asyncrl.device import copies_done
+from asyncrl.sglang.config import SglangWeightsConfig
 from asyncrl.weights.buckets import FlatBuffer, Layout
-from asyncrl.weights.device import copies_done
+from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
 if TYPE_CHECKING:
     import redis
 
+    from asyncrl.engines.base import RolloutEngine
     from asyncrl.keys import Keys
     from asyncrl.weights.config import WeightsConfig
 
@@ -156,13 +159,21 @@ def build_publisher(
     device: torch.device | str,
     on_record: Callable[[SyncRecord], None] | None = None,
 ) -> WeightPublisher:
-    if cfg.type == "broadcast":
-        from asyncrl.weights.broadcast import BroadcastPublisher
+    match cfg:
+        case BroadcastWeightsConfig():
+            from asyncrl.weights.broadcast import BroadcastPublisher
 
-        return BroadcastPublisher(cfg, client, keys, torch.device(device), on_record)
-    from asyncrl.weights.store import StorePublisher
+            return BroadcastPublisher(cfg, client, keys, torch.device(device), on_record)
+        case StoreWeightsConfig():
+            from asyncrl.weights.store import StorePublisher
 
-    return StorePublisher(cfg, client, keys, torch.device(device), on_record)
+            return StorePublisher(cfg, client, keys, torch.device(device), on_record)
+        case SglangWeightsConfig():
+            from asyncrl.sglang.publisher import SglangPublisher
+
+            return SglangPublisher(cfg, client, keys, torch.device(device), on_record)
+        case _:
+            assert_never(cfg)
 
 
 def build_subscriber(
@@ -173,14 +184,27 @@ def build_subscriber(
     *,
     device: torch.device | str,
     on_weights: OnWeights,
+    engine: RolloutEngine | None = None,
 ) -> WeightSubscriber:
-    if cfg.type == "broadcast":
-        from asyncrl.weights.broadcast import BroadcastSubscriber
+    """`on_weights` receives the tensors of in-process transports; `engine` is the worker's
+    engine, which the SGLang member asks for its servers' URLs (it receives no tensors)."""
+    match cfg:
+        case BroadcastWeightsConfig():
+            from asyncrl.weights.broadcast import BroadcastSubscriber
 
-        return BroadcastSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
-    from asyncrl.weights.store import StoreSubscriber
+            return BroadcastSubscriber(
+                cfg, client, keys, worker_id, torch.device(device), on_weights
+            )
+        case StoreWeightsConfig():
+            from asyncrl.weights.store import StoreSubscriber
 
-    return StoreSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
+            return StoreSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
+        case SglangWeightsConfig():
+            from asyncrl.sglang.publisher import SglangSubscriber
+
+            return SglangSubscriber.for_engine(cfg, client, keys, worker_id, engine)
+        case _:
+            assert_never(cfg)
 
 
 def text(value: bytes | str) -> str:

@@ -68,6 +68,7 @@ import redis
 import torch
 import torch.distributed as dist
 
+from asyncrl.device import synchronize
 from asyncrl.weights.base import (
     POLL_S,
     BackgroundPublisher,
@@ -79,7 +80,7 @@ from asyncrl.weights.base import (
     read_hash,
 )
 from asyncrl.weights.buckets import FlatBuffer, Header, Layout, bucket_ranges, checksum
-from asyncrl.weights.device import (
+from asyncrl.weights.groups import (
     Group,
     comm_device,
     local_addr_towards,
@@ -87,14 +88,13 @@ from asyncrl.weights.device import (
     new_group,
     release_group,
     resolve_backend,
-    synchronize,
 )
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from asyncrl.keys import Keys
-    from asyncrl.weights.config import WeightsConfig
+    from asyncrl.weights.config import BroadcastWeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def _broadcast_all(group: Group, tensors: list[torch.Tensor]) -> None:
 class BroadcastPublisher(BackgroundPublisher):
     def __init__(
         self,
-        cfg: WeightsConfig,
+        cfg: BroadcastWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         device: torch.device,
@@ -396,7 +396,7 @@ class _ReceiveBuffers:
 class BroadcastSubscriber(BackgroundSubscriber):
     def __init__(
         self,
-        cfg: WeightsConfig,
+        cfg: BroadcastWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         worker_id: str,

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import redis
 
     from asyncrl.keys import Keys
-    from asyncrl.weights.config import WeightsConfig
+    from asyncrl.weights.config import StoreWeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _fsync(path: Path) -> None:
 class StorePublisher(BackgroundPublisher):
     def __init__(
         self,
-        cfg: WeightsConfig,
+        cfg: StoreWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         device: torch.device,
@@ -127,7 +127,7 @@ class StorePublisher(BackgroundPublisher):
 class StoreSubscriber(BackgroundSubscriber):
     def __init__(
         self,
-        cfg: WeightsConfig,
+        cfg: StoreWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         worker_id: str,
