@@ -85,20 +85,17 @@ def http_json(url: str, path: str, body: Any = None, *, timeout_s: float) -> Any
         ) from None
     finally:
         conn.close()
-    if reply.status >= 500:
-        raise RequestFailure(
-            "server_error",
-            f"{url}{path}: HTTP {reply.status}",
-            server_fault=True,
-            retry=True,
-            status=reply.status,
-        )
     if reply.status >= 400:
+        # 5xx: the server's fault, worth another try; 4xx: the request's, whose reply says why.
+        server_fault = reply.status >= 500
+        detail = f"{url}{path}: HTTP {reply.status}"
+        if not server_fault:
+            detail += f": {payload[:300].decode(errors='replace')}"
         raise RequestFailure(
-            "rejected",
-            f"{url}{path}: HTTP {reply.status}: {payload[:300].decode(errors='replace')}",
-            server_fault=False,
-            retry=False,
+            "server_error" if server_fault else "rejected",
+            detail,
+            server_fault=server_fault,
+            retry=server_fault,
             status=reply.status,
         )
     if not payload.strip():

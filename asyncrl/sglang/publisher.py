@@ -263,12 +263,8 @@ class SglangPublisher(BackgroundPublisher):
     def _shutdown(self) -> None:
         self._release()
 
-    # -- broadcast transport --------------------------------------------------------------------
-
-    def _form(self, urls: list[str]) -> None:
-        """A new group of the trainer and the servers at `urls` that can take part."""
-        assert self._store is not None
-        self._release()
+    def _probe(self, urls: list[str]) -> list[ServerInfo]:
+        """The servers at `urls` that answer; the others are noted as unresponsive."""
         members = []
         for url in urls:
             try:
@@ -276,6 +272,15 @@ class SglangPublisher(BackgroundPublisher):
             except (RequestFailure, ValueError) as exc:
                 log.warning("SGLang server %s left out of weight sync: %s", url, exc)
                 self._unresponsive.add(url)
+        return members
+
+    # -- broadcast transport --------------------------------------------------------------------
+
+    def _form(self, urls: list[str]) -> None:
+        """A new group of the trainer and the servers at `urls` that can take part."""
+        assert self._store is not None
+        self._release()
+        members = self._probe(urls)
         self._members = members
         self._broken = False
         if not members:
@@ -401,13 +406,7 @@ class SglangPublisher(BackgroundPublisher):
             tmp.mkdir()
             save_file(buffer.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
             os.replace(tmp, path)
-        members = []
-        for url in urls:
-            try:
-                members.append(ServerInfo.probe(url, self._http_timeout_s))
-            except (RequestFailure, ValueError) as exc:
-                log.warning("SGLang server %s left out of weight sync: %s", url, exc)
-                self._unresponsive.add(url)
+        members = self._probe(urls)
         request = {"model_path": str(path), "weight_version": str(version)}
         with self._quiet(members) as pool:
             replies = [

@@ -25,7 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, assert_never
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, assert_never
 
 import torch
 
@@ -33,6 +33,7 @@ from asyncrl.device import copies_done
 from asyncrl.sglang.config import SglangWeightsConfig
 from asyncrl.weights.buckets import FlatBuffer, Layout
 from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
+from asyncrl.weights.fields import SyncFields
 
 if TYPE_CHECKING:
     import redis
@@ -49,6 +50,9 @@ first) or (name, tensor) pairs such as `state_dict().items()`."""
 
 OnWeights = Callable[[dict[str, torch.Tensor], int], None]
 """Receives (name → tensor, version); the engine's `stage_weights` has this signature."""
+
+C = TypeVar("C", bound=SyncFields)
+"""The config member of a subscriber's transport."""
 
 POLL_S = 0.2
 """Idle loops look at Redis this often; the pub/sub doorbell makes most wake-ups immediate."""
@@ -395,20 +399,35 @@ class BackgroundPublisher(ABC):
             self._on_record(record)
 
 
-class BackgroundSubscriber(ABC):
-    """A receive thread that hands weights over, tracks the version and answers waiters."""
+class BackgroundSubscriber(ABC, Generic[C]):
+    """A receive thread that hands weights over, tracks the version and answers waiters.
 
-    def __init__(self, on_weights: OnWeights, close_timeout_s: float) -> None:
+    Subclasses add their own state in `_setup`; the thread starts after it."""
+
+    def __init__(
+        self,
+        cfg: C,
+        client: redis.Redis,
+        keys: Keys,
+        worker_id: str,
+        device: torch.device,
+        on_weights: OnWeights,
+    ) -> None:
+        self._client, self._keys, self._id, self._device = client, keys, worker_id, device
         self._on_weights = on_weights
-        self._close_timeout_s = close_timeout_s
+        self._close_timeout_s = 3 * cfg.sync_timeout_s
+        self._doorbell = Doorbell(client, keys.weights)
         self._cond = threading.Condition()
         self._version: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
         self._loop_errors = _LoopErrors("weight subscriber: receive loop error")
-
-    def _start(self) -> None:
+        self._setup(cfg)
         self._thread.start()
+
+    @abstractmethod
+    def _setup(self, cfg: C) -> None:
+        """The transport's own state, from its config member; called before the thread starts."""
 
     @abstractmethod
     def _step(self) -> None:
