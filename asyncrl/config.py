@@ -8,7 +8,7 @@ Cross-field checks live in `Config._check`, nowhere else.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -182,23 +182,32 @@ def _dotted_loc(loc: tuple[int | str, ...], data: Any) -> str:
     return ".".join(parts) or "<root>"
 
 
-def _section_at(path: list[str]) -> type[BaseModel] | None:
+def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The section at a pydantic error location; at a union, the next element is the member's
+    `type` tag, which picks the member."""
     model: Any = Config
-    for part in path:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return None
-        model = field.annotation
-    return model if isinstance(model, type) else None
+    for part in loc:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            field = model.model_fields.get(str(part))
+            model = None if field is None else field.annotation
+        else:
+            model = next((m for m in _members(model) if _tag(m) == part), None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _members(union: Any) -> list[Any]:
+    return [get_args(m)[0] if get_origin(m) is Annotated else m for m in get_args(union)]
+
+
+def _tag(model: Any) -> Any:
+    field = getattr(model, "model_fields", {}).get("type")
+    return None if field is None else field.default
 
 
 def _format_error(err: Any, data: dict[str, Any]) -> str:
     key = _dotted_loc(tuple(err["loc"]), data)
     if err["type"] == "extra_forbidden":
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        allowed = _field_names(_section_at(parent.split(".") if parent else []))
+        allowed = _field_names(_section_at(tuple(err["loc"])[:-1]))
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
         return f"{key}: unknown key{hint}"
     if err["type"] == "union_tag_invalid":

@@ -1,4 +1,6 @@
-"""The engine seam: what a rollout worker needs from whatever generates tokens."""
+"""The engine seam: what a rollout worker (and held-out evaluation) needs from whatever generates
+tokens. `RolloutEngine` is all of it; `InProcessWeights` is the extra capability of an engine
+whose weights live in this process, so that only such an engine is handed tensors."""
 
 from __future__ import annotations
 

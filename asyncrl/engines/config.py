@@ -7,9 +7,9 @@ with the allowed values and adding one is one class plus one union member.
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
-from asyncrl.configbase import Section
+from asyncrl.configbase import Section, type_or
 from asyncrl.sglang.config import SglangEngineConfig
 
 
@@ -44,7 +44,11 @@ class TorchEngineConfig(Section):
     cache the same way)."""
 
 
-EngineConfig = Annotated[TorchEngineConfig | SglangEngineConfig, Field(discriminator="type")]
+EngineConfig = Annotated[
+    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SglangEngineConfig, Tag("sglang")],
+    Discriminator(type_or("torch")),
+]
+"""`type` left out: the builtin engine."""
 
 
 class SamplingParams(Section):

@@ -4,10 +4,11 @@ stays fast."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag
 
+from asyncrl.configbase import type_or
 from asyncrl.sglang.config import SglangWeightsConfig
 from asyncrl.weights.fields import GroupFields, StoreFields
 
@@ -30,16 +31,9 @@ class StoreWeightsConfig(StoreFields):
     """Weight-sync backend."""
 
 
-def _member(value: Any) -> str:
-    # `type` may be left out, as before the union: it then means broadcast.
-    if isinstance(value, dict):
-        return str(value.get("type", "broadcast"))
-    return str(getattr(value, "type", "broadcast"))
-
-
 WeightsConfig = Annotated[
     Annotated[BroadcastWeightsConfig, Tag("broadcast")]
     | Annotated[StoreWeightsConfig, Tag("store")]
     | Annotated[SglangWeightsConfig, Tag("sglang")],
-    Discriminator(_member),
+    Discriminator(type_or("broadcast")),
 ]
