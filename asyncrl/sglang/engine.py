@@ -15,7 +15,7 @@ Per-token versions come from `weight_versions` (spans over the response tokens) 
 reports them (SGLang main since mid-2026 and `asyncrl serve`); a server that reports only
 `weight_version` (SGLang 0.5.x) has it assigned to every token of the request. That value is
 the version at the end of the request, so tokens drawn before an in-flight update are stamped
-newer than they are: use `pause_mode: retract` with such servers, which recomputes retracted
+newer than they are: use `weights.pause_mode: retract` with such servers, which recomputes retracted
 requests under the new weights. Version names are integers as strings; SGLang's initial name
 "default" reads as 0.
 

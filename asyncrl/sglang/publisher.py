@@ -12,7 +12,7 @@ the trainer's publisher talks to each server over HTTP and sends the tensors its
   torch's `_new_process_group_helper`), so that both ends derive the same store keys. It lives
   as long as the membership (an epoch, with a fresh group name so a surviving server never
   mistakes it for an old one); HCCL communicators in particular are kept across versions.
-  One version: pause each server (`pause_mode`), `/begin_weight_update` where it exists,
+  One version: pause each server (`weights.pause_mode`), `/begin_weight_update` where it exists,
   `/update_weights_from_distributed` with names, dtypes and shapes in broadcast order while the
   trainer broadcasts each tensor from rank 0, `/end_weight_update`, `/continue_generation`.
 - `weights.transport: store`: the version is written as a model directory
