@@ -13,6 +13,8 @@ from asyncrl.configbase import Section
 
 
 class SyncFields(Section):
+    type: str
+    """Weight-sync backend; each member fixes it (declared here so that it comes first)."""
     sync_timeout_s: float = Field(default=30.0, gt=0)
     """Longest wait on subscribers in any one step of a sync (group forming, one bucket): a dead or
     hung subscriber delays the next version at most this long and never blocks the trainer."""
