@@ -53,38 +53,91 @@ def malformed(detail: str) -> RequestFailure:
     return RequestFailure("malformed", detail, server_fault=True, retry=True)
 
 
+class _Idle:
+    """Keep-alive connections not in use, per server: a request takes one (or opens one) and
+    gives it back once its reply is read in full. Servers that close after each reply (HTTP/1.0,
+    as `asyncrl serve`) leave nothing here."""
+
+    MAX_PER_SERVER = 32
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, str, int | None], list[http.client.HTTPConnection]] = {}
+
+    def take(self, key: tuple[str, str, int | None]) -> http.client.HTTPConnection | None:
+        with self._lock:
+            conns = self._idle.get(key)
+            return conns.pop() if conns else None
+
+    def give(self, key: tuple[str, str, int | None], conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            conns = self._idle.setdefault(key, [])
+            if len(conns) < self.MAX_PER_SERVER:
+                conns.append(conn)
+                return
+        conn.close()
+
+
+_IDLE = _Idle()
+
+# What a reused connection raises when the server had closed it while it was idle.
+_STALE = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
 def http_json(url: str, path: str, body: Any = None, *, timeout_s: float) -> Any:
     """One request to `url + path` (POST with a JSON body when `body` is given, else GET);
-    the decoded JSON reply, None for an empty one. Raises RequestFailure."""
+    the decoded JSON reply, None for an empty one. Raises RequestFailure.
+
+    Connections are kept alive where the server allows it and reused by later requests."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port
+    key = (parts.scheme, host, port)
     conn_cls = (
         http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     )
-    conn = conn_cls(host, port, timeout=timeout_s)
     data = None if body is None else json.dumps(body).encode()
+    conn = _IDLE.take(key)
+    reused = conn is not None
+    if conn is None:
+        conn = conn_cls(host, port, timeout=timeout_s)
     try:
-        conn.request(
-            "GET" if body is None else "POST",
-            parts.path.rstrip("/") + path,
-            body=data,
-            headers={"Content-Type": "application/json"} if data is not None else {},
-        )
-        reply = conn.getresponse()
-        payload = reply.read()
+        while True:
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            try:
+                conn.request(
+                    "GET" if body is None else "POST",
+                    parts.path.rstrip("/") + path,
+                    body=data,
+                    headers={"Content-Type": "application/json"} if data is not None else {},
+                )
+                reply = conn.getresponse()
+                payload = reply.read()
+                break
+            except _STALE:
+                conn.close()
+                if not reused:
+                    raise
+                # The server closed this idle connection before the request reached it.
+                conn, reused = conn_cls(host, port, timeout=timeout_s), False
     except TimeoutError as exc:
+        conn.close()
         raise RequestFailure(
             "timeout", f"{url}{path}: {exc}", server_fault=True, retry=True
         ) from None
     except (OSError, http.client.HTTPException) as exc:
+        conn.close()
         raise RequestFailure(
             "unreachable",
             f"{url}{path}: {type(exc).__name__}: {exc}",
             server_fault=True,
             retry=True,
         ) from None
-    finally:
+    if reply.will_close:
         conn.close()
+    else:
+        _IDLE.give(key, conn)
     if reply.status >= 400:
         # 5xx: the server's fault, worth another try; 4xx: the request's, whose reply says why.
         server_fault = reply.status >= 500
