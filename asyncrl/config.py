@@ -8,7 +8,7 @@ Cross-field checks live in `Config._check`, nowhere else.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -18,15 +18,10 @@ from asyncrl.configbase import Section
 from asyncrl.model import ModelConfig
 from asyncrl.queue import QueueConfig
 from asyncrl.redis_conn import RedisConfig, redact_url
-from asyncrl.rollout.config import (
-    ArithmeticTaskConfig,
-    EngineConfig,
-    SamplingParams,
-    TaskConfig,
-    TorchEngineConfig,
-)
+from asyncrl.rollout.config import RolloutConfig
+from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
 from asyncrl.trainer.config import TrainerConfig
-from asyncrl.weights.config import WeightsConfig
+from asyncrl.weights.config import BroadcastWeightsConfig, WeightsConfig
 
 
 class ConfigError(ValueError):
@@ -47,29 +42,6 @@ class RunConfig(Section):
     @property
     def path(self) -> Path:
         return Path(self.dir.replace("{run.id}", self.id))
-
-
-class RolloutConfig(Section):
-    workers: int = Field(default=2, ge=0)
-    """Rollout processes that `--role all` starts (other deployments start them themselves)."""
-    n: int = Field(default=8, ge=1)
-    """Samples generated per prompt (the group size)."""
-    prompts_per_batch: int = Field(default=4, ge=1)
-    """Most prompt groups a worker takes from the stream in one read."""
-    max_inflight_episodes: int | None = Field(default=None, ge=1)
-    """Episodes a worker runs at once (n per prompt group). Multi-turn episodes that wait on
-    their environment leave the engine to the others, so a slow environment wants many; a
-    worker reads prompts while `n` more fit. None: prompts_per_batch × n (one batch at a time,
-    as single-turn tasks need)."""
-    turn_batch_wait_s: float = Field(default=0.02, ge=0.0)
-    """Longest time a multi-turn episode ready for its next turn waits for others coming back
-    from their environments, so that they share one generate call (fewer, larger batches)."""
-    engine: EngineConfig = Field(default_factory=lambda: TorchEngineConfig())
-    """The generation engine."""
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
-    """Sampling parameters; the trainer recomputes log-probs under the same processing."""
-    heartbeat_ttl_s: float = Field(default=10.0, gt=0)
-    """A worker whose heartbeat is older than this is dead; its prompts are re-claimed."""
 
 
 class MetricsConfig(Section):
@@ -98,7 +70,7 @@ class Config(Section):
     """The trainer pool."""
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     """The objective."""
-    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    weights: WeightsConfig = Field(default_factory=BroadcastWeightsConfig)
     """How new weights reach the rollout engines."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Prometheus endpoint and the JSONL log."""
@@ -113,12 +85,19 @@ class Config(Section):
         if self.algo.loss == "gspo" and self.algo.aggregation != "seq-mean-token-mean":
             raise ValueError("algo.aggregation must be seq-mean-token-mean when algo.loss=gspo")
         sampling = self.rollout.sampling
-        if self.rollout.engine.type == "sglang" and (sampling.top_p < 1 or sampling.top_k > 0):
+        sglang_engine = self.rollout.engine.type == "sglang"
+        if sglang_engine and (sampling.top_p < 1 or sampling.top_k > 0):
             raise ValueError(
                 "rollout.sampling.top_p must be 1 and top_k 0 with rollout.engine.type=sglang: "
                 "SGLang's log-probs are not renormalised after truncation"
             )
-        if self.weights.store_dir is None:
+        if sglang_engine != (self.weights.type == "sglang"):
+            raise ValueError(
+                "weights.type must be sglang exactly when rollout.engine.type=sglang: SGLang "
+                "servers take weights only from the trainer's SGLang publisher "
+                "(choose its transport with weights.transport: broadcast or store)"
+            )
+        if self.weights.type != "broadcast" and self.weights.store_dir is None:
             self.weights.store_dir = self.run.path / "weights"
         if self.model.build_tiny and self.task.type not in ("arithmetic", "agentic"):
             raise ValueError(
@@ -203,25 +182,37 @@ def _dotted_loc(loc: tuple[int | str, ...], data: Any) -> str:
     return ".".join(parts) or "<root>"
 
 
-def _section_at(path: list[str]) -> type[BaseModel] | None:
+def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The section at a pydantic error location; at a union, the next element is the member's
+    `type` tag, which picks the member."""
     model: Any = Config
-    for part in path:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return None
-        model = field.annotation
-    return model if isinstance(model, type) else None
+    for part in loc:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            field = model.model_fields.get(str(part))
+            model = None if field is None else field.annotation
+        else:
+            model = next((m for m in _members(model) if _tag(m) == part), None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _members(union: Any) -> list[Any]:
+    return [get_args(m)[0] if get_origin(m) is Annotated else m for m in get_args(union)]
+
+
+def _tag(model: Any) -> Any:
+    field = getattr(model, "model_fields", {}).get("type")
+    return None if field is None else field.default
 
 
 def _format_error(err: Any, data: dict[str, Any]) -> str:
     key = _dotted_loc(tuple(err["loc"]), data)
     if err["type"] == "extra_forbidden":
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        allowed = _field_names(_section_at(parent.split(".") if parent else []))
+        allowed = _field_names(_section_at(tuple(err["loc"])[:-1]))
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
         return f"{key}: unknown key{hint}"
+    if err["type"] == "union_tag_invalid":
+        # Every union of the tree is keyed by `type`; pydantic's message names its discriminator.
+        return f"{key}.type: {err['ctx']['tag']!r} is not one of {err['ctx']['expected_tags']}"
     msg = str(err["msg"]).removeprefix("Value error, ")
     if key == "<root>" or msg.startswith(key + " ") or msg.startswith(key.split(".")[0] + "."):
         return msg

@@ -5,6 +5,9 @@ them into one tree. They must import without torch or any engine so that `asyncr
 config validation stay fast.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -20,3 +23,16 @@ class Section(BaseModel):
         use_attribute_docstrings=True,
         frozen=False,
     )
+
+
+def type_or(default: str) -> Callable[[Any], str]:
+    """A union discriminator that reads `type` and takes `default` where it is left out, so that
+    e.g. `rollout.engine.device=npu` alone configures the default engine. Members are tagged with
+    `Tag(their type)`."""
+
+    def member(value: Any) -> str:
+        if isinstance(value, dict):
+            return str(value.get("type", default))
+        return str(getattr(value, "type", default))
+
+    return member

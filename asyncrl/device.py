@@ -2,13 +2,15 @@
 
 Everything per device kind lives here — the collective backend of a weight-sync group, the
 environment variable that restricts a process to some devices, the `--device` flag of an SGLang
-server — so that adding a kind is one table row. The pure lookups import nothing heavy (config
-validation and the launcher use them); `torch_device` imports torch, and `torch_npu` only for
-npu, because importing torch_npu patches torch and it exists only on Ascend machines.
+server — so that adding a kind is one table row — and the few operations whose code differs by
+kind (resolving `auto`, waiting for queued work). The pure lookups import nothing heavy (config
+validation and the launcher use them); the rest import torch, and `torch_npu` only for npu,
+because importing torch_npu patches torch and it exists only on Ascend machines.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -35,9 +37,6 @@ KINDS: dict[str, DeviceKind] = {
     "cuda": DeviceKind("cuda", "nccl", "CUDA_VISIBLE_DEVICES", "cuda"),
     "npu": DeviceKind("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "npu"),
 }
-
-BACKEND_OF_DEVICE = {name: kind.backend for name, kind in KINDS.items()}
-"""Device type → collective backend (cpu → gloo, cuda → nccl, npu → hccl)."""
 
 
 def kind_of(name: str) -> DeviceKind:
@@ -78,3 +77,33 @@ def torch_device(name: str, index: int | None = None) -> torch.device:
     if kind.name == "cpu":
         return torch.device("cpu")
     return torch.device(kind.name, index if index is not None else 0)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device a config's `device: auto|cpu|cuda|npu` names for this process: `auto` is cuda
+    where torch sees one, else cpu; an accelerator's index is the launcher's LOCAL_RANK."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch_device(name, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def synchronize(device: torch.device) -> None:
+    """Block until the work queued on `device` is done (no-op on CPU)."""
+    if device.type != "cpu":
+        import torch
+
+        torch.get_device_module(device).synchronize(device)
+
+
+def copies_done(device: torch.device) -> torch.Event | None:
+    """An event that completes once the work queued so far on `device`'s current stream has;
+    None on CPU, where copies are done when they return."""
+    if device.type == "cpu":
+        return None
+    import torch
+
+    event = torch.Event(device=device)
+    event.record()
+    return event

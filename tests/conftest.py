@@ -47,7 +47,7 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The warmed quickstart model (`build_tiny_model`), built once per test session (~35 s)."""
-    from asyncrl.rollout.tiny_model import build_tiny_model
+    from asyncrl.engines.tiny_model import build_tiny_model
 
     out = tmp_path_factory.mktemp("warm") / "tiny-add2"
     build_tiny_model(out)
@@ -57,7 +57,7 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained tiny model with the quickstart tokenizer (seed 0), made once per session."""
-    from asyncrl.rollout.tiny_model import save_random_tiny_model
+    from asyncrl.engines.tiny_model import save_random_tiny_model
 
     return save_random_tiny_model(tmp_path_factory.mktemp("random") / "tiny", seed=0)
 

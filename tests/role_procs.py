@@ -79,8 +79,8 @@ def arithmetic_admission(
     to release prompts to real rollout workers without a trainer."""
     from transformers import AutoTokenizer
 
-    from asyncrl.rollout.config import ArithmeticTaskConfig
-    from asyncrl.rollout.tasks import build_task
+    from asyncrl.tasks.base import build_task
+    from asyncrl.tasks.config import ArithmeticTaskConfig
     from asyncrl.trainer.admission import Admission, Cursor
 
     return Admission(

@@ -29,7 +29,7 @@ from asyncrl.launch.status import is_balanced, read_accounting, stream_depths
 from asyncrl.protocol import ValidationError, decode_prompt
 from asyncrl.provenance import prompt_groups
 from asyncrl.queue import Consumer, Delivery, Groups, QueueConfig, RawFields
-from asyncrl.rollout.tasks import PromptItem
+from asyncrl.tasks.base import PromptItem
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor, read_counters
 
 ITEMS_PER_EPOCH = 5  # small, so a run crosses many epochs

@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asyncrl.engines.base import EngineError, Generation
+from asyncrl.engines.config import SamplingParams
+from asyncrl.engines.tiny_model import BOS_ID, EOS_ID, build_tokenizer
+from asyncrl.evaluate import held_out_reward
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
-from asyncrl.rollout.agentic import AgenticTask, LogNormalLatency
-from asyncrl.rollout.config import AgenticTaskConfig, ArithmeticTaskConfig, SamplingParams
-from asyncrl.rollout.engine import Generation
 from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
-from asyncrl.rollout.sglang_engine import EngineError
-from asyncrl.rollout.tasks import ArithmeticTask, Environment, PromptItem, build_task
-from asyncrl.rollout.tiny_model import BOS_ID, EOS_ID, build_tokenizer
-from asyncrl.trainer.evaluate import held_out_reward
+from asyncrl.tasks.agentic import AgenticTask, LogNormalLatency
+from asyncrl.tasks.base import ArithmeticTask, Environment, PromptItem, build_task
+from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
 
 PARAMS = SamplingParams(max_new_tokens=4)
 
@@ -227,8 +227,8 @@ def test_an_engine_crash_fails_the_calls_groups_not_the_scheduler(random_model: 
     # A token id past the vocabulary makes the builtin engine's embedding raise IndexError, not
     # an EngineError: the groups of that call fail (the worker dead-letters them), and the
     # scheduler goes on with the next call.
-    from asyncrl.rollout.config import TorchEngineConfig
-    from asyncrl.rollout.engine import build_engine
+    from asyncrl.engines.base import build_engine
+    from asyncrl.engines.config import TorchEngineConfig
 
     tok = build_tokenizer()
     task = ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=2), tok)
@@ -286,8 +286,8 @@ def test_failing_task_code_fails_its_group_not_the_scheduler() -> None:
 def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(random_model: Path) -> None:
     from transformers import AutoTokenizer
 
-    from asyncrl.rollout.config import TorchEngineConfig
-    from asyncrl.rollout.engine import build_engine
+    from asyncrl.engines.base import build_engine
+    from asyncrl.engines.config import TorchEngineConfig
 
     groups, n, turns, latency = 12, 2, 3, 0.4
     tok = AutoTokenizer.from_pretrained(random_model)
@@ -330,8 +330,8 @@ def test_close_cancels_episodes_waiting_on_their_tools(
 
     from transformers import AutoTokenizer
 
-    from asyncrl.rollout.config import TorchEngineConfig
-    from asyncrl.rollout.engine import build_engine
+    from asyncrl.engines.base import build_engine
+    from asyncrl.engines.config import TorchEngineConfig
 
     tok = AutoTokenizer.from_pretrained(random_model)
     task = AgenticTask(
@@ -362,8 +362,8 @@ def test_generate_calls_report_prompt_tokens_from_the_prefix_cache(random_model:
     """The worker's `asyncrl_rollout_prompt_tokens_total{source}` comes from these reports."""
     from transformers import AutoTokenizer
 
-    from asyncrl.rollout.config import TorchEngineConfig
-    from asyncrl.rollout.engine import build_engine
+    from asyncrl.engines.base import build_engine
+    from asyncrl.engines.config import TorchEngineConfig
     from asyncrl.rollout.episodes import GenerateCall
 
     tok = AutoTokenizer.from_pretrained(random_model)

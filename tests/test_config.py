@@ -12,6 +12,7 @@ import yaml
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
+from asyncrl.engines.config import TorchEngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +52,7 @@ def test_overrides_are_typed_and_nested() -> None:
         (["algo.loss=reinforce"], "algo.loss", "'ppo' or 'gspo'"),
         (["trainer.lr=abc"], "trainer.lr", "number"),
         (["trainer.bogus=1"], "trainer.bogus", "allowed keys"),
-        (["weights.type=carrier-pigeon"], "weights.type", "'broadcast' or 'store'"),
+        (["weights.type=carrier-pigeon"], "weights.type", "'broadcast', 'store', 'sglang'"),
         (["task.type=chess"], "task", "arithmetic"),
         (["rollout.sampling.temperature=0"], "rollout.sampling.temperature", "> 0"),
         (["algo.loss=gspo"], "algo.aggregation", "seq-mean-token-mean"),
@@ -196,3 +197,18 @@ def test_lr_schedules_hand_worked() -> None:
     assert cosine.trainer.lr_at(5) == pytest.approx(0.55)
     assert cosine.trainer.lr_at(10) == pytest.approx(0.1)
     assert cosine.trainer.lr_at(2) > linear.trainer.lr_at(2)
+
+
+def test_weights_member_follows_the_engine() -> None:
+    sglang = ["rollout.engine.type=sglang", 'rollout.engine.urls=["http://127.0.0.1:1"]']
+    for overrides in (sglang, ["weights.type=sglang"]):
+        with pytest.raises(ConfigError, match=r"weights\.type must be sglang"):
+            load_config(None, overrides)
+    cfg = load_config(None, [*sglang, "weights.type=sglang", "weights.transport=store"])
+    assert cfg.weights.type == "sglang" and cfg.weights.store_dir == cfg.run.path / "weights"
+
+
+def test_engine_owns_its_device() -> None:
+    cfg = load_config(None, ["trainer.device=cpu", "rollout.engine.device=npu"])
+    assert cfg.rollout.engine.type == "torch" and cfg.rollout.engine.device == "npu"
+    assert load_config(None, []).rollout.engine == TorchEngineConfig(device="auto")

@@ -10,7 +10,7 @@ from asyncrl.device import (
     torch_device,
     visible_devices_env,
 )
-from asyncrl.weights.device import resolve_backend
+from asyncrl.weights.groups import resolve_backend
 
 
 @pytest.mark.parametrize(
@@ -46,3 +46,13 @@ def test_torch_device_without_accelerator_imports() -> None:
     assert torch_device("cuda:1") == torch.device("cuda", 1)
     assert torch_device("cuda", 2) == torch.device("cuda", 2)
     assert kind_of("npu").visible_env == "ASCEND_RT_VISIBLE_DEVICES"
+
+
+def test_resolve_device_takes_the_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncrl.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cuda") == torch.device("cuda", 1)

@@ -6,10 +6,10 @@ import torch
 from test_torch_engine import PROMPTS, _engine, _load, _perturbed, _reference
 from transformers import DynamicCache
 
-from asyncrl.rollout.engine import Generation
-from asyncrl.rollout.prefix_cache import CachedPrefix, PrefixCache
-from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
-from asyncrl.rollout.tiny_model import save_random_tiny_model
+from asyncrl.engines.base import Generation
+from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
+from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
+from asyncrl.engines.tiny_model import save_random_tiny_model
 
 PARAMS = SamplingParams(max_new_tokens=6)
 

@@ -1,7 +1,7 @@
 import pytest
 
-from asyncrl.rollout.config import ExactRewardConfig, MathRewardConfig
-from asyncrl.rollout.rewards import (
+from asyncrl.tasks.config import ExactRewardConfig, MathRewardConfig
+from asyncrl.tasks.rewards import (
     build_reward,
     exact_reward,
     extract_final_answer,

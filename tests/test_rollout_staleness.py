@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import decode_group
-from asyncrl.rollout.config import ArithmeticTaskConfig
-from asyncrl.rollout.tasks import build_task
+from asyncrl.tasks.base import build_task
+from asyncrl.tasks.config import ArithmeticTaskConfig
 from asyncrl.trainer.admission import Admission, Cursor
-from asyncrl.weights import WeightsConfig, build_publisher
+from asyncrl.weights import StoreWeightsConfig, build_publisher
 
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, stop_all, wait_until, write_config
@@ -65,7 +65,7 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
         cursor=Cursor(seed=0),
     )
     publisher = build_publisher(
-        WeightsConfig(type="store", store_dir=store_dir), redis_client, keys, device="cpu"
+        StoreWeightsConfig(type="store", store_dir=store_dir), redis_client, keys, device="cpu"
     )
     params = dict(AutoModelForCausalLM.from_pretrained(random_model).named_parameters())
     logs = tmp_path / "logs"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
+from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
 
 
 def _logits(probs: list[float]) -> torch.Tensor:
@@ -81,7 +81,7 @@ def test_unknown_field_is_rejected() -> None:
 
 def test_configs_and_seams_import_without_torch() -> None:
     code = (
-        "import sys, asyncrl.rollout.config, asyncrl.rollout.engine, asyncrl.rollout.tasks; "
+        "import sys, asyncrl.config, asyncrl.engines.base, asyncrl.tasks.base, asyncrl.weights; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,13 +13,14 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from asyncrl.engines.config import SamplingParams
+from asyncrl.engines.sampling import sampling_logprobs
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import free_port
-from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
-from asyncrl.rollout.sampling import sampling_logprobs
-from asyncrl.rollout.sglang_engine import RequestFailure, SglangEngine, http_json
-from asyncrl.weights.config import WeightsConfig
-from asyncrl.weights.sglang import SglangPublisher, SglangSubscriber
+from asyncrl.sglang.client import RequestFailure, http_json
+from asyncrl.sglang.config import SglangEngineConfig, SglangWeightsConfig
+from asyncrl.sglang.engine import SglangEngine
+from asyncrl.sglang.publisher import SglangPublisher, SglangSubscriber
 
 PROMPTS = [[1, 4, 5, 13], [1, 7], [1, 3, 9, 13, 8, 8, 14], [1]]
 PARAMS = SamplingParams(max_new_tokens=10)
@@ -72,12 +73,16 @@ def test_weight_updates_through_the_publisher(
 ) -> None:
     engine = _engine(served)
     model = AutoModelForCausalLM.from_pretrained(random_model).eval()
-    weights = WeightsConfig.model_validate(
-        {"type": transport, "sync_timeout_s": 20, "store_dir": str(tmp_path / "w")}
+    weights = SglangWeightsConfig.model_validate(
+        {
+            "transport": transport,
+            "sync_timeout_s": 20,
+            "store_dir": str(tmp_path / "w"),
+            "pause_mode": "retract",
+        }
     )
-    engine_cfg = SglangEngineConfig(urls=[served], pause_mode="retract")
     subscriber = SglangSubscriber(weights, redis_client, KEYS, "w0", [served])
-    publisher = SglangPublisher(weights, engine_cfg, redis_client, KEYS, torch.device("cpu"))
+    publisher = SglangPublisher(weights, redis_client, KEYS, torch.device("cpu"))
     try:
         start = engine.version  # the module's server may hold updates of an earlier test
         # Broadcast takes two versions: the second must reuse the group the first formed.

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
-from asyncrl.rollout.engine import build_engine
-from asyncrl.rollout.sglang_engine import EngineError, SglangEngine
+from asyncrl.engines.base import EngineError, build_engine
+from asyncrl.engines.config import SamplingParams
+from asyncrl.sglang.client import http_json
+from asyncrl.sglang.config import SglangEngineConfig
+from asyncrl.sglang.engine import SglangEngine
 
 EOS = 2
 PARAMS = SamplingParams(max_new_tokens=3)
@@ -257,3 +259,44 @@ def test_config_needs_urls_or_launch() -> None:
     with pytest.raises(ValueError, match="either urls"):
         SglangEngineConfig(urls=["http://127.0.0.1:1"], launch=True)
     assert SglangEngineConfig(launch=True).device == "cuda"
+
+
+def test_connections_are_kept_alive_and_renewed() -> None:
+    opened: list[object] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as SGLang's server
+
+        def setup(self) -> None:
+            super().setup()
+            opened.append(self.client_address)
+
+        def do_GET(self) -> None:
+            data = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            # Closed after the reply without saying so, as an idle timeout closes it.
+            self.close_connection = self.path == "/close"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        for _ in range(3):
+            assert http_json(url, "/x", timeout_s=5) == {"ok": True}
+        assert len(opened) == 1
+        assert http_json(url, "/close", timeout_s=5) == {"ok": True}
+        time.sleep(0.2)
+        assert http_json(url, "/x", timeout_s=5) == {"ok": True}  # on a new connection
+        assert len(opened) == 2
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()

@@ -33,6 +33,7 @@ def test_async_run_through_sglang_client(
             "rollout.n": 4,
             "rollout.prompts_per_batch": 4,
             "rollout.engine": {"type": "sglang", "urls": [served]},
+            "weights.type": "sglang",
             "rollout.sampling.max_new_tokens": 4,
             "trainer.max_steps": STEPS,
             "trainer.groups_per_step": 4,

@@ -6,9 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from asyncrl.rollout.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
-from asyncrl.rollout.tasks import ArithmeticTask, DatasetError, DatasetTask, build_task
-from asyncrl.rollout.tiny_model import BOS_ID, build_tokenizer
+from asyncrl.engines.tiny_model import BOS_ID, build_tokenizer
+from asyncrl.tasks.base import ArithmeticTask, DatasetError, DatasetTask, build_task
+from asyncrl.tasks.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
 
 TOKENIZER = build_tokenizer()
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from asyncrl.rollout.config import TorchEngineConfig
-from asyncrl.rollout.engine import build_engine
-from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
-from asyncrl.rollout.tiny_model import EOS_ID, save_random_tiny_model
-from asyncrl.rollout.torch_engine import TorchEngine
+from asyncrl.engines.base import build_engine
+from asyncrl.engines.config import TorchEngineConfig
+from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
+from asyncrl.engines.tiny_model import EOS_ID, save_random_tiny_model
+from asyncrl.engines.torch_engine import TorchEngine
 
 # Variable lengths in one batch exercise left padding and per-row positions.
 PROMPTS = [[1, 4, 5, 13], [1, 7], [1, 3, 9, 13, 8, 8, 14], [1], [1, 6, 6, 6, 6, 6, 6, 6, 6, 6]]

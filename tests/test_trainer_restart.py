@@ -230,7 +230,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.rollout.tiny_model import new_tiny_model
+    from asyncrl.engines.tiny_model import new_tiny_model
     from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
     from asyncrl.trainer.main import Trainer
     from asyncrl.trainer.parallel import full_state
@@ -303,7 +303,7 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.rollout.tiny_model import new_tiny_model
+    from asyncrl.engines.tiny_model import new_tiny_model
     from asyncrl.trainer.checkpoint import TrainerState, record_version, save_checkpoint
     from asyncrl.trainer.main import Trainer
     from asyncrl.trainer.parallel import full_state

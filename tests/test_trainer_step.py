@@ -218,9 +218,9 @@ def test_lag0_figures_count_only_responses_of_the_current_weights() -> None:
     old weights, so the trainer's recomputation differs by more than float rounding."""
     import numpy as np
 
+    from asyncrl.engines.config import SamplingParams
+    from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.protocol import Sample, TrajectoryGroup
-    from asyncrl.rollout.config import SamplingParams
-    from asyncrl.rollout.torch_engine import TorchEngine
     from asyncrl.trainer.step import train_step
 
     torch.set_num_threads(1)

@@ -34,12 +34,12 @@ from weights_proc import (
 
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.weights import SyncRecord, WeightPublisher, WeightsConfig, build_publisher
+from asyncrl.weights import BroadcastWeightsConfig, SyncRecord, WeightPublisher, build_publisher
 from asyncrl.weights.base import text
 
 RUN = "wtest"
 KEYS = Keys(RUN)
-CFG = WeightsConfig(sync_timeout_s=5.0, lease_s=1.5, bucket_mb=16)
+CFG = BroadcastWeightsConfig(sync_timeout_s=5.0, lease_s=1.5, bucket_mb=16)
 
 
 class Harness:

@@ -19,7 +19,7 @@ from asyncrl.weights.buckets import (
     checksum,
     checksum_tensors,
 )
-from asyncrl.weights.config import WeightsConfig
+from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
 
 def mixed() -> dict[str, torch.Tensor]:
@@ -114,19 +114,26 @@ def test_duplicate_names_rejected() -> None:
 
 
 def test_config_defaults_and_unknown_keys() -> None:
-    cfg = WeightsConfig()
-    assert (cfg.type, cfg.bucket_mb, cfg.sync_timeout_s, cfg.keep_last) == ("broadcast", 64, 30, 3)
-    assert (cfg.store_dir, cfg.master_addr, cfg.master_port, cfg.backend) == (
+    cfg = BroadcastWeightsConfig()
+    store = StoreWeightsConfig()
+    assert (cfg.type, cfg.bucket_mb, cfg.sync_timeout_s, store.keep_last) == (
+        "broadcast",
+        64,
+        30,
+        3,
+    )
+    assert (store.store_dir, cfg.master_addr, cfg.master_port, cfg.backend) == (
         None,
         "127.0.0.1",
         0,
         "auto",
     )
-    assert all(f.description for f in WeightsConfig.model_fields.values())
+    for member in (BroadcastWeightsConfig, StoreWeightsConfig):
+        assert all(f.description for f in member.model_fields.values())
     with pytest.raises(pydantic.ValidationError):
-        WeightsConfig(bucket_size=1)  # type: ignore[call-arg]
+        BroadcastWeightsConfig(bucket_size=1)  # type: ignore[call-arg]
     with pytest.raises(pydantic.ValidationError):
-        WeightsConfig(backend="mpi")  # type: ignore[arg-type]
+        BroadcastWeightsConfig(backend="mpi")  # type: ignore[arg-type]
 
 
 def test_config_imports_no_torch() -> None:

@@ -23,7 +23,7 @@ from weights_proc import (
 
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.weights import SyncRecord, WeightsConfig, build_publisher, build_subscriber
+from asyncrl.weights import StoreWeightsConfig, SyncRecord, build_publisher, build_subscriber
 from asyncrl.weights.buckets import checksum_tensors
 from asyncrl.weights.store import version_path
 
@@ -31,8 +31,8 @@ RUN = "wstore"
 KEYS = Keys(RUN)
 
 
-def cfg(store_dir: Path) -> WeightsConfig:
-    return WeightsConfig(type="store", store_dir=store_dir, keep_last=3, sync_timeout_s=5.0)
+def cfg(store_dir: Path) -> StoreWeightsConfig:
+    return StoreWeightsConfig(type="store", store_dir=store_dir, keep_last=3, sync_timeout_s=5.0)
 
 
 def test_files_are_written_atomically_and_only_the_last_k_kept(

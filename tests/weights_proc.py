@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 import torch
+from pydantic import TypeAdapter
 
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
@@ -152,12 +153,10 @@ def main() -> None:
     torch.set_num_threads(1)
 
     client = redis.Redis.from_url(args.redis)
-    cfg = WeightsConfig(
-        type=args.type,
-        store_dir=args.store_dir,
-        sync_timeout_s=args.sync_timeout_s,
-        lease_s=args.lease_s,
-    )
+    fields = {"type": args.type, "sync_timeout_s": args.sync_timeout_s, "lease_s": args.lease_s}
+    if args.type == "store":
+        fields["store_dir"] = args.store_dir
+    cfg: WeightsConfig = TypeAdapter(WeightsConfig).validate_python(fields)
 
     def on_weights(tensors: dict[str, torch.Tensor], version: int) -> None:
         check, sample = fingerprint({k: t.cpu() for k, t in tensors.items()})

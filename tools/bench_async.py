@@ -57,14 +57,14 @@ from bench_quickstart import launch_all
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import Config, load_config
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.evaluate import held_out_reward
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.model import ensure_model
 from asyncrl.protocol import decode_group
-from asyncrl.rollout.tasks import build_task
-from asyncrl.rollout.torch_engine import TorchEngine
+from asyncrl.tasks.base import build_task
 from asyncrl.trainer.checkpoint import list_checkpoints
-from asyncrl.trainer.evaluate import held_out_reward
 
 PROBE = "bench-probe"
 MODES = ("sync", "async")

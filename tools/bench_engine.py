@@ -23,9 +23,9 @@ from typing import cast
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
-from asyncrl.rollout.sampling import SamplingParams
-from asyncrl.rollout.tiny_model import save_random_tiny_model
-from asyncrl.rollout.torch_engine import TorchEngine
+from asyncrl.engines.sampling import SamplingParams
+from asyncrl.engines.tiny_model import save_random_tiny_model
+from asyncrl.engines.torch_engine import TorchEngine
 
 
 def _runners(

@@ -25,10 +25,10 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncrl.config import load_config
+from asyncrl.engines.base import build_engine
 from asyncrl.model import ensure_model
-from asyncrl.rollout.engine import build_engine
 from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
-from asyncrl.rollout.tasks import build_task
+from asyncrl.tasks.base import build_task
 
 MODES = {
     "off": ["rollout.engine.prefix_cache_tokens=0"],

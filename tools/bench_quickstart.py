@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.engines.sampling import sampling_logprobs
+from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.model import ensure_model
-from asyncrl.rollout.sampling import sampling_logprobs
-from asyncrl.rollout.tasks import build_task
-from asyncrl.rollout.torch_engine import TorchEngine
+from asyncrl.tasks.base import build_task
 
 TARGET = 0.9
 

@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.weights import SyncRecord, WeightsConfig, build_publisher, build_subscriber
+from asyncrl.weights import BroadcastWeightsConfig, SyncRecord, build_publisher, build_subscriber
 from asyncrl.weights.base import text
-from asyncrl.weights.device import Group, local_addr_towards, new_group
+from asyncrl.weights.groups import Group, local_addr_towards, new_group
 
 RUN = "bench"
 KEYS = Keys(RUN)
@@ -91,7 +91,7 @@ def receiver(args: argparse.Namespace) -> None:
         client.set(held_key(args.worker), version)
 
     sub = build_subscriber(
-        WeightsConfig(), client, KEYS, args.worker, device="cpu", on_weights=on_weights
+        BroadcastWeightsConfig(), client, KEYS, args.worker, device="cpu", on_weights=on_weights
     )
     group = raw_group(client, args.rank)
     flat = torch.empty(args.nbytes, dtype=torch.uint8)
@@ -114,7 +114,7 @@ def publisher(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp, RedisServer(data_dir=Path(tmp)) as server:
         client = redis.Redis.from_url(server.url)
         records: queue.Queue[SyncRecord] = queue.Queue()
-        cfg = WeightsConfig(bucket_mb=args.bucket_mb, sync_timeout_s=60)
+        cfg = BroadcastWeightsConfig(bucket_mb=args.bucket_mb, sync_timeout_s=60)
         pub = build_publisher(cfg, client, KEYS, device="cpu", on_record=records.put)
         rounds = args.rounds + 1
         cmd = [sys.executable, __file__, "--receiver", "--redis", server.url]

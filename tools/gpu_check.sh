@@ -56,7 +56,7 @@ fi
 say "trainer GPU $TRAINER_GPU, server GPU $SERVER_GPU, weight-sync backend $BACKEND"
 
 say "building the tiny model (random weights, offline)"
-"$PYTHON" -c "from asyncrl.rollout.tiny_model import save_random_tiny_model as s; s('$WORK/model')"
+"$PYTHON" -c "from asyncrl.engines.tiny_model import save_random_tiny_model as s; s('$WORK/model')"
 
 start_server() {  # $1 = dtype; returns 0 once /health answers
   say "starting SGLang ($1, attention $ATTENTION) on port $PORT"
@@ -94,11 +94,11 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
-from asyncrl.rollout.sampling import sampling_logprobs
-from asyncrl.rollout.sglang_engine import SglangEngine
-from asyncrl.weights.config import WeightsConfig
-from asyncrl.weights.sglang import SglangPublisher, SglangSubscriber
+from asyncrl.engines.config import SamplingParams
+from asyncrl.sglang.config import SglangEngineConfig, SglangWeightsConfig
+from asyncrl.engines.sampling import sampling_logprobs
+from asyncrl.sglang.engine import SglangEngine
+from asyncrl.sglang.publisher import SglangPublisher, SglangSubscriber
 
 work, port, dtype, backend, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 url = f"http://127.0.0.1:{port}"
@@ -115,11 +115,11 @@ model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32
 engine = SglangEngine.from_config(
     SglangEngineConfig(urls=[url], timeout_s=120, chunk_size=16), model_path=str(work / "model")
 )
-weights = WeightsConfig(type="broadcast", backend=backend, sync_timeout_s=60)
-subscriber = SglangSubscriber(weights, client, keys, "gpu-check", [url])
-publisher = SglangPublisher(
-    weights, SglangEngineConfig(urls=[url], pause_mode="retract"), client, keys, device
+weights = SglangWeightsConfig(
+    transport="broadcast", backend=backend, sync_timeout_s=60, pause_mode="retract"
 )
+subscriber = SglangSubscriber(weights, client, keys, "gpu-check", [url])
+publisher = SglangPublisher(weights, client, keys, device)
 history = {0: {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 

@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
     args = parser.parse_args()
 
-    from asyncrl.rollout.tiny_model import build_tiny_model
+    from asyncrl.engines.tiny_model import build_tiny_model
 
     info = build_tiny_model(args.out, digits=args.digits, seed=args.seed)
     if not info["reached_target"]:

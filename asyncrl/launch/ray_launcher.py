@@ -327,7 +327,8 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
         master_addr = "127.0.0.1"
         if address is not None:
             master_addr = str(ray.get(rank0.node_ip.remote()))
-            if cfg.weights.master_addr in ("127.0.0.1", "localhost"):
+            weights = cfg.weights  # the store transport has no rendezvous address
+            if weights.type != "store" and weights.master_addr in ("127.0.0.1", "localhost"):
                 # Rollout workers on other nodes reach the weight broadcast at rank 0's node.
                 overrides.append(f"weights.master_addr={master_addr}")
         dist_env = {

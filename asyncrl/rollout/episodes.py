@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+from asyncrl.engines.base import EngineError, Generation, RolloutEngine
+from asyncrl.engines.config import SamplingParams
 from asyncrl.protocol import Sample
-from asyncrl.rollout.config import SamplingParams
-from asyncrl.rollout.engine import Generation, RolloutEngine
-from asyncrl.rollout.tasks import Environment, EpisodicTask, PromptItem, Task
+from asyncrl.tasks.base import Environment, EpisodicTask, PromptItem, Task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -286,8 +286,6 @@ class EpisodeScheduler(Generic[T]):
                 self._make_ready(ep)
 
     def _generate(self) -> None:
-        from asyncrl.rollout.sglang_engine import EngineError
-
         batch, self._ready = self._ready, []
         t0 = time.monotonic()
         try:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.config import Config
+from asyncrl.engines.base import InProcessWeights
 from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.protocol import (
     Limits,
@@ -35,17 +36,17 @@ from asyncrl.protocol import (
 from asyncrl.provenance import prompt_groups
 from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
-from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.rollout.episodes import (
     EpisodeScheduler,
     FailedGroup,
     FinishedGroup,
     GenerateCall,
 )
-from asyncrl.rollout.tasks import PromptItem
+from asyncrl.tasks.base import PromptItem
 
 if TYPE_CHECKING:
     from asyncrl.queue import Delivery
+    from asyncrl.weights import WeightSubscriber
 
     Prompt = Delivery[PromptGroup]
 
@@ -61,13 +62,13 @@ class RolloutWorker:
     def __init__(self, cfg: Config, worker_id: str | None = None) -> None:
         from transformers import AutoTokenizer
 
+        from asyncrl.device import resolve_device
+        from asyncrl.engines.base import build_engine
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics import RoleMetrics, serve
         from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
-        from asyncrl.rollout.engine import build_engine
-        from asyncrl.rollout.tasks import build_task
-        from asyncrl.trainer.main import resolve_device
+        from asyncrl.tasks.base import build_task
         from asyncrl.weights import build_subscriber
 
         self.cfg = cfg
@@ -82,40 +83,27 @@ class RolloutWorker:
             should_stop=lambda: self.stopping,
             on_outage=self.metrics.redis_outage,
         )
-        device = resolve_device(cfg.trainer.device if cfg.rollout.engine.type == "torch" else "cpu")
+        engine_cfg = cfg.rollout.engine
+        # Weights are received where the engine holds them; servers of their own hold theirs.
+        device = resolve_device(engine_cfg.device if engine_cfg.type == "torch" else "cpu")
         model_dir = ensure_model(cfg, wait_s=600.0 if cfg.model.build_tiny else 0.0)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.task = build_task(cfg.task, self.tokenizer)
-        self.engine = build_engine(
-            cfg.rollout.engine, model_path=str(model_dir), device=str(device)
-        )
+        self.engine = build_engine(engine_cfg, model_path=str(model_dir))
         self.metrics.redis_up.set(1)
-        self.subscriber: Any
-        if isinstance(cfg.rollout.engine, SglangEngineConfig):
-            from asyncrl.weights.sglang import SglangSubscriber
-
-            # SGLang servers take their weights from the trainer directly; this subscriber
-            # registers their URLs for the publisher and reports their version.
-            self.subscriber = SglangSubscriber(
+        # Safe to retry: subscribers make their Redis calls before they start any thread.
+        self.subscriber: WeightSubscriber = self.redis.call(
+            lambda: build_subscriber(
                 cfg.weights,
                 self.client,
                 self.keys,
                 self.id,
-                self.engine.urls,  # type: ignore[attr-defined]
-            )
-        else:
-            # Safe to retry: subscribers make their Redis calls before they start any thread.
-            self.subscriber = self.redis.call(
-                lambda: build_subscriber(
-                    cfg.weights,
-                    self.client,
-                    self.keys,
-                    self.id,
-                    device=device,
-                    on_weights=self._on_weights,
-                ),
-                "start the weight subscriber",
-            )
+                device=device,
+                on_weights=self._on_weights,
+                engine=self.engine,
+            ),
+            "start the weight subscriber",
+        )
         self.heartbeat = Heartbeat(
             self.client,
             self.keys.worker("rollout", self.id),
@@ -174,6 +162,8 @@ class RolloutWorker:
         # A joining worker may be sent the version its model directory already holds.
         if version <= self.engine.version:
             return
+        # Only in-process transports hand over tensors, and only to such engines.
+        assert isinstance(self.engine, InProcessWeights)
         self.engine.stage_weights(tensors, version)
         self.metrics.policy_version.set(version)
         self.weights_arrived.set()

@@ -35,7 +35,7 @@ import redis
 from asyncrl.keys import COUNTERS, Keys
 from asyncrl.protocol import PromptGroup, encode_prompt
 from asyncrl.queue import QueueConfig, entry_size
-from asyncrl.rollout.tasks import Task
+from asyncrl.tasks.base import Task
 
 log = logging.getLogger(__name__)
 

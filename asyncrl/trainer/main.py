@@ -33,7 +33,6 @@ from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_gr
 from asyncrl.provenance import trajectory_groups
 from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
-from asyncrl.rollout.config import SglangEngineConfig
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.checkpoint import (
@@ -49,20 +48,6 @@ from asyncrl.trainer.prefetch import Prefetcher
 from asyncrl.trainer.step import train_step, weights_finite
 
 log = logging.getLogger("asyncrl.trainer")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        name = "cpu"
-    if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if name == "npu":
-        import torch_npu  # noqa: F401  # registers the npu device
-
-        return torch.device("npu", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def dist_backend(device: torch.device) -> str:
@@ -84,11 +69,12 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from asyncrl.device import resolve_device
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics import JsonlWriter, RoleMetrics, RunGauges, serve
         from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
-        from asyncrl.rollout.tasks import build_task
+        from asyncrl.tasks.base import build_task
 
         self.cfg = cfg
         self.run_dir = cfg.run.path
@@ -219,21 +205,9 @@ class Trainer:
             )
             from asyncrl.weights import build_publisher
 
-            if isinstance(cfg.rollout.engine, SglangEngineConfig):
-                from asyncrl.weights.sglang import SglangPublisher
-
-                self.publisher = SglangPublisher(
-                    cfg.weights,
-                    cfg.rollout.engine,
-                    self.client,
-                    self.keys,
-                    self.device,
-                    on_record=self._on_sync,
-                )
-            else:
-                self.publisher = build_publisher(
-                    cfg.weights, self.client, self.keys, device=self.device, on_record=self._on_sync
-                )
+            self.publisher = build_publisher(
+                cfg.weights, self.client, self.keys, device=self.device, on_record=self._on_sync
+            )
             if cfg.metrics.jsonl:
                 self.jsonl = JsonlWriter(self.run_dir / "metrics.jsonl")
             if cfg.metrics.port:
@@ -602,7 +576,7 @@ class Trainer:
     def _evaluate(self) -> None:
         if self.rank != 0:
             return
-        from asyncrl.trainer.evaluate import Evaluator
+        from asyncrl.evaluate import Evaluator
 
         if self.evaluator is None:
             self.evaluator = Evaluator(self.model, self.tokenizer, self.task, self.cfg)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.correction import behaviour_mask_weights, behaviour_weights
 from asyncrl.algo.losses import aggregate, gspo_loss, kl_penalty, ppo_loss
-from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
+from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
 from asyncrl.trainer.batch import MicroBatch, Row, collate
 from asyncrl.trainer.packing import pack_microbatches
 from asyncrl.trainer.parallel import global_value, is_sharded

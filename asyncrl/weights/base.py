@@ -1,8 +1,8 @@
 """The weight-sync seam: a publisher on trainer rank 0, a subscriber in each rollout worker.
 
 Both ends are small Protocols so that the trainer and the rollout engine never see a transport;
-`build_publisher` / `build_subscriber` pick one from `WeightsConfig.type`. The choices common to
-all transports live here, in two base classes:
+`build_publisher` / `build_subscriber` pick one from `WeightsConfig.type`, and are the only
+places that do. The choices common to all transports live here, in two base classes:
 
 - Publishing never waits on the network. `publish()` copies the parameters into a staging buffer
   (the only time the trainer blocks, returned in seconds; on an accelerator the copies are only
@@ -25,16 +25,20 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, assert_never
 
 import torch
 
+from asyncrl.device import copies_done
+from asyncrl.sglang.config import SglangWeightsConfig
 from asyncrl.weights.buckets import FlatBuffer, Layout
-from asyncrl.weights.device import copies_done
+from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
+from asyncrl.weights.fields import SyncFields
 
 if TYPE_CHECKING:
     import redis
 
+    from asyncrl.engines.base import RolloutEngine
     from asyncrl.keys import Keys
     from asyncrl.weights.config import WeightsConfig
 
@@ -46,6 +50,9 @@ first) or (name, tensor) pairs such as `state_dict().items()`."""
 
 OnWeights = Callable[[dict[str, torch.Tensor], int], None]
 """Receives (name → tensor, version); the engine's `stage_weights` has this signature."""
+
+C = TypeVar("C", bound=SyncFields)
+"""The config member of a subscriber's transport."""
 
 POLL_S = 0.2
 """Idle loops look at Redis this often; the pub/sub doorbell makes most wake-ups immediate."""
@@ -156,13 +163,21 @@ def build_publisher(
     device: torch.device | str,
     on_record: Callable[[SyncRecord], None] | None = None,
 ) -> WeightPublisher:
-    if cfg.type == "broadcast":
-        from asyncrl.weights.broadcast import BroadcastPublisher
+    match cfg:
+        case BroadcastWeightsConfig():
+            from asyncrl.weights.broadcast import BroadcastPublisher
 
-        return BroadcastPublisher(cfg, client, keys, torch.device(device), on_record)
-    from asyncrl.weights.store import StorePublisher
+            return BroadcastPublisher(cfg, client, keys, torch.device(device), on_record)
+        case StoreWeightsConfig():
+            from asyncrl.weights.store import StorePublisher
 
-    return StorePublisher(cfg, client, keys, torch.device(device), on_record)
+            return StorePublisher(cfg, client, keys, torch.device(device), on_record)
+        case SglangWeightsConfig():
+            from asyncrl.sglang.publisher import SglangPublisher
+
+            return SglangPublisher(cfg, client, keys, torch.device(device), on_record)
+        case _:
+            assert_never(cfg)
 
 
 def build_subscriber(
@@ -173,14 +188,27 @@ def build_subscriber(
     *,
     device: torch.device | str,
     on_weights: OnWeights,
+    engine: RolloutEngine | None = None,
 ) -> WeightSubscriber:
-    if cfg.type == "broadcast":
-        from asyncrl.weights.broadcast import BroadcastSubscriber
+    """`on_weights` receives the tensors of in-process transports; `engine` is the worker's
+    engine, which the SGLang member asks for its servers' URLs (it receives no tensors)."""
+    match cfg:
+        case BroadcastWeightsConfig():
+            from asyncrl.weights.broadcast import BroadcastSubscriber
 
-        return BroadcastSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
-    from asyncrl.weights.store import StoreSubscriber
+            return BroadcastSubscriber(
+                cfg, client, keys, worker_id, torch.device(device), on_weights
+            )
+        case StoreWeightsConfig():
+            from asyncrl.weights.store import StoreSubscriber
 
-    return StoreSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
+            return StoreSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
+        case SglangWeightsConfig():
+            from asyncrl.sglang.publisher import SglangSubscriber
+
+            return SglangSubscriber.for_engine(cfg, client, keys, worker_id, engine)
+        case _:
+            assert_never(cfg)
 
 
 def text(value: bytes | str) -> str:
@@ -371,20 +399,35 @@ class BackgroundPublisher(ABC):
             self._on_record(record)
 
 
-class BackgroundSubscriber(ABC):
-    """A receive thread that hands weights over, tracks the version and answers waiters."""
+class BackgroundSubscriber(ABC, Generic[C]):
+    """A receive thread that hands weights over, tracks the version and answers waiters.
 
-    def __init__(self, on_weights: OnWeights, close_timeout_s: float) -> None:
+    Subclasses add their own state in `_setup`; the thread starts after it."""
+
+    def __init__(
+        self,
+        cfg: C,
+        client: redis.Redis,
+        keys: Keys,
+        worker_id: str,
+        device: torch.device,
+        on_weights: OnWeights,
+    ) -> None:
+        self._client, self._keys, self._id, self._device = client, keys, worker_id, device
         self._on_weights = on_weights
-        self._close_timeout_s = close_timeout_s
+        self._close_timeout_s = 3 * cfg.sync_timeout_s
+        self._doorbell = Doorbell(client, keys.weights)
         self._cond = threading.Condition()
         self._version: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
         self._loop_errors = _LoopErrors("weight subscriber: receive loop error")
-
-    def _start(self) -> None:
+        self._setup(cfg)
         self._thread.start()
+
+    @abstractmethod
+    def _setup(self, cfg: C) -> None:
+        """The transport's own state, from its config member; called before the thread starts."""
 
     @abstractmethod
     def _step(self) -> None:

@@ -68,18 +68,18 @@ import redis
 import torch
 import torch.distributed as dist
 
+from asyncrl.device import synchronize
 from asyncrl.weights.base import (
     POLL_S,
     BackgroundPublisher,
     BackgroundSubscriber,
-    Doorbell,
-    OnWeights,
     SyncRecord,
     announce,
     read_hash,
 )
 from asyncrl.weights.buckets import FlatBuffer, Header, Layout, bucket_ranges, checksum
-from asyncrl.weights.device import (
+from asyncrl.weights.config import BroadcastWeightsConfig
+from asyncrl.weights.groups import (
     Group,
     comm_device,
     local_addr_towards,
@@ -87,14 +87,12 @@ from asyncrl.weights.device import (
     new_group,
     release_group,
     resolve_backend,
-    synchronize,
 )
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from asyncrl.keys import Keys
-    from asyncrl.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +164,7 @@ def _broadcast_all(group: Group, tensors: list[torch.Tensor]) -> None:
 class BroadcastPublisher(BackgroundPublisher):
     def __init__(
         self,
-        cfg: WeightsConfig,
+        cfg: BroadcastWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         device: torch.device,
@@ -393,23 +391,11 @@ class _ReceiveBuffers:
         return buffer
 
 
-class BroadcastSubscriber(BackgroundSubscriber):
-    def __init__(
-        self,
-        cfg: WeightsConfig,
-        client: redis.Redis,
-        keys: Keys,
-        worker_id: str,
-        device: torch.device,
-        on_weights: OnWeights,
-    ) -> None:
-        super().__init__(on_weights, close_timeout_s=3 * cfg.sync_timeout_s)
-        self._client, self._keys, self._id = client, keys, worker_id
-        self._backend = resolve_backend(cfg.backend, device)
-        self._comm = comm_device(self._backend, device)
-        self._device = device
+class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
+    def _setup(self, cfg: BroadcastWeightsConfig) -> None:
+        self._backend = resolve_backend(cfg.backend, self._device)
+        self._comm = comm_device(self._backend, self._device)
         self._timeout = timedelta(seconds=cfg.sync_timeout_s)
-        self._doorbell = Doorbell(client, keys.weights)
         self._buffers = _ReceiveBuffers(self._comm)
         self._master: str | None = None
         self._store: dist.TCPStore | None = None
@@ -417,8 +403,7 @@ class BroadcastSubscriber(BackgroundSubscriber):
         self._epoch = -1  # the last epoch whose group this subscriber built, or formed unseen
         self._acked = -1  # the last epoch it declared itself ready for
         self._seq = 0  # sends of `_epoch` taken part in
-        self._lease = Lease(client, keys, worker_id, cfg.lease_s, {})
-        self._start()
+        self._lease = Lease(self._client, self._keys, self._id, cfg.lease_s, {})
 
     def close(self) -> None:
         self._lease.end()  # before the loop ends

@@ -1,39 +1,39 @@
-"""Config of the weight-sync seam (DESIGN §7). Imports no torch, so config validation stays fast."""
+"""Config of the weight-sync seam (DESIGN §7): one union member per transport, chosen by `type`
+(`broadcast` when absent), each with only its own fields. Imports no torch, so config validation
+stays fast."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
-from asyncrl.configbase import Section
+from asyncrl.configbase import type_or
+from asyncrl.sglang.config import SglangWeightsConfig
+from asyncrl.weights.fields import GroupFields, StoreFields
 
 
-class WeightsConfig(Section):
-    type: Literal["broadcast", "store"] = "broadcast"
-    """`broadcast`: trainer rank 0 sends each version over a torch.distributed group made for
-    weight sync only. `store`: it writes safetensors files to `store_dir` that workers load — for
-    preemptible pools and sites without a collective fabric."""
+class BroadcastWeightsConfig(GroupFields):
+    """Trainer rank 0 sends each version over a torch.distributed group made for weight sync
+    only."""
+
+    type: Literal["broadcast"] = "broadcast"
+    """Weight-sync backend."""
     bucket_mb: int = Field(default=64, gt=0)
     """Size in MiB of one broadcast: the flat weight buffer goes out in slices of this size."""
-    sync_timeout_s: float = Field(default=30.0, gt=0)
-    """Longest wait on subscribers in any one step of a sync (group forming, one bucket): a dead or
-    hung subscriber delays the next version at most this long and never blocks the trainer."""
-    lease_s: float = Field(default=5.0, gt=0)
-    """A subscriber refreshes its lease every third of this; one whose lease lapses (killed,
-    stopped, partitioned) is dropped from the group at the next version boundary."""
-    store_dir: Path | None = None
-    """Shared directory of the `store` transport. Unset: `{run.dir}/weights`, resolved by the
-    caller. A subscriber with it set reads files there, whatever path the trainer announced."""
-    keep_last: int = Field(default=3, ge=1)
-    """Versions kept in `store_dir`; older files are deleted after each write."""
-    master_addr: str = "127.0.0.1"
-    """Address at which subscribers reach the trainer's TCPStore (broadcast rendezvous). The
-    store listens on this address only (it has no authentication), so it must be one of trainer
-    rank 0's own: loopback for a single host, the pod's name or IP on Kubernetes."""
-    master_port: int = Field(default=0, ge=0, le=65535)
-    """Port of that TCPStore; 0 picks a free one (announced in the `weights` hash)."""
-    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
-    """Collective backend of the broadcast group. `auto`: from the device — cpu → gloo,
-    cuda → nccl, npu → hccl."""
+
+
+class StoreWeightsConfig(StoreFields):
+    """Trainer rank 0 writes safetensors files to `store_dir` that workers load — for preemptible
+    pools and sites without a collective fabric."""
+
+    type: Literal["store"] = "store"
+    """Weight-sync backend."""
+
+
+WeightsConfig = Annotated[
+    Annotated[BroadcastWeightsConfig, Tag("broadcast")]
+    | Annotated[StoreWeightsConfig, Tag("store")]
+    | Annotated[SglangWeightsConfig, Tag("sglang")],
+    Discriminator(type_or("broadcast")),
+]

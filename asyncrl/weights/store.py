@@ -29,13 +29,12 @@ from asyncrl.weights.base import (
     POLL_S,
     BackgroundPublisher,
     BackgroundSubscriber,
-    Doorbell,
-    OnWeights,
     SyncRecord,
     announce,
     text,
 )
 from asyncrl.weights.buckets import FlatBuffer, checksum, checksum_tensors
+from asyncrl.weights.config import StoreWeightsConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
     import redis
 
     from asyncrl.keys import Keys
-    from asyncrl.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ def _fsync(path: Path) -> None:
 class StorePublisher(BackgroundPublisher):
     def __init__(
         self,
-        cfg: WeightsConfig,
+        cfg: StoreWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         device: torch.device,
@@ -124,23 +122,10 @@ class StorePublisher(BackgroundPublisher):
         """Nothing is held between writes."""
 
 
-class StoreSubscriber(BackgroundSubscriber):
-    def __init__(
-        self,
-        cfg: WeightsConfig,
-        client: redis.Redis,
-        keys: Keys,
-        worker_id: str,
-        device: torch.device,
-        on_weights: OnWeights,
-    ) -> None:
-        super().__init__(on_weights, close_timeout_s=3 * cfg.sync_timeout_s)
-        self._client, self._keys, self._id = client, keys, worker_id
-        self._device = device
+class StoreSubscriber(BackgroundSubscriber[StoreWeightsConfig]):
+    def _setup(self, cfg: StoreWeightsConfig) -> None:
         self._dir = cfg.store_dir
-        self._doorbell = Doorbell(client, keys.weights)
         self._rejected: int | None = None  # a bad file is not retried until a newer one comes
-        self._start()
 
     def _step(self) -> None:
         self._doorbell.wait(POLL_S)

@@ -5,6 +5,9 @@ quickstart model a fraction of a second; a large model would rather send eval pr
 rollout pool. Held-out items run as whole episodes through the rollout side's `EpisodeScheduler`,
 so a multi-turn task is scored on every turn (with its real environment) and a one-turn task on
 its single response, exactly as rollouts are rewarded.
+
+A module of the package root because it joins the two sides: the trainer calls it, and it drives
+the rollout side's scheduler. Placed in either package it would make one import the other.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.rollout.config import SamplingParams, TorchEngineConfig
-from asyncrl.rollout.engine import RolloutEngine
+from asyncrl.engines.base import RolloutEngine
+from asyncrl.engines.config import SamplingParams, TorchEngineConfig
+from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.rollout.episodes import EpisodeScheduler
-from asyncrl.rollout.tasks import PromptItem, Task
-from asyncrl.rollout.torch_engine import TorchEngine
+from asyncrl.tasks.base import PromptItem, Task
 
 log = logging.getLogger(__name__)
 

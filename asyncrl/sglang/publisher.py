@@ -6,16 +6,16 @@ the trainer's publisher talks to each server over HTTP and sends the tensors its
 - Membership: a worker whose engine is SGLang runs an `SglangSubscriber`, which registers its
   servers' URLs in the `weights` hash (`join:{id}` = {"host", "pid", "sglang": [urls]}) under
   the same lease as the broadcast transport; the publisher sends to the URLs of live leases.
-- `weights.type: broadcast`: a collective group of the trainer (rank 0) and every server's TP
+- `weights.transport: broadcast`: a collective group of the trainer (rank 0) and every server's TP
   ranks (server i gets `rank_offset` 1 + the ranks before it). The group is made the way SGLang
   makes its side of it (`init_custom_process_group`: a TCPStore, `PrefixStore(group_name)`,
   torch's `_new_process_group_helper`), so that both ends derive the same store keys. It lives
   as long as the membership (an epoch, with a fresh group name so a surviving server never
   mistakes it for an old one); HCCL communicators in particular are kept across versions.
-  One version: pause each server (`pause_mode`), `/begin_weight_update` where it exists,
+  One version: pause each server (`weights.pause_mode`), `/begin_weight_update` where it exists,
   `/update_weights_from_distributed` with names, dtypes and shapes in broadcast order while the
   trainer broadcasts each tensor from rank 0, `/end_weight_update`, `/continue_generation`.
-- `weights.type: store`: the version is written as a model directory
+- `weights.transport: store`: the version is written as a model directory
   `{store_dir}/sglang/v{version:012d}/model.safetensors` (atomically: written aside, renamed in)
   and each server loads it with `/update_weights_from_disk`; servers must see `store_dir`.
 
@@ -50,16 +50,17 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from asyncrl.rollout.sglang_engine import RequestFailure, http_json, parse_version
+from asyncrl.device import synchronize
+from asyncrl.sglang.client import RequestFailure, http_json, parse_version
 from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce, read_hash
 from asyncrl.weights.broadcast import Lease, lease_key
 from asyncrl.weights.buckets import FlatBuffer
-from asyncrl.weights.device import comm_device, master_store, resolve_backend, synchronize
+from asyncrl.weights.groups import comm_device, master_store, resolve_backend
 
 if TYPE_CHECKING:
+    from asyncrl.engines.base import RolloutEngine
     from asyncrl.keys import Keys
-    from asyncrl.rollout.config import SglangEngineConfig
-    from asyncrl.weights.config import WeightsConfig
+    from asyncrl.sglang.config import SglangWeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -189,25 +190,25 @@ class SglangPublisher(BackgroundPublisher):
 
     def __init__(
         self,
-        cfg: WeightsConfig,
-        engine: SglangEngineConfig,
+        cfg: SglangWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         device: torch.device,
         on_record: Callable[[SyncRecord], None] | None = None,
     ) -> None:
-        self._transport = cfg.type
+        self._transport = cfg.transport
+        self._pause_mode = cfg.pause_mode
         self._backend = resolve_backend(cfg.backend, device)
-        self._device = comm_device(self._backend, device) if cfg.type == "broadcast" else None
+        self._device = comm_device(self._backend, device) if cfg.transport == "broadcast" else None
         super().__init__(
             self._device or torch.device("cpu"), on_record, close_timeout_s=3 * cfg.sync_timeout_s
         )
-        self._client, self._keys, self._engine = client, keys, engine
+        self._client, self._keys = client, keys
         self._timeout = timedelta(seconds=cfg.sync_timeout_s)
         self._http_timeout_s = cfg.sync_timeout_s
         self._store: dist.TCPStore | None = None
         self._master_addr = cfg.master_addr
-        if cfg.type == "broadcast":
+        if cfg.transport == "broadcast":
             self._store = master_store(cfg.master_addr, cfg.master_port, self._timeout)
         else:
             if cfg.store_dir is None:
@@ -225,7 +226,7 @@ class SglangPublisher(BackgroundPublisher):
         self._unresponsive: set[str] = set()  # failed to join; retried at the next version
         self._failures = 0
         self._formed = 0
-        announce(client, keys, transport=f"sglang-{cfg.type}", backend=self._backend)
+        announce(client, keys, transport=f"sglang-{cfg.transport}", backend=self._backend)
         self._start()
 
     # -- the BackgroundPublisher hooks ---------------------------------------------------------
@@ -262,12 +263,8 @@ class SglangPublisher(BackgroundPublisher):
     def _shutdown(self) -> None:
         self._release()
 
-    # -- broadcast transport --------------------------------------------------------------------
-
-    def _form(self, urls: list[str]) -> None:
-        """A new group of the trainer and the servers at `urls` that can take part."""
-        assert self._store is not None
-        self._release()
+    def _probe(self, urls: list[str]) -> list[ServerInfo]:
+        """The servers at `urls` that answer; the others are noted as unresponsive."""
         members = []
         for url in urls:
             try:
@@ -275,6 +272,15 @@ class SglangPublisher(BackgroundPublisher):
             except (RequestFailure, ValueError) as exc:
                 log.warning("SGLang server %s left out of weight sync: %s", url, exc)
                 self._unresponsive.add(url)
+        return members
+
+    # -- broadcast transport --------------------------------------------------------------------
+
+    def _form(self, urls: list[str]) -> None:
+        """A new group of the trainer and the servers at `urls` that can take part."""
+        assert self._store is not None
+        self._release()
+        members = self._probe(urls)
         self._members = members
         self._broken = False
         if not members:
@@ -366,7 +372,7 @@ class SglangPublisher(BackgroundPublisher):
             "shapes": [list(s.shape) for s in specs],
             "group_name": self._group_name,
             "weight_version": str(version),
-            "flush_cache": self._engine.pause_mode != "in_place",
+            "flush_cache": self._pause_mode != "in_place",
         }
         with self._quiet(self._members) as pool:
             replies = [
@@ -400,13 +406,7 @@ class SglangPublisher(BackgroundPublisher):
             tmp.mkdir()
             save_file(buffer.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
             os.replace(tmp, path)
-        members = []
-        for url in urls:
-            try:
-                members.append(ServerInfo.probe(url, self._http_timeout_s))
-            except (RequestFailure, ValueError) as exc:
-                log.warning("SGLang server %s left out of weight sync: %s", url, exc)
-                self._unresponsive.add(url)
+        members = self._probe(urls)
         request = {"model_path": str(path), "weight_version": str(version)}
         with self._quiet(members) as pool:
             replies = [
@@ -432,7 +432,7 @@ class SglangPublisher(BackgroundPublisher):
     def _quiet(self, members: list[ServerInfo]) -> Iterator[ThreadPoolExecutor]:
         """Pause and open a weight update on each member, close and continue afterwards; yields
         a thread pool large enough for one blocking call per member."""
-        mode = self._engine.pause_mode
+        mode = self._pause_mode
         paused: list[ServerInfo] = []
         begun: list[ServerInfo] = []
         with ThreadPoolExecutor(max(1, len(members))) as pool:
@@ -483,7 +483,7 @@ class SglangSubscriber:
 
     def __init__(
         self,
-        cfg: WeightsConfig,
+        cfg: SglangWeightsConfig,
         client: redis.Redis,
         keys: Keys,
         worker_id: str,
@@ -495,6 +495,22 @@ class SglangSubscriber:
         self._urls = [u.rstrip("/") for u in urls]
         self._http_timeout_s = http_timeout_s
         self._lease = Lease(client, keys, worker_id, cfg.lease_s, {"sglang": self._urls})
+
+    @classmethod
+    def for_engine(
+        cls,
+        cfg: SglangWeightsConfig,
+        client: redis.Redis,
+        keys: Keys,
+        worker_id: str,
+        engine: RolloutEngine | None,
+    ) -> SglangSubscriber:
+        """The subscriber of a worker whose engine is `engine` (its servers' URLs)."""
+        from asyncrl.sglang.engine import SglangEngine
+
+        if not isinstance(engine, SglangEngine):
+            raise ValueError("weights.type=sglang needs rollout.engine.type=sglang")
+        return cls(cfg, client, keys, worker_id, engine.urls)
 
     @property
     def version(self) -> int | None:

@@ -1,7 +1,8 @@
-"""Device → collective backend, and how a weight-sync group is made, released and waited on.
+"""How a weight-sync group is made and released: its backend, rendezvous store and members.
 
-cpu → gloo, cuda → nccl, npu → hccl. `torch_npu` is imported here and only on the hccl path:
-importing it patches torch, and it exists only on Ascend machines.
+The backend of `weights.backend: auto` comes from the device table (`asyncrl.device`: cpu → gloo,
+cuda → nccl, npu → hccl). `torch_npu` is imported here and only on the hccl path: importing it
+patches torch, and it exists only on Ascend machines.
 
 Groups are built directly on a store with an explicit rank, size and timeout — never through
 `init_process_group` — so they live beside the trainer's default group and never touch it. With
@@ -19,7 +20,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-from asyncrl.device import BACKEND_OF_DEVICE
+from asyncrl.device import KINDS
 
 
 class Group(Protocol):
@@ -37,7 +38,7 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if requested != "auto":
         return requested
     try:
-        return BACKEND_OF_DEVICE[device.type]
+        return KINDS[device.type].backend
     except KeyError:
         raise ValueError(
             f"weights.backend=auto knows no backend for device type {device.type!r}; "
@@ -130,19 +131,3 @@ def release_group(group: Group, *, broken: bool) -> None:
         group.abort()
     else:
         group.shutdown()
-
-
-def synchronize(device: torch.device) -> None:
-    """Block until the work queued on `device` is done (no-op on CPU)."""
-    if device.type != "cpu":
-        torch.get_device_module(device).synchronize(device)
-
-
-def copies_done(device: torch.device) -> torch.Event | None:
-    """An event that completes once the work queued so far on `device`'s current stream has;
-    None on CPU, where copies are done when they return."""
-    if device.type == "cpu":
-        return None
-    event = torch.Event(device=device)
-    event.record()
-    return event

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import assert_never
 
-from asyncrl.rollout.config import ExactRewardConfig, MathRewardConfig, RewardConfig
+from asyncrl.tasks.config import ExactRewardConfig, MathRewardConfig, RewardConfig
 
 RewardFn = Callable[[str, str], float]
 """(response_text, reference_answer) -> reward."""

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Protocol, assert_never, overload, runtime_chec
 
 import numpy as np
 
-from asyncrl.rollout.config import (
+from asyncrl.tasks.config import (
     AgenticTaskConfig,
     ArithmeticTaskConfig,
     DatasetTaskConfig,
     TaskConfig,
 )
-from asyncrl.rollout.rewards import build_reward
+from asyncrl.tasks.rewards import build_reward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -297,7 +297,7 @@ def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
         case DatasetTaskConfig():
             return DatasetTask(cfg, tokenizer)
         case AgenticTaskConfig():
-            from asyncrl.rollout.agentic import AgenticTask  # it builds on this module
+            from asyncrl.tasks.agentic import AgenticTask  # it builds on this module
 
             return AgenticTask(cfg, tokenizer)
         case _:

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from asyncrl.rollout.config import TorchEngineConfig
-from asyncrl.rollout.engine import Generation
-from asyncrl.rollout.prefix_cache import CachedPrefix, PrefixCache
-from asyncrl.rollout.sampling import SamplingParams, sampling_logprobs
+from asyncrl.device import resolve_device
+from asyncrl.engines.base import Generation
+from asyncrl.engines.config import TorchEngineConfig
+from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
+from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
 
 
 class TorchEngine:
@@ -69,12 +70,10 @@ class TorchEngine:
         self._prefix_stale = prefix_cache_stale
 
     @classmethod
-    def from_config(
-        cls, cfg: TorchEngineConfig, *, model_path: str, device: str = "cpu"
-    ) -> TorchEngine:
+    def from_config(cls, cfg: TorchEngineConfig, *, model_path: str) -> TorchEngine:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.dtype))
         # transformers decorates `to` with functools.wraps, which mypy cannot bind to `model`.
-        model.to(device)  # type: ignore[arg-type]
+        model.to(resolve_device(cfg.device))  # type: ignore[arg-type]
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = model.config.eos_token_id

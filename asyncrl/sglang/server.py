@@ -1,6 +1,6 @@
 """`asyncrl serve`: the builtin torch engine behind SGLang's HTTP API, for machines without SGLang.
 
-Same endpoints and JSON shapes as an SGLang server (see `asyncrl.rollout.sglang_engine` for the
+Same endpoints and JSON shapes as an SGLang server (see `asyncrl.sglang.engine` for the
 release they follow), so the SGLang engine client and the SGLang weight publisher can be run and
 tested on a CPU: /generate (one prompt or a batch), /health, /health_generate, /get_model_info,
 /get_server_info, /pause_generation, /continue_generation, /flush_cache,
@@ -41,10 +41,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from asyncrl import __version__
-from asyncrl.rollout.config import SamplingParams, TorchEngineConfig
-from asyncrl.rollout.engine import Generation
-from asyncrl.rollout.torch_engine import TorchEngine
-from asyncrl.weights.sglang import broadcast_tensors, join_update_group
+from asyncrl.engines.base import Generation
+from asyncrl.engines.config import SamplingParams, TorchEngineConfig
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.sglang.publisher import broadcast_tensors, join_update_group
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +406,7 @@ def make_server(
     version 0 as everywhere in asyncrl; port 0 picks a free one."""
     from transformers import AutoTokenizer
 
-    cfg = TorchEngineConfig.model_validate({"dtype": dtype, "seed": seed})
+    cfg = TorchEngineConfig.model_validate({"device": "cpu", "dtype": dtype, "seed": seed})
     engine = TorchEngine.from_config(cfg, model_path=model_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)

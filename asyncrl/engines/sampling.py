@@ -7,7 +7,7 @@ numbers.
 
 import torch
 
-from asyncrl.rollout.config import SamplingParams
+from asyncrl.engines.config import SamplingParams
 
 __all__ = ["SamplingParams", "sampling_logprobs"]
 

@@ -26,9 +26,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from asyncrl.rollout.config import ArithmeticTaskConfig, SamplingParams
-from asyncrl.rollout.tasks import ArithmeticTask, PromptItem
-from asyncrl.rollout.torch_engine import TorchEngine
+from asyncrl.engines.config import SamplingParams
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.tasks.base import ArithmeticTask, PromptItem
+from asyncrl.tasks.config import ArithmeticTaskConfig
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 VOCAB = (*SPECIAL_TOKENS, *"0123456789+=")

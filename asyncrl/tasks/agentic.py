@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asyncrl.rollout.config import AgenticTaskConfig, ArithmeticTaskConfig
-from asyncrl.rollout.rewards import RewardFn, build_reward
-from asyncrl.rollout.tasks import ArithmeticTask, LazyItems, PromptItem
+from asyncrl.tasks.base import ArithmeticTask, LazyItems, PromptItem
+from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
+from asyncrl.tasks.rewards import RewardFn, build_reward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -1,0 +1,130 @@
+"""The engine seam: what a rollout worker (and held-out evaluation) needs from whatever generates
+tokens. `RolloutEngine` is all of it; `InProcessWeights` is the extra capability of an engine
+whose weights live in this process, so that only such an engine is handed tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, assert_never, runtime_checkable
+
+import numpy as np
+
+from asyncrl.engines.config import EngineConfig, SamplingParams, TorchEngineConfig
+from asyncrl.sglang.config import SglangEngineConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One response. The three arrays have one entry per generated token, stop token included."""
+
+    token_ids: np.ndarray
+    """int32 token ids of the response (the prompt is not repeated)."""
+
+    logprobs: np.ndarray
+    """float32 behaviour log-probs: each token under the distribution it was sampled from."""
+
+    versions: np.ndarray
+    """int32 policy version of the weights that produced each token's logits; non-decreasing."""
+
+    finish: Literal["stop", "length"]
+    """"stop": ended by a stop token (the last token); "length": hit max_new_tokens."""
+
+    cached_tokens: int = 0
+    """Prompt tokens whose keys came from the engine's prefix cache instead of a prefill (0 when
+    the engine keeps none or does not say)."""
+
+
+class EngineError(RuntimeError):
+    """Generation failed for some prompts after retries; the caller dead-letters them.
+
+    `reason` is a short stable code: `timeout`, `unreachable`, `server_error` (HTTP 5xx),
+    `malformed` (bad reply), `rejected` (HTTP 4xx), `aborted` (the server aborted the request,
+    e.g. paused with mode abort) or `no_server` (none in rotation).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        generations: list[Generation | None] | None = None,
+    ) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.generations: list[Generation | None] = generations or []
+        """One entry per prompt of the failed `generate` call: the result, or None where the
+        prompt failed (`failed` lists those)."""
+
+    @property
+    def failed(self) -> list[int]:
+        """Indices of the prompts that got no generation."""
+        return [i for i, g in enumerate(self.generations) if g is None]
+
+
+class RolloutEngine(Protocol):
+    """Generates responses; new weights reach it while it does.
+
+    Choices:
+    - Token ids in, token ids out. Tokenising and chat templates belong to the task, so the ids
+      the trainer sees are exactly the ids the engine conditioned on.
+    - One result per prompt; n samples of a prompt are n copies of it in the request. Engines
+      batch better than they share prefixes at our sizes, and the caller keeps group bookkeeping.
+    - Weights are pushed, not pulled, and may change during a `generate`: each token's recorded
+      version and log-prob describe the weights it was drawn from, and the trainer's importance
+      correction does the rest. How they arrive is the engine's affair: an engine in this
+      process takes them through `InProcessWeights`; one in servers of its own (SGLang) gets
+      them from the trainer's publisher directly.
+    """
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights loaded now."""
+        ...
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one response per prompt, in the order of `prompts`."""
+        ...
+
+
+@runtime_checkable
+class InProcessWeights(Protocol):
+    """The capability of an engine whose weights live in this process: the worker's weight
+    subscriber hands it each new version.
+
+    The engine swaps staged weights in between two decode steps of a running `generate`
+    (immediately when idle). Running sequences keep their KV cache, so tokens after the swap are
+    drawn from the new weights attending to keys computed by the old ones.
+    """
+
+    def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Hand over weights of `version` (thread-safe); the engine owns the tensors from now on.
+
+        A newer staging replaces one not yet applied. Raises if `version` is not newer than
+        the loaded or staged one, or if names or shapes do not match `state_dict_for_sync`.
+        """
+        ...
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """The tensors a weight update must cover, by name (live views: do not modify)."""
+        ...
+
+
+def build_engine(cfg: EngineConfig, *, model_path: str) -> RolloutEngine:
+    """The engine `cfg.type` names, serving the Hugging Face model in the local directory
+    `model_path` on the device its config names; heavy imports happen here."""
+    match cfg:
+        case TorchEngineConfig():
+            from asyncrl.engines.torch_engine import TorchEngine
+
+            return TorchEngine.from_config(cfg, model_path=model_path)
+        case SglangEngineConfig():
+            from asyncrl.sglang.engine import SglangEngine
+
+            return SglangEngine.from_config(cfg, model_path=model_path)
+        case _:
+            assert_never(cfg)

@@ -1,0 +1,1 @@
+"""Tasks (prompts, references, environments) and their rewards, shared by rollout and trainer."""

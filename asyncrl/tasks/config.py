@@ -1,0 +1,119 @@
+"""Config of the tasks and their rewards. Nothing here imports torch: the CLI validates configs
+without it. Backends are chosen by `type` (pydantic discriminated unions).
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from asyncrl.configbase import Section
+
+
+class ExactRewardConfig(Section):
+    """Reward 1.0 when the response, stripped of surrounding whitespace, equals the answer."""
+
+    type: Literal["exact"] = "exact"
+    """Reward backend."""
+
+
+class MathRewardConfig(Section):
+    """Reward 1.0 when the final answer (`#### x` or `\\boxed{x}`) matches after normalisation."""
+
+    type: Literal["math"] = "math"
+    """Reward backend."""
+
+
+RewardConfig = Annotated[ExactRewardConfig | MathRewardConfig, Field(discriminator="type")]
+
+
+class ArithmeticTaskConfig(Section):
+    """Synthetic `a+b=` prompts whose operands have exactly `digits` digits."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    """Task backend."""
+
+    digits: int = Field(default=2, ge=1, le=9)
+    """Digits of each operand (2: 10..99)."""
+
+    eval_size: int = Field(default=500, ge=1)
+    """Held-out pairs, never in the train split."""
+
+    train_size: int = Field(default=100_000, ge=1)
+    """Most train pairs; fewer when the pair space is smaller (2 digits: 8,100 pairs in all)."""
+
+    seed: int = 0
+    """Seed of the split; keep it fixed so that eval scores stay comparable across runs."""
+
+    reward: RewardConfig = Field(default_factory=ExactRewardConfig)
+    """How a response is scored against the sum."""
+
+
+class DatasetTaskConfig(Section):
+    """Prompts and reference answers read from JSONL or Parquet files."""
+
+    type: Literal["dataset"] = "dataset"
+    """Task backend."""
+
+    train_file: str
+    """Train split: a `.jsonl` or `.parquet` file."""
+
+    eval_file: str | None = None
+    """Held-out split, same formats; None: no eval split."""
+
+    prompt_field: str = "prompt"
+    """Column holding the prompt text."""
+
+    answer_field: str = "answer"
+    """Column holding the reference answer text."""
+
+    chat_template: bool | None = None
+    """Wrap each prompt as a user turn of the tokenizer's chat template; None: when it has one."""
+
+    skip_bad_rows: bool = False
+    """Skip and count rows with a missing, non-string or empty field instead of failing."""
+
+    reward: RewardConfig = Field(default_factory=MathRewardConfig)
+    """How a response is scored against the answer."""
+
+
+class AgenticTaskConfig(Section):
+    """Multi-turn episodes: `turns` questions `a+b=`, one per turn. Each answer goes to a tool
+    (the environment) that takes a log-normally distributed time before it returns the next
+    question, so episode times spread over tens of times; see `asyncrl.tasks.agentic`."""
+
+    type: Literal["agentic"] = "agentic"
+    """Task backend."""
+
+    digits: int = Field(default=2, ge=1, le=9)
+    """Digits of each operand (2: 10..99)."""
+
+    turns: int = Field(default=3, ge=1, le=16)
+    """Questions per episode. The context grows by a question and an answer every turn and
+    must fit the model's positions (the tiny model has 128)."""
+
+    eval_size: int = Field(default=500, ge=1)
+    """Held-out episodes, whose questions are never in the train split."""
+
+    train_size: int = Field(default=100_000, ge=1)
+    """Most train episodes; fewer when the pair space is smaller (2 digits, 3 turns: 2,200)."""
+
+    seed: int = 0
+    """Seed of the split; keep it fixed so that eval scores stay comparable across runs."""
+
+    tool_latency_median_s: float = Field(default=0.2, ge=0.0)
+    """Median seconds of one tool call (the wait before each observation and the verdict)."""
+
+    tool_latency_sigma: float = Field(default=1.0, ge=0.0)
+    """σ of the log of a tool call's seconds; 0: every call takes the median. At 1 the
+    slowest of a thousand calls takes about 20× the median."""
+
+    latency_seed: int = 0
+    """Seed of the latency draws; an episode draws from (latency_seed, its episode id)."""
+
+    reward: RewardConfig = Field(default_factory=ExactRewardConfig)
+    """How each answer is scored against its sum; the episode's reward is the mean over turns."""
+
+
+TaskConfig = Annotated[
+    ArithmeticTaskConfig | DatasetTaskConfig | AgenticTaskConfig, Field(discriminator="type")
+]
