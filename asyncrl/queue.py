@@ -39,13 +39,14 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from pydantic import Field
 
 from asyncrl.configbase import Section
+from asyncrl.runstate import Counter
 
 if TYPE_CHECKING:
     import redis
@@ -62,12 +63,8 @@ EntryFields = Mapping[str | bytes, bytes | str | int | float]
 RawFields = dict[bytes, bytes]
 _Fields = dict[str | bytes, bytes | str | int | float]  # an entry being built
 
-# Run-accounting counters (of `asyncrl.keys.COUNTERS`): a dead letter that ended an open group,
-# and one that ended none (junk, a duplicate).
-DEAD_LETTERED = "groups_dead_lettered"
-REJECTED = "entries_rejected"
-# What a dead letter that ends its group counts, and what one that ends none counts.
-_DEAD_LETTER_COUNTERS = (DEAD_LETTERED, REJECTED)
+# What a dead letter that ends its group counts, and what one that ends none (junk, a duplicate).
+_DEAD_LETTER_COUNTERS = (Counter.GROUPS_DEAD_LETTERED.value, Counter.ENTRIES_REJECTED.value)
 
 _DLQ_META = (b"stream", b"id", b"reason", b"detail", b"orig_bytes", b"orig_sha256")
 _DETAIL_MAX = 1000
@@ -413,6 +410,29 @@ end
 """
 
 
+# Add entries that each open a group, counted, with a state hash written beside them, while the
+# counter still reads what the caller read. KEYS: stream, counters hash, groups hash, state hash.
+# ARGV: counter, expected count, n_entries, n_state, (name, value) of the state..., then per
+# entry: n_pairs, (name, value).... Returns 1 when applied, 0 if the counter had moved (a retry
+# whose first attempt was applied, or a Redis that lost the counter). An XADD is the first write,
+# the only one Redis may refuse for memory: a full Redis rejects the whole transaction.
+_ADD_COUNTED_LUA = """
+local counters, counter = KEYS[2], ARGV[1]
+if tonumber(redis.call('HGET', counters, counter) or 0) ~= tonumber(ARGV[2]) then return 0 end
+local n, n_state = tonumber(ARGV[3]), tonumber(ARGV[4])
+local a = 5 + 2 * n_state
+for k = 1, n do
+  local m = tonumber(ARGV[a])
+  local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, a + 1, a + 2 * m))
+  redis.call('HSET', KEYS[3], id, '')
+  a = a + 1 + 2 * m
+end
+redis.call('HINCRBY', counters, counter, n)
+if n_state > 0 then redis.call('HSET', KEYS[4], unpack(ARGV, 5, 4 + 2 * n_state)) end
+return 1
+"""
+
+
 def _transact(
     script: Script,
     *,
@@ -546,6 +566,7 @@ class Producer:
         )
         self._memory = MemoryGauge(client, self._cfg.memory_high_watermark)
         self._script = client.register_script(_TRANSACT_LUA)
+        self._counted_script = client.register_script(_ADD_COUNTED_LUA)
 
     @property
     def outages(self) -> int:
@@ -584,6 +605,67 @@ class Producer:
         entry_id = self._guard.call(once, f"add to {self.stream}", memory=self._memory)
         self._memory.added(size)
         return entry_id
+
+    def add_counted(
+        self,
+        entries: Sequence[EntryFields],
+        *,
+        counters_key: str,
+        counter: str,
+        expected: int,
+        groups_key: str,
+        state: tuple[str, Mapping[str, int]],
+    ) -> bool:
+        """Append `entries`, open a group for each in `groups_key` (named by its entry id, as
+        `Groups` reads it), add their number to `counter` and write the `state` hash (key,
+        fields): in one transaction, applied only while `counter` still reads `expected`.
+
+        True when applied — by this call, or by an attempt whose reply was lost in an outage (the
+        retry then finds the counter moved and applies nothing twice). False when nothing was
+        added: Redis is full (above the watermark, or refusing writes) — a caller that must not
+        wait, such as the trainer's admission, whose reads are what frees memory, tries again
+        later — or the counter had moved already (Redis lost it: the caller reads it again).
+        Waits out outages.
+        """
+        size = sum(entry_size(fields, self._cfg.max_message_bytes) for fields in entries)
+        key, values = state
+        args: list[Any] = [counter, expected, len(entries), len(values)]
+        for name, value in values.items():
+            args += [name, value]
+        for fields in entries:
+            args.append(len(fields))
+            for k, v in fields.items():
+                args += [k, v]
+        outcome_unknown = False
+
+        def on_retry(outage: bool) -> None:
+            nonlocal outcome_unknown
+            outcome_unknown |= outage
+
+        def attempt() -> int | None:
+            # After a lost reply the script runs whatever the gauge says: it tells whether the
+            # lost attempt was applied without writing anything if it was.
+            if not outcome_unknown and self._memory.full():
+                return None
+            try:
+                return int(
+                    cast(
+                        int,
+                        self._counted_script(
+                            keys=[self.stream, counters_key, groups_key, key], args=args
+                        ),
+                    )
+                )
+            except Exception as exc:
+                if is_oom(exc):
+                    return None
+                raise
+
+        applied = self._guard.call(attempt, f"add to {self.stream}", on_retry=on_retry)
+        if applied is None:
+            return False
+        self._memory.added(size)
+        return applied == 1 or outcome_unknown
 
 
 # (entry id, fields or None when the entry was deleted while pending, times delivered)
@@ -1014,13 +1096,17 @@ class Consumer(Generic[T]):
         if fields is not None:
             entry.update(dead_letter_summary(fields))
         payload = dead_letter_payload(fields or {}, self._cfg.dead_letter_payload_bytes)
-        counters: dict[str, int] = {DEAD_LETTERED: 1}
+        counters: dict[str, int] = {Counter.GROUPS_DEAD_LETTERED: 1}
         ends: list[tuple[str, str]] = []
         if self._groups is not None:
             group = self._held_groups.get(entry_id) or self._groups.group_of(
                 entry_id, fields, value
             )
-            counters, ends = ({}, [(group, entry_id)]) if group is not None else ({REJECTED: 1}, [])
+            counters, ends = (
+                ({}, [(group, entry_id)])
+                if group is not None
+                else ({Counter.ENTRIES_REJECTED: 1}, [])
+            )
         status, note = self._guard.call(
             lambda: self._dead_letter_once(entry_id, counters, ends, entry, payload),
             f"dead-letter on {self.stream}",

@@ -12,11 +12,11 @@ import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import decode_group
 from asyncrl.rollout.config import ArithmeticTaskConfig
 from asyncrl.rollout.tasks import build_task
+from asyncrl.runstate import PROMPTS_GROUP, Keys
 from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.weights import WeightsConfig, build_publisher
 

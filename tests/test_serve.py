@@ -13,11 +13,11 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import free_port
 from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
 from asyncrl.rollout.sampling import sampling_logprobs
 from asyncrl.rollout.sglang_engine import RequestFailure, SglangEngine, http_json
+from asyncrl.runstate import Keys
 from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.sglang import SglangPublisher, SglangSubscriber
 

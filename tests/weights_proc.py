@@ -29,8 +29,8 @@ from typing import Any
 import redis
 import torch
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
 from asyncrl.weights import WeightsConfig, build_subscriber
 from asyncrl.weights.broadcast import BroadcastSubscriber
 from asyncrl.weights.buckets import checksum_tensors

@@ -92,7 +92,7 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.keys import Keys
+from asyncrl.runstate import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.rollout.config import SamplingParams, SglangEngineConfig
 from asyncrl.rollout.sampling import sampling_logprobs

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -43,6 +42,7 @@ from asyncrl.rollout.episodes import (
     GenerateCall,
 )
 from asyncrl.rollout.tasks import PromptItem
+from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 
 if TYPE_CHECKING:
     from asyncrl.queue import Delivery
@@ -317,7 +317,7 @@ class RolloutWorker:
             self.consumer.ack(
                 [f.tag.id for f in finished],
                 also_add=[(self.keys.trajectories, stream_fields(g)) for g in groups],
-                counters={"groups_published": len(groups)},
+                counters={Counter.GROUPS_PUBLISHED: len(groups)},
             )
         self.metrics.trajectories_produced.inc(len(groups))
 

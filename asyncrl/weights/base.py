@@ -35,7 +35,7 @@ from asyncrl.weights.device import copies_done
 if TYPE_CHECKING:
     import redis
 
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
     from asyncrl.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)

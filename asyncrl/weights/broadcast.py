@@ -93,7 +93,7 @@ from asyncrl.weights.device import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
     from asyncrl.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)

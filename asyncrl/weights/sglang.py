@@ -57,8 +57,8 @@ from asyncrl.weights.buckets import FlatBuffer
 from asyncrl.weights.device import comm_device, master_store, resolve_backend, synchronize
 
 if TYPE_CHECKING:
-    from asyncrl.keys import Keys
     from asyncrl.rollout.config import SglangEngineConfig
+    from asyncrl.runstate import Keys
     from asyncrl.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)
