@@ -7,6 +7,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -619,3 +620,41 @@ def test_dead_letter_of_an_entry_with_many_fields(redis_client: redis.Redis) -> 
     assert (
         pending_ids(redis_client) == [] and counter(redis_client, Counter.GROUPS_DEAD_LETTERED) == 1
     )
+
+
+def test_add_counted_applies_once_while_the_counter_reads_what_was_read(
+    redis_client: redis.Redis,
+) -> None:
+    producer = Producer(redis_client, STREAM, QueueConfig(max_message_bytes=8))
+    add = partial(
+        producer.add_counted,
+        counters_key=COUNTERS,
+        counter=Counter.PROMPTS_RELEASED,
+        groups_key="q:open",
+        state=("q:cursor", {"position": 2}),
+    )
+    assert add([{"n": "0"}, {"n": "1"}], expected=0) is True
+    ids = [i.decode() for i, _ in redis_client.xrange(STREAM)]
+    assert len(ids) == 2 and counter(redis_client, Counter.PROMPTS_RELEASED) == 2
+    assert redis_client.hgetall("q:open") == {i.encode(): b"" for i in ids}
+    assert redis_client.hgetall("q:cursor") == {b"position": b"2"}
+    # A second attempt from the same read (a retry after a lost reply) applies nothing.
+    assert add([{"n": "0"}, {"n": "1"}], expected=0) is False
+    assert redis_client.xlen(STREAM) == 2 and counter(redis_client, Counter.PROMPTS_RELEASED) == 2
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        add([{"n": "x" * 9}], expected=2)
+    assert redis_client.xlen(STREAM) == 2
+
+
+def test_add_counted_adds_nothing_to_a_full_redis_and_does_not_wait(tmp_path: Path) -> None:
+    with RedisServer(data_dir=tmp_path, appendonly=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        producer = Producer(client, STREAM)
+        fill_until_oom(client, "q:ballast", 50_000)
+        args = {"counters_key": COUNTERS, "counter": Counter.PROMPTS_RELEASED, "expected": 0}
+        assert not producer.add_counted(
+            [{"n": "0"}], **args, groups_key="q:open", state=("q:cursor", {"position": 1})
+        )
+        assert client.xlen(STREAM) == 0 and counter(client, Counter.PROMPTS_RELEASED) == 0
+        assert client.hlen("q:open") == 0 and client.hlen("q:cursor") == 0
+        client.close()
