@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from pydantic import Field
@@ -538,14 +539,9 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-class Producer:
-    """Adds entries to a stream. Never trims: unconsumed entries are the queue.
-
-    `add` is at least once: if the connection drops after Redis ran the XADD but before the reply
-    arrived, the retry adds a second entry. A duplicate is a separate entry with its own id, and
-    the counters were incremented with it in the same transaction, so run accounting stays
-    balanced.
-    """
+class _StreamClient:
+    """What a producer and a consumer of one stream share: the client, the config, a guard that
+    waits out outages and a full Redis, and the transaction script."""
 
     def __init__(
         self,
@@ -566,12 +562,25 @@ class Producer:
         )
         self._memory = MemoryGauge(client, self._cfg.memory_high_watermark)
         self._script = client.register_script(_TRANSACT_LUA)
-        self._counted_script = client.register_script(_ADD_COUNTED_LUA)
 
     @property
     def outages(self) -> int:
-        """Redis outages this producer has waited through."""
+        """Redis outages this producer or consumer has waited through."""
         return self._guard.outages
+
+
+class Producer(_StreamClient):
+    """Adds entries to a stream. Never trims: unconsumed entries are the queue.
+
+    `add` is at least once: if the connection drops after Redis ran the XADD but before the reply
+    arrived, the retry adds a second entry. A duplicate is a separate entry with its own id, and
+    the counters were incremented with it in the same transaction, so run accounting stays
+    balanced.
+    """
+
+    @cached_property
+    def _counted_script(self) -> Script:
+        return self._client.register_script(_ADD_COUNTED_LUA)
 
     def add(
         self,
@@ -672,7 +681,7 @@ class Producer:
 _Raw = tuple[str, RawFields | None, int]
 
 
-class Consumer(Generic[T]):
+class Consumer(_StreamClient, Generic[T]):
     """One named member of a consumer group. Not thread-safe: one reading thread per consumer.
 
     `is_alive(name)` says whether another consumer's heartbeat is current (see
@@ -699,9 +708,14 @@ class Consumer(Generic[T]):
         should_stop: Callable[[], bool] | None = None,
         on_outage: Callable[[bool], None] | None = None,
     ) -> None:
-        _check_client(client)
-        self._client = client
-        self.stream = stream
+        super().__init__(
+            client,
+            stream,
+            cfg,
+            reconnect_max_s=reconnect_max_s,
+            should_stop=should_stop,
+            on_outage=on_outage,
+        )
         self.group = group
         self._groups = groups
         self._admit_script = client.register_script(_ADMIT_LUA)
@@ -709,16 +723,10 @@ class Consumer(Generic[T]):
         # Group of each held entry of a claiming consumer, for its ack to end.
         self._held_groups: dict[str, str] = {}
         self.name = name
-        self._cfg = cfg or QueueConfig()
         self._dlq = dlq
         self._counters_key = counters_key
         self._is_alive = is_alive
         self._decode = decode
-        self._guard = RedisGuard(
-            reconnect_max_s=reconnect_max_s, should_stop=should_stop, on_outage=on_outage
-        )
-        self._memory = MemoryGauge(client, self._cfg.memory_high_watermark)
-        self._script = client.register_script(_TRANSACT_LUA)
         self._group_ready = False
         # Ids handed out and not yet acked. Scans of our own pending entries skip them, so an
         # entry is never handed out twice by one process.
@@ -728,11 +736,6 @@ class Consumer(Generic[T]):
         now = time.monotonic()
         self._next_claim = now
         self._next_trim = now + self._cfg.trim_every_s
-
-    @property
-    def outages(self) -> int:
-        """Redis outages this consumer has waited through."""
-        return self._guard.outages
 
     def read(self, count: int = 1, block_ms: int = 1000) -> list[Delivery[T]]:
         """Up to `count` entries: own pending ones first, then dead consumers' (every
