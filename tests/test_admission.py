@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import ValidationError, decode_prompt
 from asyncrl.provenance import prompt_groups
 from asyncrl.queue import Consumer, Delivery, Groups, QueueConfig, RawFields
@@ -267,3 +270,34 @@ def test_admission_bound_and_cursor(
     c = read_counters(redis_client, sim.keys)
     trained = c.get(Counter.GROUPS_TRAINED, 0)
     assert trained == sim.ckpt_step * g  # every surviving step's groups, counted once
+
+
+def test_release_into_a_full_redis_releases_nothing_and_keeps_the_cursor(tmp_path: Path) -> None:
+    """The trainer's reads are what frees a full Redis: a release must not wait for it."""
+    with RedisServer(data_dir=tmp_path, appendonly=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        keys = Keys("full")
+        admission = Admission(
+            client,
+            keys,
+            FakeTask(),
+            task_name="fake",
+            n=2,
+            max_staleness=0,
+            groups_per_step=2,
+            cursor=Cursor(seed=SEED),
+        )
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for _ in range(10_000):
+                client.xadd("ballast", {"d": b"x" * 50_000})
+        assert admission.release(0, 0) == 0
+        assert admission.cursor_dict() == Cursor(seed=SEED).as_dict()
+        assert client.xlen(keys.prompts) == 0 and read_counters(client, keys).prompts_released == 0
+        client.delete("ballast")
+        assert admission.release(0, 0) == 2
+        assert admission.cursor_dict() == {"seed": SEED, "epoch": 0, "position": 2}
+        assert [decode_prompt(f[b"data"]).prompt_id for _, f in client.xrange(keys.prompts)] == [
+            f"s{SEED}e0p0",
+            f"s{SEED}e0p1",
+        ]
+        client.close()

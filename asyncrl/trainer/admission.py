@@ -10,7 +10,11 @@ Only dead letters that end a released group count (`asyncrl.provenance`): junk e
 releases. Sync mode is η = 0: the next step's prompts are released only once the previous step is
 done. The data cursor (seed, epoch, position) advances in the same Redis transaction that adds the
 prompt, opens its group in `released` and counts it released, so a restarted trainer never
-releases a prompt twice and never skips one, whatever checkpoint it restarts from.
+releases a prompt twice and never skips one, whatever checkpoint it restarts from. That
+transaction is the prompts stream's producer's (`queue.Producer.add_counted`): it checks each
+entry's size, and applies only while `prompts_released` still reads what the budget was computed
+from, so a retry after a lost reply releases nothing twice. A full Redis gets no release, and the
+release does not wait for memory: the reads that free it run on the thread that releases.
 
 A Redis that comes back without its data (no AOF) has lost the counters, which would make the
 budget a burst of (step + η + 1) × groups_per_step. Admission keeps the counters it last read
