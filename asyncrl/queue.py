@@ -636,6 +636,8 @@ class Producer(_StreamClient):
         later — or the counter had moved already (Redis lost it: the caller reads it again).
         Waits out outages.
         """
+        from redis import exceptions as rx
+
         size = sum(entry_size(fields, self._cfg.max_message_bytes) for fields in entries)
         key, values = state
         args: list[Any] = [counter, expected, len(entries), len(values)]
@@ -657,18 +659,14 @@ class Producer(_StreamClient):
             if not outcome_unknown and self._memory.full():
                 return None
             try:
-                return int(
-                    cast(
-                        int,
-                        self._counted_script(
-                            keys=[self.stream, counters_key, groups_key, key], args=args
-                        ),
-                    )
+                reply = self._counted_script(
+                    keys=[self.stream, counters_key, groups_key, key], args=args
                 )
-            except Exception as exc:
+            except rx.ResponseError as exc:
                 if is_oom(exc):
                     return None
                 raise
+            return int(cast(int, reply))
 
         applied = self._guard.call(attempt, f"add to {self.stream}", on_retry=on_retry)
         if applied is None:
