@@ -21,6 +21,8 @@ KEYS = Keys("rs")
 
 
 def test_counter_values_are_the_hash_fields_and_metric_outcomes() -> None:
+    # The one place the names are spelled out: they are Redis's field names and `status --json`
+    # keys, a public surface that this pins.
     assert [c.value for c in Counter] == [
         "prompts_released",
         "groups_published",
@@ -42,14 +44,15 @@ def test_counter_values_are_the_hash_fields_and_metric_outcomes() -> None:
 
 
 def test_counters_record() -> None:
-    c = Counters.from_hash({b"prompts_released": b"9", b"groups_trained": b"4", b"other": b"1"})
+    raw = {Counter.PROMPTS_RELEASED.encode(): b"9", Counter.GROUPS_TRAINED.encode(): b"4"}
+    c = Counters.from_hash({**raw, b"other": b"1"})
     assert c.prompts_released == 9 and c.groups_trained == 4 and c.groups_lost == 0
-    assert c == {**dict.fromkeys(Counter, 0), "prompts_released": 9, "groups_trained": 4}
+    assert c == dict.fromkeys(Counter, 0) | {Counter.PROMPTS_RELEASED: 9, Counter.GROUPS_TRAINED: 4}
     assert c[Counter.GROUPS_TRAINED] == 4 and c.get("other", -1) == -1
-    more = c.plus(Counter.GROUPS_DROPPED_STALE, 2).plus("groups_lost", 1)
+    more = c.plus(Counter.GROUPS_DROPPED_STALE, 2).plus(Counter.GROUPS_LOST.value, 1)
     assert (more.ended, more.freed) == (7, 3) and c.groups_dropped_stale == 0
     assert more.is_balanced(2) and not more.is_balanced(3)
-    assert more.as_dict()["groups_lost"] == 1 and len(more) == len(Counter)
+    assert more.as_dict()[Counter.GROUPS_LOST] == 1 and len(more) == len(Counter)
 
 
 def test_readers(redis_client: redis.Redis) -> None:
