@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import redis
 
 from asyncrl.heartbeat import Heartbeat
@@ -32,6 +34,7 @@ def test_counter_values_are_the_hash_fields_and_metric_outcomes() -> None:
         "groups_lost",
         "entries_rejected",
     ]
+    assert [f.name for f in fields(Counters)] == [c.value for c in Counter]
     assert [c.outcome for c in Counter] == [
         "released",
         "published",
