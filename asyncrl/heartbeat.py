@@ -20,7 +20,7 @@ import msgpack
 if TYPE_CHECKING:
     import redis
 
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ together with it.
 | asyncrl_run_groups | gauge | outcome: see OUTCOMES | trainer r0 |
 | asyncrl_staleness_bound | gauge (η in force; 0 in sync mode) | | trainer r0 |
 
-`asyncrl_run_groups` mirrors the run-accounting hash in Redis (`keys.COUNTERS`, field
+`asyncrl_run_groups` mirrors the run-accounting hash in Redis (`runstate.Counter`, field
 `prompts_released` → outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected`
 → `rejected`). It is a gauge, not a counter: its value is the run's absolute count read from
 Redis, which does not restart at zero when the process that exports it does.
@@ -76,12 +76,12 @@ from prometheus_client import (
     generate_latest,
 )
 
-from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP
+from asyncrl.runstate import Counter as RunCounter
 
 if TYPE_CHECKING:
     import redis
 
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,7 @@ PHASES = (
 )
 POOLS = ("rollout", "trainer")
 PROMPT_SOURCES = ("prefilled", "cached")
-OUTCOMES = tuple(
-    name.removeprefix("prompts_").removeprefix("groups_").removeprefix("entries_")
-    for name in COUNTERS
-)
+OUTCOMES = tuple(c.outcome for c in RunCounter)
 
 _L = ("role", "worker")
 
@@ -454,31 +451,24 @@ class RoleMetrics:
             self.rollout_tokens_per_second.set(tokens / seconds)
 
     def set_run_groups(self, counters: Mapping[str, int]) -> None:
-        """Mirrors the Redis `counters` hash (fields of `keys.COUNTERS`; missing ones are 0)."""
-        for field, outcome in zip(COUNTERS, OUTCOMES, strict=True):
-            self.run_groups[outcome].set(counters.get(field, 0))
+        """Mirrors the Redis `counters` hash (`runstate.Counters`; missing fields are 0)."""
+        for c in RunCounter:
+            self.run_groups[c.outcome].set(counters.get(c, 0))
 
 
 def refresh_run_gauges(metrics: RoleMetrics, client: redis.Redis, keys: Keys) -> None:
     """One read of the run's Redis state into the gauges: queue lag and pending per stream, the
     dead-letter length, live workers per pool and the run accounting. Redis errors propagate."""
-    from asyncrl.heartbeat import live_workers
-    from asyncrl.queue import stream_stats
+    from asyncrl.runstate import live_workers, read_counters, stream_depths
 
-    streams = {
-        "prompts": (keys.prompts, PROMPTS_GROUP),
-        "trajectories": (keys.trajectories, TRAJECTORIES_GROUP),
-    }
-    for stream, (key, group) in streams.items():
-        stats = stream_stats(client, key, group)
-        metrics.queue_lag[stream].set(stats["lag"])
-        metrics.queue_pending[stream].set(stats["pending"])
-    metrics.queue_dead_letter.set(int(client.xlen(keys.dlq)))
-    for pool in POOLS:
-        metrics.workers_live[pool].set(len(live_workers(client, keys, pool)))
-    raw = client.hgetall(keys.counters)
-    counters = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
-    metrics.set_run_groups(counters)
+    depths = stream_depths(client, keys)
+    for stream in STREAMS:
+        metrics.queue_lag[stream].set(depths[stream]["lag"])
+        metrics.queue_pending[stream].set(depths[stream]["pending"])
+    metrics.queue_dead_letter.set(depths["dlq"]["length"])
+    for pool, workers in live_workers(client, keys).items():
+        metrics.workers_live[pool].set(len(workers))
+    metrics.set_run_groups(read_counters(client, keys))
 
 
 class RunGauges:

@@ -222,22 +222,40 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
     return out
 
 
+def _pack(message: TrajectoryGroup | PromptGroup, casts: dict[str, Callable[[Any], Any]]) -> bytes:
+    """A message as its wire map: `schema` first (readers check it before anything else), then
+    the fields in the order the dataclass declares them — that order is the wire's, and
+    `asyncrl.provenance` finds `group_id` near the top — each through its cast if it has one."""
+    names = ["schema", *(f.name for f in fields(message) if f.name != "schema")]
+    return msgpack.packb({n: casts.get(n, _same)(getattr(message, n)) for n in names})
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _i32(array: Any) -> memoryview:
+    return _bin(array, _I32)
+
+
+# The wire types of the fields that need a cast: numpy scalars and arrays do not pack as they are.
+_GROUP_CASTS: dict[str, Callable[[Any], Any]] = {
+    "release_version": int,
+    "created_at": float,
+    "finished_at": float,
+    "prompt_ids": _i32,
+    "samples": lambda samples: [_encode_sample(s) for s in samples],
+}
+_PROMPT_CASTS: dict[str, Callable[[Any], Any]] = {
+    "prompt_ids": _i32,
+    "n": int,
+    "release_version": int,
+}
+
+
 def encode_group(g: TrajectoryGroup) -> bytes:
     """Pack a group, casting arrays to their wire dtypes. Does not validate: see validate_group."""
-    return msgpack.packb(
-        {
-            "schema": g.schema,
-            "run": g.run,
-            "group_id": g.group_id,
-            "prompt_id": g.prompt_id,
-            "release_version": int(g.release_version),
-            "worker": g.worker,
-            "created_at": float(g.created_at),
-            "finished_at": float(g.finished_at),
-            "prompt_ids": _bin(g.prompt_ids, _I32),
-            "samples": [_encode_sample(s) for s in g.samples],
-        }
-    )
+    return _pack(g, _GROUP_CASTS)
 
 
 def stream_fields(g: TrajectoryGroup) -> dict[bytes | str, bytes]:
@@ -252,20 +270,7 @@ def stream_fields(g: TrajectoryGroup) -> dict[bytes | str, bytes]:
 
 def encode_prompt(p: PromptGroup) -> bytes:
     """Pack a prompt group (the `data` field of a `prompts` entry). Does not validate."""
-    return msgpack.packb(
-        {
-            "schema": p.schema,
-            "run": p.run,
-            "prompt_id": p.prompt_id,
-            "prompt": p.prompt,
-            "prompt_ids": _bin(p.prompt_ids, _I32),
-            "answer": p.answer,
-            "task": p.task,
-            "n": int(p.n),
-            "release_version": int(p.release_version),
-            "meta": p.meta,
-        }
-    )
+    return _pack(p, _PROMPT_CASTS)
 
 
 # ---------------------------------------------------------------------------------------------

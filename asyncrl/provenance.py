@@ -26,9 +26,9 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.keys import Keys
 from asyncrl.protocol import PromptGroup, TrajectoryGroup
 from asyncrl.queue import Groups, RawFields
+from asyncrl.runstate import Keys
 
 # A trajectory entry that fails to decode is searched for its group id in its first bytes only:
 # the id sits near the top of the map (after `schema` and `run` as asyncrl writes it), and a

@@ -39,13 +39,15 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from pydantic import Field
 
 from asyncrl.configbase import Section
+from asyncrl.runstate import Counter
 
 if TYPE_CHECKING:
     import redis
@@ -62,12 +64,8 @@ EntryFields = Mapping[str | bytes, bytes | str | int | float]
 RawFields = dict[bytes, bytes]
 _Fields = dict[str | bytes, bytes | str | int | float]  # an entry being built
 
-# Run-accounting counters (of `asyncrl.keys.COUNTERS`): a dead letter that ended an open group,
-# and one that ended none (junk, a duplicate).
-DEAD_LETTERED = "groups_dead_lettered"
-REJECTED = "entries_rejected"
-# What a dead letter that ends its group counts, and what one that ends none counts.
-_DEAD_LETTER_COUNTERS = (DEAD_LETTERED, REJECTED)
+# What a dead letter that ends its group counts, and what one that ends none (junk, a duplicate).
+_DEAD_LETTER_COUNTERS = (Counter.GROUPS_DEAD_LETTERED.value, Counter.ENTRIES_REJECTED.value)
 
 _DLQ_META = (b"stream", b"id", b"reason", b"detail", b"orig_bytes", b"orig_sha256")
 _DETAIL_MAX = 1000
@@ -413,6 +411,29 @@ end
 """
 
 
+# Add entries that each open a group, counted, with a state hash written beside them, while the
+# counter still reads what the caller read. KEYS: stream, counters hash, groups hash, state hash.
+# ARGV: counter, expected count, n_entries, n_state, (name, value) of the state..., then per
+# entry: n_pairs, (name, value).... Returns 1 when applied, 0 if the counter had moved (a retry
+# whose first attempt was applied, or a Redis that lost the counter). An XADD is the first write,
+# the only one Redis may refuse for memory: a full Redis rejects the whole transaction.
+_ADD_COUNTED_LUA = """
+local counters, counter = KEYS[2], ARGV[1]
+if tonumber(redis.call('HGET', counters, counter) or 0) ~= tonumber(ARGV[2]) then return 0 end
+local n, n_state = tonumber(ARGV[3]), tonumber(ARGV[4])
+local a = 5 + 2 * n_state
+for k = 1, n do
+  local m = tonumber(ARGV[a])
+  local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, a + 1, a + 2 * m))
+  redis.call('HSET', KEYS[3], id, '')
+  a = a + 1 + 2 * m
+end
+redis.call('HINCRBY', counters, counter, n)
+if n_state > 0 then redis.call('HSET', KEYS[4], unpack(ARGV, 5, 4 + 2 * n_state)) end
+return 1
+"""
+
+
 def _transact(
     script: Script,
     *,
@@ -518,14 +539,9 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-class Producer:
-    """Adds entries to a stream. Never trims: unconsumed entries are the queue.
-
-    `add` is at least once: if the connection drops after Redis ran the XADD but before the reply
-    arrived, the retry adds a second entry. A duplicate is a separate entry with its own id, and
-    the counters were incremented with it in the same transaction, so run accounting stays
-    balanced.
-    """
+class _StreamClient:
+    """What a producer and a consumer of one stream share: the client, the config, a guard that
+    waits out outages and a full Redis, and the transaction script."""
 
     def __init__(
         self,
@@ -549,8 +565,22 @@ class Producer:
 
     @property
     def outages(self) -> int:
-        """Redis outages this producer has waited through."""
+        """Redis outages this producer or consumer has waited through."""
         return self._guard.outages
+
+
+class Producer(_StreamClient):
+    """Adds entries to a stream. Never trims: unconsumed entries are the queue.
+
+    `add` is at least once: if the connection drops after Redis ran the XADD but before the reply
+    arrived, the retry adds a second entry. A duplicate is a separate entry with its own id, and
+    the counters were incremented with it in the same transaction, so run accounting stays
+    balanced.
+    """
+
+    @cached_property
+    def _counted_script(self) -> Script:
+        return self._client.register_script(_ADD_COUNTED_LUA)
 
     def add(
         self,
@@ -585,12 +615,71 @@ class Producer:
         self._memory.added(size)
         return entry_id
 
+    def add_counted(
+        self,
+        entries: Sequence[EntryFields],
+        *,
+        counters_key: str,
+        counter: str,
+        expected: int,
+        groups_key: str,
+        state: tuple[str, Mapping[str, int]],
+    ) -> bool:
+        """Append `entries`, open a group for each in `groups_key` (named by its entry id, as
+        `Groups` reads it), add their number to `counter` and write the `state` hash (key,
+        fields): in one transaction, applied only while `counter` still reads `expected`.
+
+        True when applied — by this call, or by an attempt whose reply was lost in an outage (the
+        retry then finds the counter moved and applies nothing twice). False when nothing was
+        added: Redis is full (above the watermark, or refusing writes) — a caller that must not
+        wait, such as the trainer's admission, whose reads are what frees memory, tries again
+        later — or the counter had moved already (Redis lost it: the caller reads it again).
+        Waits out outages.
+        """
+        from redis import exceptions as rx
+
+        size = sum(entry_size(fields, self._cfg.max_message_bytes) for fields in entries)
+        key, values = state
+        args: list[Any] = [counter, expected, len(entries), len(values)]
+        for name, value in values.items():
+            args += [name, value]
+        for fields in entries:
+            args.append(len(fields))
+            for k, v in fields.items():
+                args += [k, v]
+        outcome_unknown = False
+
+        def on_retry(outage: bool) -> None:
+            nonlocal outcome_unknown
+            outcome_unknown |= outage
+
+        def attempt() -> int | None:
+            # After a lost reply the script runs whatever the gauge says: it tells whether the
+            # lost attempt was applied without writing anything if it was.
+            if not outcome_unknown and self._memory.full():
+                return None
+            try:
+                reply = self._counted_script(
+                    keys=[self.stream, counters_key, groups_key, key], args=args
+                )
+            except rx.ResponseError as exc:
+                if is_oom(exc):
+                    return None
+                raise
+            return int(cast(int, reply))
+
+        applied = self._guard.call(attempt, f"add to {self.stream}", on_retry=on_retry)
+        if applied is None:
+            return False
+        self._memory.added(size)
+        return applied == 1 or outcome_unknown
+
 
 # (entry id, fields or None when the entry was deleted while pending, times delivered)
 _Raw = tuple[str, RawFields | None, int]
 
 
-class Consumer(Generic[T]):
+class Consumer(_StreamClient, Generic[T]):
     """One named member of a consumer group. Not thread-safe: one reading thread per consumer.
 
     `is_alive(name)` says whether another consumer's heartbeat is current (see
@@ -617,9 +706,14 @@ class Consumer(Generic[T]):
         should_stop: Callable[[], bool] | None = None,
         on_outage: Callable[[bool], None] | None = None,
     ) -> None:
-        _check_client(client)
-        self._client = client
-        self.stream = stream
+        super().__init__(
+            client,
+            stream,
+            cfg,
+            reconnect_max_s=reconnect_max_s,
+            should_stop=should_stop,
+            on_outage=on_outage,
+        )
         self.group = group
         self._groups = groups
         self._admit_script = client.register_script(_ADMIT_LUA)
@@ -627,16 +721,10 @@ class Consumer(Generic[T]):
         # Group of each held entry of a claiming consumer, for its ack to end.
         self._held_groups: dict[str, str] = {}
         self.name = name
-        self._cfg = cfg or QueueConfig()
         self._dlq = dlq
         self._counters_key = counters_key
         self._is_alive = is_alive
         self._decode = decode
-        self._guard = RedisGuard(
-            reconnect_max_s=reconnect_max_s, should_stop=should_stop, on_outage=on_outage
-        )
-        self._memory = MemoryGauge(client, self._cfg.memory_high_watermark)
-        self._script = client.register_script(_TRANSACT_LUA)
         self._group_ready = False
         # Ids handed out and not yet acked. Scans of our own pending entries skip them, so an
         # entry is never handed out twice by one process.
@@ -646,11 +734,6 @@ class Consumer(Generic[T]):
         now = time.monotonic()
         self._next_claim = now
         self._next_trim = now + self._cfg.trim_every_s
-
-    @property
-    def outages(self) -> int:
-        """Redis outages this consumer has waited through."""
-        return self._guard.outages
 
     def read(self, count: int = 1, block_ms: int = 1000) -> list[Delivery[T]]:
         """Up to `count` entries: own pending ones first, then dead consumers' (every
@@ -1014,13 +1097,17 @@ class Consumer(Generic[T]):
         if fields is not None:
             entry.update(dead_letter_summary(fields))
         payload = dead_letter_payload(fields or {}, self._cfg.dead_letter_payload_bytes)
-        counters: dict[str, int] = {DEAD_LETTERED: 1}
+        counters: dict[str, int] = {Counter.GROUPS_DEAD_LETTERED: 1}
         ends: list[tuple[str, str]] = []
         if self._groups is not None:
             group = self._held_groups.get(entry_id) or self._groups.group_of(
                 entry_id, fields, value
             )
-            counters, ends = ({}, [(group, entry_id)]) if group is not None else ({REJECTED: 1}, [])
+            counters, ends = (
+                ({}, [(group, entry_id)])
+                if group is not None
+                else ({Counter.ENTRIES_REJECTED: 1}, [])
+            )
         status, note = self._guard.call(
             lambda: self._dead_letter_once(entry_id, counters, ends, entry, payload),
             f"dead-letter on {self.stream}",

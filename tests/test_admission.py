@@ -18,19 +18,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
-from asyncrl.launch.status import is_balanced, read_accounting, stream_depths
+from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import ValidationError, decode_prompt
 from asyncrl.provenance import prompt_groups
 from asyncrl.queue import Consumer, Delivery, Groups, QueueConfig, RawFields
+from asyncrl.runstate import (
+    PROMPTS_GROUP,
+    TRAJECTORIES_GROUP,
+    Counter,
+    Keys,
+    read_accounting,
+    read_counters,
+    stream_depths,
+)
 from asyncrl.tasks.base import PromptItem
-from asyncrl.trainer.admission import Admission, Cursor, load_cursor, read_counters
+from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 
 ITEMS_PER_EPOCH = 5  # small, so a run crosses many epochs
 SEED = 7
@@ -133,12 +143,15 @@ class Sim:
     # -- actions -------------------------------------------------------------------------------
 
     def release(self) -> None:
-        before = read_counters(self.client, self.keys).get("prompts_released", 0)
+        before = read_counters(self.client, self.keys).get(Counter.PROMPTS_RELEASED, 0)
         self.admission.release(self.step, version=self.step)
         c = read_counters(self.client, self.keys)
-        if c.get("prompts_released", 0) > before:
-            freed = c.get("groups_dropped_stale", 0) + c.get("groups_dead_lettered", 0)
-            assert c["prompts_released"] - (self.step * self.g + freed) <= (self.eta + 1) * self.g
+        if c.get(Counter.PROMPTS_RELEASED, 0) > before:
+            freed = c.get(Counter.GROUPS_DROPPED_STALE, 0) + c.get(Counter.GROUPS_DEAD_LETTERED, 0)
+            assert (
+                c[Counter.PROMPTS_RELEASED] - (self.step * self.g + freed)
+                <= (self.eta + 1) * self.g
+            )
 
     def take(self, worker: int, count: int) -> None:
         self.held[worker] += self.workers[worker].read(count, block_ms=0)
@@ -149,7 +162,7 @@ class Sim:
             self.workers[worker].ack(
                 [d.id for d in batch],
                 also_add=[(self.keys.trajectories, {"kind": kind, "group": d.id}) for d in batch],
-                counters={"groups_published": len(batch)},
+                counters={Counter.GROUPS_PUBLISHED: len(batch)},
             )
 
     def train(self, count: int) -> None:
@@ -157,7 +170,7 @@ class Sim:
         self.release()
         for d in self.trainer.read(min(count, self.g - self.collected), block_ms=0):
             if d.value == b"stale":
-                assert self.trainer.ack([d.id], counters={"groups_dropped_stale": 1})
+                assert self.trainer.ack([d.id], counters={Counter.GROUPS_DROPPED_STALE: 1})
                 continue
             self.collected += 1
             self.unacked.append(d.id)
@@ -175,7 +188,7 @@ class Sim:
         self.ckpt_cursor = self.admission.cursor.as_dict()
         trained = self.unacked[: len(self.unacked) - self.collected]
         if trained:
-            assert self.trainer.ack(trained, counters={"groups_trained": len(trained)})
+            assert self.trainer.ack(trained, counters={Counter.GROUPS_TRAINED: len(trained)})
         self.unacked = self.unacked[len(trained) :]
 
     def crash(self) -> None:
@@ -186,11 +199,11 @@ class Sim:
 
     def check(self) -> None:
         c = read_counters(self.client, self.keys)
-        freed = c.get("groups_dropped_stale", 0) + c.get("groups_dead_lettered", 0)
-        released = c.get("prompts_released", 0)
+        freed = c.get(Counter.GROUPS_DROPPED_STALE, 0) + c.get(Counter.GROUPS_DEAD_LETTERED, 0)
+        released = c.get(Counter.PROMPTS_RELEASED, 0)
         assert released - (self.max_step * self.g + freed) <= (self.eta + 1) * self.g
         counters, in_flight = read_accounting(self.client, self.keys)
-        assert is_balanced(counters, in_flight), (counters, in_flight)
+        assert counters.is_balanced(in_flight), (counters, in_flight)
         # Without junk, the groups in flight are exactly the entries the streams still hold.
         streams = stream_depths(self.client, self.keys)
         queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
@@ -255,5 +268,36 @@ def test_admission_bound_and_cursor(
     assert released == expected
     assert len(released) >= sim.step * g
     c = read_counters(redis_client, sim.keys)
-    trained = c.get("groups_trained", 0)
+    trained = c.get(Counter.GROUPS_TRAINED, 0)
     assert trained == sim.ckpt_step * g  # every surviving step's groups, counted once
+
+
+def test_release_into_a_full_redis_releases_nothing_and_keeps_the_cursor(tmp_path: Path) -> None:
+    """The trainer's reads are what frees a full Redis: a release must not wait for it."""
+    with RedisServer(data_dir=tmp_path, appendonly=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        keys = Keys("full")
+        admission = Admission(
+            client,
+            keys,
+            FakeTask(),
+            task_name="fake",
+            n=2,
+            max_staleness=0,
+            groups_per_step=2,
+            cursor=Cursor(seed=SEED),
+        )
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for _ in range(10_000):
+                client.xadd("ballast", {"d": b"x" * 50_000})
+        assert admission.release(0, 0) == 0
+        assert admission.cursor_dict() == Cursor(seed=SEED).as_dict()
+        assert client.xlen(keys.prompts) == 0 and read_counters(client, keys).prompts_released == 0
+        client.delete("ballast")
+        assert admission.release(0, 0) == 2
+        assert admission.cursor_dict() == {"seed": SEED, "epoch": 0, "position": 2}
+        assert [decode_prompt(f[b"data"]).prompt_id for _, f in client.xrange(keys.prompts)] == [
+            f"s{SEED}e0p0",
+            f"s{SEED}e0p1",
+        ]
+        client.close()

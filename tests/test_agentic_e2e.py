@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import redis
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import decode_group
+from asyncrl.runstate import Keys
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_e2e import CONFIG, Run, asyncrl, check_accounting

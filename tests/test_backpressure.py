@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.queue import stream_stats
+from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, step_lines, stop_all, wait_until, write_config
@@ -54,8 +54,8 @@ def counters_and_lengths(client: redis.Redis, keys: Keys) -> tuple[int, int, int
     """(queued, len(prompts), len(trajectories)); queued = released − (trained + dropped +
     dead-lettered), from one atomic read of the counters."""
     c = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
-    done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered")
-    queued = c["prompts_released"] - sum(c.get(k, 0) for k in done)
+    done = (Counter.GROUPS_TRAINED, Counter.GROUPS_DROPPED_STALE, Counter.GROUPS_DEAD_LETTERED)
+    queued = c[Counter.PROMPTS_RELEASED] - sum(c.get(k, 0) for k in done)
     return queued, client.xlen(keys.prompts), client.xlen(keys.trajectories)
 
 

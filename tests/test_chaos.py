@@ -17,6 +17,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from chaos import G, run_chaos
 
+from asyncrl.runstate import Counter
+
 FAULTS = 20
 # Redis restarts and hostile entries are the cheapest faults (no process re-imports torch),
 # trainer restarts the dearest: this deck gets 20 mixed faults into the time budget.
@@ -49,14 +51,14 @@ def failed(summary: dict[str, Any], *checks: str) -> list[str]:
 def test_accounting_balances_and_nothing_is_lost(summary: dict[str, Any]) -> None:
     assert not failed(summary, "balanced", "nothing_lost", "dead_letters"), summary
     assert summary["balanced"] and summary["lost"] == 0
-    assert summary["counters"]["groups_trained"] > 0
+    assert summary["counters"][Counter.GROUPS_TRAINED] > 0
 
 
 @pytest.mark.slow
 def test_no_group_is_trained_twice(summary: dict[str, Any]) -> None:
     # summary["killed_before_ack"] lists the riskiest trainer kills, if this fails.
     assert not failed(summary, "no_double_training"), summary
-    assert summary["counters"]["groups_trained"] == summary["final_step"] * G
+    assert summary["counters"][Counter.GROUPS_TRAINED] == summary["final_step"] * G
 
 
 @pytest.mark.slow

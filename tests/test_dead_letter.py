@@ -20,10 +20,9 @@ import pytest
 import redis
 
 from asyncrl.config import load_config
-from asyncrl.keys import TRAJECTORIES_GROUP
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group, stream_fields
-from asyncrl.trainer.admission import read_counters
+from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, read_counters
 from asyncrl.trainer.main import Trainer
 
 VERSION = 10  # the trainer's current version in these tests
@@ -214,7 +213,7 @@ def collect(
     grown = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     new_dlq = client.xrange(keys.dlq)[len(dlq_before) :]
     # The step "runs" and checkpoints: ack the collected groups like the trainer does.
-    assert trainer.prefetch.settle(got_ids, "groups_trained") == len(got_ids)
+    assert trainer.prefetch.settle(got_ids, Counter.GROUPS_TRAINED) == len(got_ids)
     return groups, staleness, got_ids, ids, grown, new_dlq
 
 
@@ -241,9 +240,9 @@ def test_bad_entry_is_dead_lettered(
     assert [g.group_id for g in groups] == good
     assert got_ids == [ids[0], ids[2]]
     named = rule not in NAMELESS
-    assert grown.get("groups_dead_lettered", 0) == int(named)
-    assert grown.get("entries_rejected", 0) == int(not named)
-    assert grown.get("groups_dropped_stale", 0) == 0
+    assert grown.get(Counter.GROUPS_DEAD_LETTERED, 0) == int(named)
+    assert grown.get(Counter.ENTRIES_REJECTED, 0) == int(not named)
+    assert grown.get(Counter.GROUPS_DROPPED_STALE, 0) == 0
     # The good groups ended trained, a bad entry that names its group ended that one (the
     # truncated message names "t"), a nameless one ended none.
     ended = ("t" if rule == "truncated message" else "bad") if named else None
@@ -274,8 +273,8 @@ def test_stale_group_is_dropped_and_counted(trainer: Trainer, client: redis.Redi
     assert [g.group_id for g in groups] == ["at-bound", "fresh"]
     assert staleness == [ETA, 1]
     assert got_ids == ids[1:]
-    assert grown["groups_dropped_stale"] == 1
-    assert grown.get("groups_dead_lettered", 0) == 0
+    assert grown[Counter.GROUPS_DROPPED_STALE] == 1
+    assert grown.get(Counter.GROUPS_DEAD_LETTERED, 0) == 0
     assert new_dlq == []
     assert ids[0] not in pending_ids(client, trainer.keys.trajectories)  # acked, not trained
     # The stale group ended with its ack.

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Counter
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,17 +158,17 @@ def check_accounting(run: Run, steps: int, groups_per_step: int) -> None:
     status = run.status
     counters, streams = status["counters"], status["streams"]
     queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
-    assert counters["prompts_released"] == (
-        counters["groups_trained"]
-        + counters["groups_dropped_stale"]
-        + counters["groups_dead_lettered"]
+    assert counters[Counter.PROMPTS_RELEASED] == (
+        counters[Counter.GROUPS_TRAINED]
+        + counters[Counter.GROUPS_DROPPED_STALE]
+        + counters[Counter.GROUPS_DEAD_LETTERED]
         + queued
     ), status
     assert status["balanced"] is True
     # Every step's groups were acked once, at the checkpoint that holds the step.
-    assert counters["groups_trained"] == steps * groups_per_step
+    assert counters[Counter.GROUPS_TRAINED] == steps * groups_per_step
     assert streams["trajectories"]["pending"] == 0  # the final checkpoint acked everything
-    assert counters["groups_dead_lettered"] == 0
+    assert counters[Counter.GROUPS_DEAD_LETTERED] == 0
     assert streams["dlq"]["length"] == 0
     assert status["version"] == steps
     assert status["last_step"]["step"] == steps
@@ -241,7 +242,7 @@ def test_sync_run_has_no_staleness(sync_run: Run) -> None:
         assert s["lag0_tokens"] > 0
         assert s["behaviour_logprob_abs_diff_lag0"] < 1e-4
     check_accounting(sync_run, 4, 8)
-    assert sync_run.status["counters"]["groups_dropped_stale"] == 0
+    assert sync_run.status["counters"][Counter.GROUPS_DROPPED_STALE] == 0
 
 
 def test_cli_help() -> None:

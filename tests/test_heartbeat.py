@@ -12,8 +12,8 @@ import msgpack
 import redis
 
 from asyncrl.heartbeat import Heartbeat, is_alive, live_workers
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
 
 HELPER = Path(__file__).with_name("queue_consumer_proc.py")
 KEYS = Keys("hb")

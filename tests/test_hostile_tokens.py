@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from asyncrl.engines.tiny_model import VOCAB
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
 
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, step_lines, stop_all, wait_until, write_config

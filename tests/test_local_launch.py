@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from asyncrl.runstate import Counter
+
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import (
     REPO,
@@ -84,7 +86,7 @@ def test_sigterm_stops_the_roles_then_the_embedded_redis(
     )
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
-    assert report["counters"]["groups_trained"] == 2 * last, report
+    assert report["counters"][Counter.GROUPS_TRAINED] == 2 * last, report
     assert report["balanced"], report
 
 

@@ -22,6 +22,7 @@ from asyncrl.metrics import (
     serve,
     tokens_per_second,
 )
+from asyncrl.runstate import Counter
 
 # The names the Grafana dashboard is built on (DESIGN §8): renaming one breaks it.
 EXPECTED = {
@@ -98,7 +99,7 @@ def exercise(m: RoleMetrics) -> None:
     m.redis_up.set(1)
     m.redis_reconnects.inc()
     m.workers_live["rollout"].set(2)
-    m.set_run_groups({"prompts_released": 10, "groups_trained": 6})
+    m.set_run_groups({Counter.PROMPTS_RELEASED: 10, Counter.GROUPS_TRAINED: 6})
     m.observe_step(
         {
             "step": 1,

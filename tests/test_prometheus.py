@@ -26,9 +26,9 @@ import redis
 import yaml
 
 from asyncrl.heartbeat import Heartbeat
-from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics import REGISTRY, RoleMetrics, RunGauges, refresh_run_gauges
+from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -77,7 +77,9 @@ def test_run_gauges_mirror_redis(redis_server: RedisServer) -> None:
     client.xadd(keys.dlq, {"reason": b"malformed"})
     for role, wid in (("rollout", "w1"), ("rollout", "w2"), ("trainer", "trainer-0")):
         Heartbeat(client, keys.worker(role, wid), ttl_s=30).beat()
-    client.hset(keys.counters, mapping={"prompts_released": 3, "groups_dead_lettered": 1})
+    client.hset(
+        keys.counters, mapping={Counter.PROMPTS_RELEASED: 3, Counter.GROUPS_DEAD_LETTERED: 1}
+    )
     metrics = RoleMetrics("trainer", "gauges-test")
     gauges = RunGauges(metrics, client, keys, period_s=0.05).start()
     try:

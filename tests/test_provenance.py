@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import redis
 
-from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.launch.status import collect_status, is_balanced, read_accounting
+from asyncrl.launch.status import collect_status
 from asyncrl.protocol import TrajectoryGroup, decode_group, stream_fields
 from asyncrl.provenance import group_id_of, trajectory_groups
 from asyncrl.queue import Consumer
+from asyncrl.runstate import PROMPTS_GROUP, TRAJECTORIES_GROUP, Counter, Keys, read_accounting
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -130,12 +130,14 @@ def test_trainer_trains_no_unreleased_empty_or_duplicate_group(
     assert not set(real_ids) & set(dlq)
     status = collect_status(redis_client, keys, run_dir)
     counters = status["counters"]
-    assert counters["groups_trained"] == steps * g
-    assert counters["entries_rejected"] == len(ids)
-    assert counters["groups_dead_lettered"] == counters["groups_dropped_stale"] == 0
+    assert counters[Counter.GROUPS_TRAINED] == steps * g
+    assert counters[Counter.ENTRIES_REJECTED] == len(ids)
+    assert counters[Counter.GROUPS_DEAD_LETTERED] == counters[Counter.GROUPS_DROPPED_STALE] == 0
     # Junk bought no releases: the budget of the last step's release, (1 + η + 1) × G.
-    assert counters["prompts_released"] == redis_client.xlen(keys.prompts) == (steps + eta) * g
-    assert status["in_flight"] == counters["prompts_released"] - steps * g
+    assert (
+        counters[Counter.PROMPTS_RELEASED] == redis_client.xlen(keys.prompts) == (steps + eta) * g
+    )
+    assert status["in_flight"] == counters[Counter.PROMPTS_RELEASED] - steps * g
     assert status["balanced"], status
 
 
@@ -190,11 +192,11 @@ def test_worker_refuses_a_prompt_nobody_released(
     assert msgpack.unpackb(fields[b"data"])["group_id"] == real_id
     assert not pending(redis_client, keys.prompts, PROMPTS_GROUP)
     counters, in_flight = read_accounting(redis_client, keys)
-    assert counters["entries_rejected"] == 1
-    assert counters["groups_published"] == counters["prompts_released"] == 1
-    assert counters["groups_dead_lettered"] == 0
+    assert counters[Counter.ENTRIES_REJECTED] == 1
+    assert counters[Counter.GROUPS_PUBLISHED] == counters[Counter.PROMPTS_RELEASED] == 1
+    assert counters[Counter.GROUPS_DEAD_LETTERED] == 0
     assert in_flight == 1  # published, for the trainer to claim
-    assert is_balanced(counters, in_flight)
+    assert counters.is_balanced(in_flight)
 
 
 class Items:
@@ -289,17 +291,17 @@ def test_admission_after_redis_lost_its_data(
     assert admission.release(1, 1) == 0
     assert "Redis lost the run's state" in caplog.text
     counters, in_flight = read_accounting(client, keys)
-    assert counters["prompts_released"] == released_before + after
-    assert counters["groups_lost"] == released_before - len(trained)
+    assert counters[Counter.PROMPTS_RELEASED] == released_before + after
+    assert counters[Counter.GROUPS_LOST] == released_before - len(trained)
     assert in_flight == after + len(trained)
-    assert is_balanced(counters, in_flight)
+    assert counters.is_balanced(in_flight)
     # The step's checkpoint is written: its groups, gone with Redis, count as trained, once.
-    assert trainer.settle(trained, "groups_trained") == len(trained)
-    assert trainer.settle(trained, "groups_trained") == 0
+    assert trainer.settle(trained, Counter.GROUPS_TRAINED) == len(trained)
+    assert trainer.settle(trained, Counter.GROUPS_TRAINED) == 0
     counters, in_flight = read_accounting(client, keys)
-    assert counters["groups_trained"] == len(trained)
+    assert counters[Counter.GROUPS_TRAINED] == len(trained)
     assert in_flight == after
-    assert is_balanced(counters, in_flight)
+    assert counters.is_balanced(in_flight)
     # The cursor goes on where it was: no prompt is released twice.
     assert load_cursor(client, keys, Cursor(seed=9)).position == released_before + after
 
@@ -310,15 +312,15 @@ def test_a_loss_right_after_a_settle_keeps_what_it_counted(lossy: Lossy) -> None
     it settled), so the lineage's count stays exact."""
     assert lossy.admission.release(0, 0) == 4
     ids = lossy.read_groups(2)
-    settle = partial(lossy.trainer.settle, ids, "groups_trained")
-    assert lossy.admission.settle(settle, "groups_trained") == 2
+    settle = partial(lossy.trainer.settle, ids, Counter.GROUPS_TRAINED)
+    assert lossy.admission.settle(settle, Counter.GROUPS_TRAINED) == 2
     lossy.lose_data()
     # The two prompts never read are lost; nothing is in flight: (η + 1) × G go out.
     assert lossy.admission.release(1, 1) == 4
     counters, in_flight = read_accounting(lossy.client, lossy.keys)
-    assert counters["groups_trained"] == 2
-    assert counters["groups_lost"] == 2 and in_flight == 4
-    assert is_balanced(counters, in_flight)
+    assert counters[Counter.GROUPS_TRAINED] == 2
+    assert counters[Counter.GROUPS_LOST] == 2 and in_flight == 4
+    assert counters.is_balanced(in_flight)
 
 
 def test_group_id_of_reads_only_the_head_of_a_message() -> None:

@@ -7,6 +7,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from asyncrl.queue import (
     stream_stats,
     trim_acked,
 )
+from asyncrl.runstate import Counter
 
 STREAM, GROUP, DLQ, COUNTERS = "q:s", "g", "q:dlq", "q:counters"
 
@@ -75,12 +77,12 @@ def test_round_trip_and_ack(redis_client: redis.Redis) -> None:
     assert all(d.deliveries == 1 for d in got)
     assert pending_ids(redis_client) == ids
 
-    assert c.ack(ids[:2], counters={"groups_trained": 2}) is True
+    assert c.ack(ids[:2], counters={Counter.GROUPS_TRAINED: 2}) is True
     assert pending_ids(redis_client) == ids[2:]
-    assert counter(redis_client, "groups_trained") == 2
+    assert counter(redis_client, Counter.GROUPS_TRAINED) == 2
     # A second ack of the same ids is refused and changes nothing.
-    assert c.ack(ids[:2], counters={"groups_trained": 2}) is False
-    assert counter(redis_client, "groups_trained") == 2
+    assert c.ack(ids[:2], counters={Counter.GROUPS_TRAINED: 2}) is False
+    assert counter(redis_client, Counter.GROUPS_TRAINED) == 2
     assert c.read(count=10, block_ms=50) == []
 
 
@@ -141,7 +143,7 @@ def test_decode_failure_dead_letters_entry_and_delivers_the_rest(redis_client: r
     got = c.read(count=10, block_ms=100)
     assert [(d.id, d.value) for d in got] == [(good1, 1), (good2, 2)]
     assert pending_ids(redis_client) == [good1, good2]
-    assert counter(redis_client, "groups_dead_lettered") == 2
+    assert counter(redis_client, Counter.GROUPS_DEAD_LETTERED) == 2
 
     dead = {e[b"id"].decode(): e for _, e in redis_client.xrange(DLQ)}
     assert set(dead) == {bad, junk}
@@ -177,7 +179,7 @@ def test_entry_delivered_too_often_is_dead_lettered(redis_client: redis.Redis) -
     assert dead[b"id"] == entry.encode()
     assert dead[b"n"] == b"0"
     assert pending_ids(redis_client) == []
-    assert counter(redis_client, "groups_dead_lettered") == 1
+    assert counter(redis_client, Counter.GROUPS_DEAD_LETTERED) == 1
 
 
 def test_only_dead_consumers_entries_are_claimed(redis_client: redis.Redis) -> None:
@@ -200,11 +202,16 @@ def test_only_dead_consumers_entries_are_claimed(redis_client: redis.Redis) -> N
     assert [d.id for d in taken] == ids
     assert [d.deliveries for d in taken] == [2, 2]
     # The presumed-dead owner cannot commit any more: its ack is refused and adds nothing.
-    assert a.ack(ids, counters={"groups_published": 2}, also_add=[("q:out", {"x": "1"})]) is False
-    assert counter(redis_client, "groups_published") == 0
+    assert (
+        a.ack(ids, counters={Counter.GROUPS_PUBLISHED: 2}, also_add=[("q:out", {"x": "1"})])
+        is False
+    )
+    assert counter(redis_client, Counter.GROUPS_PUBLISHED) == 0
     assert redis_client.xlen("q:out") == 0
-    assert b.ack(ids, counters={"groups_published": 2}, also_add=[("q:out", {"x": "1"})]) is True
-    assert counter(redis_client, "groups_published") == 2
+    assert (
+        b.ack(ids, counters={Counter.GROUPS_PUBLISHED: 2}, also_add=[("q:out", {"x": "1"})]) is True
+    )
+    assert counter(redis_client, Counter.GROUPS_PUBLISHED) == 2
     assert redis_client.xlen("q:out") == 1
 
 
@@ -213,9 +220,9 @@ def test_ack_with_also_add_and_counters_is_one_transaction(redis_client: redis.R
     c = consumer(redis_client, "worker")
     c.read(count=2, block_ms=100)
     adds: list[tuple[str, Any]] = [("q:traj", {"data": b"\x00" * 10}), ("q:traj", {"data": b"x"})]
-    assert c.ack(ids, counters={"groups_published": 2, "tokens": 7}, also_add=adds) is True
+    assert c.ack(ids, counters={Counter.GROUPS_PUBLISHED: 2, "tokens": 7}, also_add=adds) is True
     assert [e[b"data"] for _, e in redis_client.xrange("q:traj")] == [b"\x00" * 10, b"x"]
-    assert counter(redis_client, "groups_published") == 2
+    assert counter(redis_client, Counter.GROUPS_PUBLISHED) == 2
     assert counter(redis_client, "tokens") == 7
     assert pending_ids(redis_client) == []
 
@@ -256,9 +263,12 @@ def test_ack_retry_after_lost_reply_applies_once(
     )
     c.read(count=1, block_ms=100)
 
-    assert c.ack(ids, counters={"groups_published": 1}, also_add=[("q:traj", {"g": "1"})]) is True
+    assert (
+        c.ack(ids, counters={Counter.GROUPS_PUBLISHED: 1}, also_add=[("q:traj", {"g": "1"})])
+        is True
+    )
     assert flaky.dropped
-    assert counter(redis_client, "groups_published") == 1
+    assert counter(redis_client, Counter.GROUPS_PUBLISHED) == 1
     assert redis_client.xlen("q:traj") == 1
     assert pending_ids(redis_client) == []
     assert outages == [True, False] and c.outages == 1
@@ -327,7 +337,7 @@ def test_consumer_and_producer_survive_redis_restart(redis_server: RedisServer) 
             for d in c.read(count=5, block_ms=100):
                 delivered.append(d.id)
                 values.append(d.value[b"n"])
-                acked += c.ack([d.id], counters={"groups_trained": 1})
+                acked += c.ack([d.id], counters={Counter.GROUPS_TRAINED: 1})
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
@@ -350,7 +360,7 @@ def test_consumer_and_producer_survive_redis_restart(redis_server: RedisServer) 
     assert sorted(set(values), key=int) == [str(i).encode() for i in range(40)]
     assert len(delivered) == len(set(delivered))  # no entry handed out twice
     assert set(add_ids) <= set(delivered)
-    assert counter(client, "groups_trained") == acked == len(delivered)
+    assert counter(client, Counter.GROUPS_TRAINED) == acked == len(delivered)
     assert pending_ids(client) == []
     assert outages[:2] == [True, False] and c.outages >= 1 and producer.outages == 1
     client.close()
@@ -430,8 +440,8 @@ def test_producer_pauses_under_memory_pressure_instead_of_raising(tmp_path: Path
         entry = producer.add({"n": "last"})
         assert [d.id for d in c.read(count=1, block_ms=100)] == [entry]
         fill_until_oom(client, "q:ballast", 50_000)
-        assert c.ack([entry], counters={"groups_trained": 1}) is True
-        assert counter(client, "groups_trained") == 1
+        assert c.ack([entry], counters={Counter.GROUPS_TRAINED: 1}) is True
+        assert counter(client, Counter.GROUPS_TRAINED) == 1
 
         # While it is full, should_stop ends a producer's wait with Stopped.
         stop = threading.Event()
@@ -480,7 +490,9 @@ def test_dead_letter_keeps_a_bounded_prefix_and_the_stream_is_capped(
         dead_letter_max_entries=3,
     )
     assert c.read(count=10, block_ms=100) == []
-    assert counter(redis_client, "groups_dead_lettered") == 5 and pending_ids(redis_client) == []
+    assert (
+        counter(redis_client, Counter.GROUPS_DEAD_LETTERED) == 5 and pending_ids(redis_client) == []
+    )
 
     dead = redis_client.xrange(DLQ)
     assert [e[b"id"].decode() for _, e in dead] == ids[2:]  # the newest 3
@@ -513,7 +525,7 @@ def test_dead_letters_free_a_full_redis(tmp_path: Path) -> None:
         junk = fill_with_junk(client, STREAM)
         while client.xlen(STREAM):
             assert c.read(count=50, block_ms=10) == []
-        assert counter(client, "groups_dead_lettered") == junk and pending_ids(client) == []
+        assert counter(client, Counter.GROUPS_DEAD_LETTERED) == junk and pending_ids(client) == []
         memory = client.info("memory")
         assert memory["used_memory"] < 0.9 * memory["maxmemory"]
         # Which dead letters Redis had room for depends on the order of acks and trims.
@@ -563,7 +575,7 @@ def test_acks_after_redis_lost_its_data_are_not_applied(
         server.stop()
         server.start()
 
-        assert c.ack(ids[:1], counters={"groups_trained": 1}) is False
+        assert c.ack(ids[:1], counters={Counter.GROUPS_TRAINED: 1}) is False
         assert c.ack(ids[1:2], also_add=[("q:traj", {"g": "1"})]) is False
         c.dead_letter(ids[2], held[2].fields, "malformed", "rejected")
         assert client.keys("*") == []  # nothing applied
@@ -572,8 +584,8 @@ def test_acks_after_redis_lost_its_data_are_not_applied(
 
         later = add(client, 2, start=3)
         assert [d.id for d in c.read(count=10, block_ms=100)] == later
-        assert c.ack(later, counters={"groups_trained": 2}) is True
-        assert counter(client, "groups_trained") == 2
+        assert c.ack(later, counters={Counter.GROUPS_TRAINED: 2}) is True
+        assert counter(client, Counter.GROUPS_TRAINED) == 2
         client.close()
 
 
@@ -605,4 +617,44 @@ def test_dead_letter_of_an_entry_with_many_fields(redis_client: redis.Redis) -> 
     assert dead[b"id"].decode() == entry and dead[b"reason"] == b"decode_error"
     assert [k for k in dead if k.startswith(b"f")] == [b"f%d" % i for i in range(63)]
     assert int(dead[b"orig_bytes"]) == sum(len(k) + len(v) for k, v in fields.items())
-    assert pending_ids(redis_client) == [] and counter(redis_client, "groups_dead_lettered") == 1
+    assert (
+        pending_ids(redis_client) == [] and counter(redis_client, Counter.GROUPS_DEAD_LETTERED) == 1
+    )
+
+
+def test_add_counted_applies_once_while_the_counter_reads_what_was_read(
+    redis_client: redis.Redis,
+) -> None:
+    producer = Producer(redis_client, STREAM, QueueConfig(max_message_bytes=8))
+    add = partial(
+        producer.add_counted,
+        counters_key=COUNTERS,
+        counter=Counter.PROMPTS_RELEASED,
+        groups_key="q:open",
+        state=("q:cursor", {"position": 2}),
+    )
+    assert add([{"n": "0"}, {"n": "1"}], expected=0) is True
+    ids = [i.decode() for i, _ in redis_client.xrange(STREAM)]
+    assert len(ids) == 2 and counter(redis_client, Counter.PROMPTS_RELEASED) == 2
+    assert redis_client.hgetall("q:open") == {i.encode(): b"" for i in ids}
+    assert redis_client.hgetall("q:cursor") == {b"position": b"2"}
+    # A second attempt from the same read (a retry after a lost reply) applies nothing.
+    assert add([{"n": "0"}, {"n": "1"}], expected=0) is False
+    assert redis_client.xlen(STREAM) == 2 and counter(redis_client, Counter.PROMPTS_RELEASED) == 2
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        add([{"n": "x" * 9}], expected=2)
+    assert redis_client.xlen(STREAM) == 2
+
+
+def test_add_counted_adds_nothing_to_a_full_redis_and_does_not_wait(tmp_path: Path) -> None:
+    with RedisServer(data_dir=tmp_path, appendonly=False, maxmemory_mb=4) as server:
+        client = redis.Redis.from_url(server.url)
+        producer = Producer(client, STREAM)
+        fill_until_oom(client, "q:ballast", 50_000)
+        args = {"counters_key": COUNTERS, "counter": Counter.PROMPTS_RELEASED, "expected": 0}
+        assert not producer.add_counted(
+            [{"n": "0"}], **args, groups_key="q:open", state=("q:cursor", {"position": 1})
+        )
+        assert client.xlen(STREAM) == 0 and counter(client, Counter.PROMPTS_RELEASED) == 0
+        assert client.hlen("q:open") == 0 and client.hlen("q:cursor") == 0
+        client.close()

@@ -13,9 +13,9 @@ from pathlib import Path
 import redis
 
 from asyncrl.heartbeat import Heartbeat, is_alive
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.queue import Consumer, Producer, QueueConfig
+from asyncrl.runstate import Counter, Keys
 
 HELPER = Path(__file__).with_name("queue_consumer_proc.py")
 REPO = HELPER.parent.parent
@@ -67,7 +67,7 @@ def test_killed_consumer_entries_go_to_exactly_one_other_consumer(
             while time.monotonic() < end and len(delivered) < until:
                 for d in b.read(count=10, block_ms=50):
                     delivered.append((d.id, time.time(), d.deliveries))
-                    assert b.ack([d.id], counters={"groups_published": 1})
+                    assert b.ack([d.id], counters={Counter.GROUPS_PUBLISHED: 1})
 
         with Heartbeat(redis_client, keys.worker("rollout", "worker-b"), TTL_S):
             # Three times claim_idle_s with worker-a alive: only the entries it does not hold.
@@ -93,4 +93,4 @@ def test_killed_consumer_entries_go_to_exactly_one_other_consumer(
     # None lost, none twice.
     assert sorted(i for i, _, _ in delivered) == sorted(ids)
     assert redis_client.xpending(keys.prompts, "rollout")["pending"] == 0
-    assert int(redis_client.hget(keys.counters, "groups_published") or 0) == 10
+    assert int(redis_client.hget(keys.counters, Counter.GROUPS_PUBLISHED) or 0) == 10

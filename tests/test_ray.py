@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.keys import Keys
 from asyncrl.launch.ray_launcher import (
     _accelerator,
     _actor_options,
@@ -26,6 +25,7 @@ from asyncrl.launch.ray_launcher import (
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.metrics import is_eval_record, read_jsonl
+from asyncrl.runstate import Counter, Keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,5 +141,5 @@ def test_short_run_on_local_ray(tmp_path: Path, warm_model: Path) -> None:
             client.close()
     groups_per_step = load_config(ROOT / "configs/quickstart.yaml").trainer.groups_per_step
     assert status["balanced"], status
-    assert status["counters"]["groups_trained"] == 4 * groups_per_step
+    assert status["counters"][Counter.GROUPS_TRAINED] == 4 * groups_per_step
     assert status["workers"] == {"rollout": [], "trainer": []}

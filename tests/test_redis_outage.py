@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer, free_port
 from asyncrl.launch.status import collect_status
+from asyncrl.runstate import Counter as RunCounter
+from asyncrl.runstate import Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -133,5 +134,7 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
     assert status["balanced"], status
     final = list_checkpoints(run_dir / "checkpoints")[-1]
     # Each step of the lineage acked its groups once: none lost, none counted twice.
-    assert status["counters"]["groups_trained"] == int(final.name.removeprefix("step_")) * G
+    assert (
+        status["counters"][RunCounter.GROUPS_TRAINED] == int(final.name.removeprefix("step_")) * G
+    )
     assert status["streams"]["dlq"]["length"] == 0

@@ -15,10 +15,9 @@ import msgpack
 import pytest
 import redis
 
-from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
-from asyncrl.trainer.admission import read_counters
+from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys, read_counters
 
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
@@ -108,7 +107,7 @@ def test_killed_rollout_worker_loses_no_prompt(
     assert "took over" in (logs / "b.log").read_text()
 
     status = collect_status(redis_client, keys, tmp_path / "run")
-    assert status["counters"]["groups_published"] == PROMPTS
+    assert status["counters"][Counter.GROUPS_PUBLISHED] == PROMPTS
     assert status["streams"]["prompts"]["lag"] == status["streams"]["prompts"]["pending"] == 0
     assert status["streams"]["dlq"]["length"] == 0
     assert status["balanced"], status
@@ -174,7 +173,9 @@ def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
         trainer.proc.send_signal(signal.SIGSTOP)
         try:
             wait_until(
-                lambda: counters()["groups_published"] == counters()["prompts_released"],
+                lambda: (
+                    counters()[Counter.GROUPS_PUBLISHED] == counters()[Counter.PROMPTS_RELEASED]
+                ),
                 60,
                 "the worker publishing every released prompt",
                 [worker],
@@ -185,9 +186,9 @@ def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
 
         def idle_without_w0() -> bool:
             c, version = counters(), redis_client.get(keys.version)
-            trained = g * len(step_lines(run_dir)) + c.get("groups_dropped_stale", 0)
+            trained = g * len(step_lines(run_dir)) + c.get(Counter.GROUPS_DROPPED_STALE, 0)
             return (
-                trained >= c["groups_published"]
+                trained >= c[Counter.GROUPS_PUBLISHED]
                 and version is not None
                 and weights("sent_version") == version.decode()
                 and weights("members") == "[]"

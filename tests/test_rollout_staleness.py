@@ -12,9 +12,9 @@ import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import decode_group
+from asyncrl.runstate import PROMPTS_GROUP, Keys
 from asyncrl.tasks.base import build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig
 from asyncrl.trainer.admission import Admission, Cursor

@@ -24,6 +24,7 @@ import pytest
 
 from asyncrl.launch.redis_server import RedisServer, TlsFiles, find_redis_server, free_port
 from asyncrl.redis_conn import RedisAccessError, RedisConfig, connect, wait_until_reachable
+from asyncrl.runstate import Counter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import (
@@ -277,7 +278,7 @@ def test_roles_over_tls_with_auth_leak_no_secret(
             timeout=60,
         )
         assert status.returncode == 0, status.stderr
-        assert json.loads(status.stdout)["counters"]["groups_trained"] == 6
+        assert json.loads(status.stdout)["counters"][Counter.GROUPS_TRAINED] == 6
         seen += [status.stdout, status.stderr]
         printed = subprocess.run(
             [

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from asyncrl.engines.config import SamplingParams
 from asyncrl.engines.sampling import sampling_logprobs
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import free_port
+from asyncrl.runstate import Keys
 from asyncrl.sglang.client import RequestFailure, http_json
 from asyncrl.sglang.config import SglangEngineConfig, SglangWeightsConfig
 from asyncrl.sglang.engine import SglangEngine

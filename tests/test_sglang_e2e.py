@@ -13,6 +13,7 @@ import pytest
 from role_procs import Role, step_lines, stop_all, wait_until, write_config
 
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Counter
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 6
@@ -64,4 +65,4 @@ def test_async_run_through_sglang_client(
     )
     report = json.loads(status.stdout)
     assert report["balanced"], report
-    assert report["counters"]["groups_trained"] == STEPS * 4
+    assert report["counters"][Counter.GROUPS_TRAINED] == STEPS * 4

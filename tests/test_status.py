@@ -11,11 +11,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from asyncrl.cli import main as cli_main
-from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.progress import Mode, Progress
 from asyncrl.launch.redis_server import RedisServer, free_port
 from asyncrl.launch.status import collect_status
 from asyncrl.metrics import JsonlWriter
+from asyncrl.runstate import PROMPTS_GROUP, TRAJECTORIES_GROUP, Counter, Keys
 
 STATUS_KEYS = {
     "run_id",
@@ -48,12 +48,12 @@ def populate(client: redis.Redis, keys: Keys) -> None:
     client.hset(
         keys.counters,
         mapping={
-            "prompts_released": 12,
-            "groups_published": 6,
-            "groups_trained": 3,
-            "groups_dropped_stale": 1,
-            "groups_dead_lettered": 1,
-            "entries_rejected": 2,
+            Counter.PROMPTS_RELEASED: 12,
+            Counter.GROUPS_PUBLISHED: 6,
+            Counter.GROUPS_TRAINED: 3,
+            Counter.GROUPS_DROPPED_STALE: 1,
+            Counter.GROUPS_DEAD_LETTERED: 1,
+            Counter.ENTRIES_REJECTED: 2,
         },
     )
     client.set(keys.version, 4)
@@ -83,13 +83,13 @@ def test_collect_status_reads_every_field(redis_client: redis.Redis, tmp_path: P
         "dlq": {"length": 1},
     }
     assert status["counters"] == {
-        "prompts_released": 12,
-        "groups_published": 6,
-        "groups_trained": 3,
-        "groups_dropped_stale": 1,
-        "groups_dead_lettered": 1,
-        "groups_lost": 0,
-        "entries_rejected": 2,
+        Counter.PROMPTS_RELEASED: 12,
+        Counter.GROUPS_PUBLISHED: 6,
+        Counter.GROUPS_TRAINED: 3,
+        Counter.GROUPS_DROPPED_STALE: 1,
+        Counter.GROUPS_DEAD_LETTERED: 1,
+        Counter.GROUPS_LOST: 0,
+        Counter.ENTRIES_REJECTED: 2,
     }
     assert status["in_flight"] == 7
     assert status["balanced"] is True
@@ -101,7 +101,7 @@ def test_collect_status_reads_every_field(redis_client: redis.Redis, tmp_path: P
     assert status["last_step"] == {"step": 9, "version": 4, "reward_mean": 0.5}
     json.dumps(status)  # plain data only
 
-    redis_client.hincrby(keys.counters, "prompts_released", 1)  # a prompt nobody accounts for
+    redis_client.hincrby(keys.counters, Counter.PROMPTS_RELEASED, 1)  # a prompt nobody accounts for
     assert collect_status(redis_client, keys, tmp_path)["balanced"] is False
 
 
@@ -110,7 +110,7 @@ def test_a_fresh_run_reads_as_zeros(redis_client: redis.Redis, tmp_path: Path) -
     zeros = {"length": 0, "lag": 0, "pending": 0}
     assert status["version"] is None
     assert status["streams"] == {"prompts": zeros, "trajectories": zeros, "dlq": {"length": 0}}
-    assert status["counters"] == dict.fromkeys(COUNTERS, 0)
+    assert status["counters"] == dict.fromkeys(Counter, 0)
     assert status["balanced"] is True
     assert status["workers"] == {"rollout": [], "trainer": []}
     assert status["last_step"] is None

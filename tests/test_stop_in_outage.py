@@ -19,9 +19,9 @@ import msgpack
 import pytest
 import redis
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
+from asyncrl.runstate import Counter, Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -129,7 +129,7 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
     groups = [msgpack.unpackb(f[b"data"]) for _, f in redis_client.xrange(keys.trajectories)]
     assert sorted(g["group_id"] for g in groups) == sorted(released)  # one group per prompt
     status = collect_status(redis_client, keys, tmp_path / "run")
-    assert status["counters"]["groups_published"] == PROMPTS
+    assert status["counters"][Counter.GROUPS_PUBLISHED] == PROMPTS
     assert status["streams"]["prompts"]["lag"] == status["streams"]["prompts"]["pending"] == 0
     assert status["balanced"], status
 
@@ -211,5 +211,5 @@ def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
 
     status = collect_status(redis_client, keys, run_dir)
     final = int(list_checkpoints(run_dir / "checkpoints")[-1].name.removeprefix("step_"))
-    assert status["counters"]["groups_trained"] == final * G  # each step's groups once
+    assert status["counters"][Counter.GROUPS_TRAINED] == final * G  # each step's groups once
     assert status["balanced"], status

@@ -22,10 +22,10 @@ import redis
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.protocol import stream_fields
+from asyncrl.runstate import Counter, Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -140,7 +140,7 @@ def test_sigterm_to_one_rank_stops_all_ranks(
     # Trained steps acked once their checkpoint was durable; the unfinished step's entry waits.
     assert pending_ids(redis_client, keys) == {ids[-1]}
     counters = collect_status(redis_client, keys, run_dir)["counters"]
-    assert counters["groups_trained"] == STEPS * G
+    assert counters[Counter.GROUPS_TRAINED] == STEPS * G
     saved = torch.load(list_checkpoints(run_dir / "checkpoints")[-1] / "optimizer.pt")
     assert "model.embed_tokens.weight" in saved["state"]  # full state, keyed by name
 
@@ -160,7 +160,7 @@ def test_sigterm_to_one_rank_stops_all_ranks(
     status = collect_status(redis_client, keys, run_dir)
     counters, traj = status["counters"], status["streams"]["trajectories"]
     assert traj["pending"] == traj["lag"] == 0
-    assert counters["groups_trained"] == (STEPS + 1) * G == len(ids) + len(more)
+    assert counters[Counter.GROUPS_TRAINED] == (STEPS + 1) * G == len(ids) + len(more)
 
 
 def test_fsdp_needs_evaluation_off() -> None:

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import redis
 
-from asyncrl.keys import TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.protocol import Sample, TrajectoryGroup, stream_fields
+from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,7 +98,7 @@ def test_trainer_killed_between_checkpoints_resumes(
         held = pending_ids(redis_client, keys)
         assert len(held) >= (killed_at - ckpt_step) * G  # unacked: no checkpoint holds them
         counters = collect_status(redis_client, keys, run_dir)["counters"]
-        assert counters["groups_trained"] == ckpt_step * G
+        assert counters[Counter.GROUPS_TRAINED] == ckpt_step * G
         published_at_kill = int(redis_client.get(keys.version) or -1)
         assert published_at_kill == before[-1]["version"]
 
@@ -126,12 +126,12 @@ def test_trainer_killed_between_checkpoints_resumes(
     status = collect_status(redis_client, keys, run_dir)
     counters, streams = status["counters"], status["streams"]
     # Each step of the surviving lineage (1-3 before the kill, 4-8 after) acked its groups once.
-    assert counters["groups_trained"] == MAX_STEPS * G
+    assert counters[Counter.GROUPS_TRAINED] == MAX_STEPS * G
     assert streams["trajectories"]["pending"] == 0
     assert status["balanced"], status
     traj = streams["trajectories"]
-    assert counters["groups_published"] == (
-        counters["groups_trained"] + counters["groups_dropped_stale"] + traj["lag"]
+    assert counters[Counter.GROUPS_PUBLISHED] == (
+        counters[Counter.GROUPS_TRAINED] + counters[Counter.GROUPS_DROPPED_STALE] + traj["lag"]
     )
     final = list_checkpoints(run_dir / "checkpoints")[-1]
     assert final.name == f"step_{MAX_STEPS:08d}"
@@ -206,7 +206,7 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
     assert trainer.step == 0
     assert pending_ids(redis_client, keys) == {first_id}
     counters = collect_status(redis_client, keys, tmp_path / "run")["counters"]
-    assert counters["groups_trained"] == 0
+    assert counters[Counter.GROUPS_TRAINED] == 0
 
     # The restarted trainer trains on it.
     second_id = redis_client.xadd(keys.trajectories, stream_fields(_group("b"))).decode()
@@ -242,7 +242,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
         for i in range(5)
     ]
     # As if released and generated: the accounting balances with the entries pending.
-    redis_client.hset(keys.counters, "prompts_released", len(ids))
+    redis_client.hset(keys.counters, Counter.PROMPTS_RELEASED, len(ids))
     redis_client.hset(keys.released, mapping={f"g{i}": "" for i in range(len(ids))})
     redis_client.xgroup_create(keys.trajectories, TRAJECTORIES_GROUP, id="0")
     for consumer, n in (("trainer-0", 2), ("trainer-1", 3)):
@@ -281,7 +281,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
             finally:
                 trainer.client.close()
             status = collect_status(redis_client, keys, run_dir)
-            assert status["counters"]["groups_trained"] == 4
+            assert status["counters"][Counter.GROUPS_TRAINED] == 4
             assert pending_ids(redis_client, keys) == {ids[4]}
             assert status["balanced"], status
     finally:

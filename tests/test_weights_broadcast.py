@@ -32,8 +32,8 @@ from weights_proc import (
     wait_until,
 )
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
 from asyncrl.weights import BroadcastWeightsConfig, SyncRecord, WeightPublisher, build_publisher
 from asyncrl.weights.base import text
 

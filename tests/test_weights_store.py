@@ -21,8 +21,8 @@ from weights_proc import (
     wait_until,
 )
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
 from asyncrl.weights import StoreWeightsConfig, SyncRecord, build_publisher, build_subscriber
 from asyncrl.weights.buckets import checksum_tensors
 from asyncrl.weights.store import version_path

@@ -30,8 +30,8 @@ import redis
 import torch
 from pydantic import TypeAdapter
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
 from asyncrl.weights import WeightsConfig, build_subscriber
 from asyncrl.weights.broadcast import BroadcastSubscriber
 from asyncrl.weights.buckets import checksum_tensors

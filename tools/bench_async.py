@@ -59,10 +59,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.config import Config, load_config
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.evaluate import held_out_reward
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.model import ensure_model
 from asyncrl.protocol import decode_group
+from asyncrl.runstate import Counter, Keys, read_counters
 from asyncrl.tasks.base import build_task
 from asyncrl.trainer.checkpoint import list_checkpoints
 
@@ -96,7 +96,7 @@ def run_mode(
         run_dir=run_dir,
     )
     groups = [decode_group(f[b"data"]) for _, f in client.xrange(keys.trajectories)]
-    counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}  # type: ignore[union-attr]
+    counters = read_counters(client, keys).as_dict()
     cfg = load_config(cfg_path, overrides)
     return {
         "seed": seed,
@@ -173,7 +173,7 @@ def pool_figures(
         "mean_group_s": mean_group_s,
         "peak_groups_in_flight": capacity,
         "generation_s": generation_s,
-        "groups_trained": trained,
+        Counter.GROUPS_TRAINED: trained,
         "ideal_s": ideal,
         "overlap_efficiency": ideal / summary["wall_s"],
     }
@@ -193,8 +193,8 @@ def mode_figures(mode: str, runs: list[dict[str, Any]], groups_per_step: int) ->
     rewards = [s["final_reward"] for s in summaries]
     out["final_reward"] = statistics.fmean(rewards)
     out["final_reward_sd"] = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
-    out["groups_dropped_stale"] = statistics.median(
-        r["counters"].get("groups_dropped_stale", 0) for r in runs
+    out[Counter.GROUPS_DROPPED_STALE] = statistics.median(
+        r["counters"].get(Counter.GROUPS_DROPPED_STALE, 0) for r in runs
     )
     return out
 
@@ -234,7 +234,7 @@ def main() -> None:
         print(
             f"async pool (medians): mean group {a['mean_group_s']:.2f} s, peak "
             f"{a['peak_groups_in_flight']:.0f} groups in flight, generation needs "
-            f"{a['generation_s']:.1f} s for {a['groups_trained']:.0f} "
+            f"{a['generation_s']:.1f} s for {a[Counter.GROUPS_TRAINED]:.0f} "
             f"groups; trainer busy {a['busy_s']:.1f} s, fill {a['fill_s']:.1f} s"
         )
     both = len(fig) == 2
@@ -256,7 +256,7 @@ def main() -> None:
     if "async" in fig:
         result |= {
             "trainer_idle_fraction_async_after_fill": fig["async"]["idle_fraction_after_fill"],
-            "groups_dropped_stale_async": fig["async"]["groups_dropped_stale"],
+            "groups_dropped_stale_async": fig["async"][Counter.GROUPS_DROPPED_STALE],
         }
     if both:
         s, a = fig["sync"], fig["async"]

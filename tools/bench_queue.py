@@ -29,6 +29,7 @@ from bench_codec import bench_codec, make_group  # tools/ is on sys.path when ru
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import stream_fields
 from asyncrl.queue import Consumer, Producer
+from asyncrl.runstate import Counter
 
 Fields = dict[str | bytes, bytes]
 
@@ -51,7 +52,7 @@ def asyncrl_round(
     done = 0
     while done < groups:
         got = consumer.read(count=batch, block_ms=100)
-        consumer.ack([d.id for d in got], counters={"groups_trained": len(got)})
+        consumer.ack([d.id for d in got], counters={Counter.GROUPS_TRAINED: len(got)})
         done += len(got)
 
 

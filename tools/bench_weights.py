@@ -32,8 +32,8 @@ import redis
 import torch
 import torch.distributed as dist
 
-from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
 from asyncrl.weights import BroadcastWeightsConfig, SyncRecord, build_publisher, build_subscriber
 from asyncrl.weights.base import text
 from asyncrl.weights.groups import Group, local_addr_towards, new_group

@@ -93,11 +93,19 @@ import redis
 import yaml
 
 from asyncrl.config import nest
-from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.launch.status import is_balanced, read_accounting, stream_depths
 from asyncrl.metrics import JsonlTail, is_eval_record
 from asyncrl.protocol import decode_group
+from asyncrl.runstate import (
+    PROMPTS_GROUP,
+    TRAJECTORIES_GROUP,
+    Counters,
+    Keys,
+    read_accounting,
+    read_counters,
+    stream_depths,
+)
+from asyncrl.runstate import Counter as RunCounter
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 RUN_ID = "chaos"
@@ -352,7 +360,7 @@ class Segment:
     """What one Redis lifetime held at its end: the whole run when Redis never lost its data,
     else the stretch up to one `redis_empty` fault, or from the last one to the end."""
 
-    counters: dict[str, int]
+    counters: Counters
     streams: dict[str, dict[str, int]]
     in_flight: int
     prompts: list[str]
@@ -504,15 +512,11 @@ class Chaos:
             if not is_eval_record(record):
                 self.steps.append(record)
         try:
-            raw = cast(dict[bytes, bytes], self.client.hgetall(self.keys.counters))
+            c = read_counters(self.client, self.keys)
         except redis.RedisError:
-            raw = None  # Redis is down: a fault in progress
-        if raw is not None:
-            c = {k.decode(): int(v) for k, v in raw.items()}
-            done = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered")
-            done += ("groups_lost",)
-            queued = c.get("prompts_released", 0) - sum(c.get(k, 0) for k in done)
-            self.max_queued = max(self.max_queued, queued)
+            c = None  # Redis is down: a fault in progress
+        if c is not None:
+            self.max_queued = max(self.max_queued, c.prompts_released - c.ended)
         for child in self.children.values():
             if child.alive() or child.expected_exit:
                 continue
@@ -635,9 +639,7 @@ class Chaos:
     def _unacked_checkpoint(self) -> int | None:
         """The newest checkpoint's step if its groups are not all counted trained (acked)."""
         step = self._final_checkpoint()
-        trained = int(
-            cast(bytes | None, self.client.hget(self.keys.counters, "groups_trained")) or 0
-        )
+        trained = read_counters(self.client, self.keys).groups_trained
         return step if trained < step * self.G else None
 
     def _last_step(self) -> bytes | None:
@@ -700,7 +702,7 @@ class Chaos:
         final = read_segment(self.client, self.keys)
         segments = [*self.segments, final]
         counters = final.counters
-        balanced = is_balanced(counters, final.in_flight)
+        balanced = counters.is_balanced(final.in_flight)
         if not balanced:
             self.violate("balanced", f"{counters} in flight {final.in_flight}")
 
@@ -765,30 +767,28 @@ class Chaos:
                 i for s, i, _ in final.dlq if s == trajectories and (s, i) not in self.injected
             }
             expected = {
-                "prompts_released": len(
+                RunCounter.PROMPTS_RELEASED: len(
                     [i for i in final.prompts if (prompts, i) not in self.injected]
                 ),
-                "groups_published": len(real),
-                "entries_rejected": len(rejected),
+                RunCounter.GROUPS_PUBLISHED: len(real),
+                RunCounter.ENTRIES_REJECTED: len(rejected),
             }
             for name, n in expected.items():
                 if counters[name] != n:
                     self.violate("nothing_lost", f"{name}={counters[name]}, but {n} entries")
             acked = len({(trajectories, i) for i in real} - final.queued)
-            outcomes = (
-                counters["groups_trained"] + counters["groups_dropped_stale"] + len(dead_groups)
-            )
+            outcomes = counters.groups_trained + counters.groups_dropped_stale + len(dead_groups)
             if acked != outcomes:
                 self.violate(
                     "nothing_lost", f"{acked} trajectory entries acked, {outcomes} counted"
                 )
 
         final_step = self._final_checkpoint()
-        trained_ok = counters["groups_trained"] == final_step * self.G
+        trained_ok = counters.groups_trained == final_step * self.G
         if not trained_ok:
             self.violate(
                 "no_double_training",
-                f"groups_trained={counters['groups_trained']}, but the surviving lineage has "
+                f"groups_trained={counters.groups_trained}, but the surviving lineage has "
                 f"{final_step} steps × {self.G} groups",
             )
         versions = [int(s["version"]) for s in self.steps]
@@ -812,7 +812,7 @@ class Chaos:
             "exits": [asdict(e) for e in self.exits],
             "step_lines": len(self.steps),
             "final_step": final_step,
-            "counters": counters,
+            "counters": counters.as_dict(),
             "streams": final.streams,
             "in_flight": final.in_flight,
             "redis_lost_data": len(self.segments),

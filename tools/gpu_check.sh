@@ -92,7 +92,7 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.keys import Keys
+from asyncrl.runstate import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.engines.config import SamplingParams
 from asyncrl.sglang.config import SglangEngineConfig, SglangWeightsConfig

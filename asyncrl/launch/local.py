@@ -27,10 +27,10 @@ from typing import Literal
 import yaml
 
 from asyncrl.config import Config
-from asyncrl.keys import Keys
 from asyncrl.launch import process
 from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secret
 from asyncrl.redis_conn import redact_url, split_password, with_password
+from asyncrl.runstate import Keys
 
 # What local mode writes into a run directory; `--fresh` removes exactly these.
 RUN_STATE = ("checkpoints", "redis", "weights", "logs", "metrics.jsonl", "config.yaml", "plots")

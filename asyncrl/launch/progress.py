@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from asyncrl.keys import Keys
-from asyncrl.launch.status import live_workers, stream_depths
 from asyncrl.metrics import JsonlTail, is_eval_record, tokens_per_second
+from asyncrl.runstate import Keys, live_workers, stream_depths
 
 if TYPE_CHECKING:
     import redis

@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any, cast
 import yaml
 
 from asyncrl.config import Config
-from asyncrl.keys import Keys
 from asyncrl.launch import process
 from asyncrl.launch.local import prepare_run_dir
 from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secret
 from asyncrl.redis_conn import redact_url, split_password, with_password
+from asyncrl.runstate import Keys
 
 if TYPE_CHECKING:
     from ray import ObjectRef

@@ -54,64 +54,23 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl import heartbeat
-from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.metrics import is_eval_record, read_jsonl
-from asyncrl.queue import stream_stats
+from asyncrl.runstate import (
+    ROLES,
+    Keys,
+    live_workers,
+    read_accounting,
+    read_version,
+    stream_depths,
+)
 
 if TYPE_CHECKING:
     import redis
 
     from asyncrl.config import Config
 
-ROLES = ("rollout", "trainer")
-
 # status reads only the end of the log: the last step line is within it, whatever the run length.
 _LOG_TAIL_BYTES = 1 << 20
-
-
-def stream_depths(client: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
-    """The `streams` part of the status object."""
-    return {
-        "prompts": stream_stats(client, keys.prompts, PROMPTS_GROUP),
-        "trajectories": stream_stats(client, keys.trajectories, TRAJECTORIES_GROUP),
-        "dlq": {"length": int(client.xlen(keys.dlq))},
-    }
-
-
-def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
-    return _counters(client.hgetall(keys.counters))
-
-
-def _counters(raw: Any) -> dict[str, int]:
-    values = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
-    return {name: values.get(name, 0) for name in COUNTERS}
-
-
-def read_accounting(client: redis.Redis, keys: Keys) -> tuple[dict[str, int], int]:
-    """The counters and `in_flight` (the groups released and not yet ended), read in one
-    transaction: they change together."""
-    pipe = client.pipeline(transaction=True)
-    pipe.hgetall(keys.counters)
-    pipe.hlen(keys.released)
-    raw, flying = pipe.execute()
-    return _counters(raw), int(flying)
-
-
-def is_balanced(counters: dict[str, int], in_flight: int) -> bool:
-    ended = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered", "groups_lost")
-    return counters["prompts_released"] == sum(counters[name] for name in ended) + in_flight
-
-
-def live_workers(client: redis.Redis, keys: Keys) -> dict[str, list[dict[str, Any]]]:
-    """The `workers` part: every unexpired heartbeat, by role, sorted by id."""
-    return {
-        role: [
-            {"id": w["id"], "age_s": w["age_s"], "version": w.get("version")}
-            for w in heartbeat.live_workers(client, keys, role)
-        ]
-        for role in ROLES
-    }
 
 
 def last_step_in_log(run_dir: Path) -> dict[str, Any] | None:
@@ -136,16 +95,16 @@ def _last_step(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, Any]
 
 def collect_status(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, Any]:
     """The status object documented above, from a reachable Redis."""
-    version = client.get(keys.version)
+    version = read_version(client, keys)
     streams = stream_depths(client, keys)
     counters, flying = read_accounting(client, keys)
     return {
         "run_id": keys.run_id,
-        "version": int(version) if version is not None else None,
+        "version": version,
         "streams": streams,
-        "counters": counters,
+        "counters": counters.as_dict(),
         "in_flight": flying,
-        "balanced": is_balanced(counters, flying),
+        "balanced": counters.is_balanced(flying),
         "workers": live_workers(client, keys),
         "last_step": _last_step(client, keys, run_dir),
     }

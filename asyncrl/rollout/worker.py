@@ -25,7 +25,6 @@ import numpy as np
 
 from asyncrl.config import Config
 from asyncrl.engines.base import InProcessWeights
-from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -42,6 +41,7 @@ from asyncrl.rollout.episodes import (
     FinishedGroup,
     GenerateCall,
 )
+from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 from asyncrl.tasks.base import PromptItem
 
 if TYPE_CHECKING:
@@ -307,7 +307,7 @@ class RolloutWorker:
             self.consumer.ack(
                 [f.tag.id for f in finished],
                 also_add=[(self.keys.trajectories, stream_fields(g)) for g in groups],
-                counters={"groups_published": len(groups)},
+                counters={Counter.GROUPS_PUBLISHED: len(groups)},
             )
         self.metrics.trajectories_produced.inc(len(groups))
 

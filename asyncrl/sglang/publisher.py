@@ -59,7 +59,7 @@ from asyncrl.weights.groups import comm_device, master_store, resolve_backend
 
 if TYPE_CHECKING:
     from asyncrl.engines.base import RolloutEngine
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
     from asyncrl.sglang.config import SglangWeightsConfig
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,11 @@ Only dead letters that end a released group count (`asyncrl.provenance`): junk e
 releases. Sync mode is η = 0: the next step's prompts are released only once the previous step is
 done. The data cursor (seed, epoch, position) advances in the same Redis transaction that adds the
 prompt, opens its group in `released` and counts it released, so a restarted trainer never
-releases a prompt twice and never skips one, whatever checkpoint it restarts from.
+releases a prompt twice and never skips one, whatever checkpoint it restarts from. That
+transaction is the prompts stream's producer's (`queue.Producer.add_counted`): it checks each
+entry's size, and applies only while `prompts_released` still reads what the budget was computed
+from, so a retry after a lost reply releases nothing twice. A full Redis gets no release, and the
+release does not wait for memory: the reads that free it run on the thread that releases.
 
 A Redis that comes back without its data (no AOF) has lost the counters, which would make the
 budget a burst of (step + η + 1) × groups_per_step. Admission keeps the counters it last read
@@ -26,39 +30,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import redis
 
-from asyncrl.keys import COUNTERS, Keys
 from asyncrl.protocol import PromptGroup, encode_prompt
-from asyncrl.queue import QueueConfig, entry_size
+from asyncrl.queue import EntryFields, Producer, QueueConfig
+from asyncrl.runstate import Counter, Counters, Keys, read_counters
 from asyncrl.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
-# One release: each prompt added and its group opened in `released`, the releases counted and
-# the cursor moved. KEYS: prompts, counters, cursor, released. ARGV: n, seed, epoch, position,
-# then the n messages. An XADD is the first write, the only one Redis may refuse for memory: a
-# full Redis rejects the whole release.
-_RELEASE_LUA = """
-local n = tonumber(ARGV[1])
-for i = 1, n do
-  local id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[4 + i], 'schema', '1')
-  redis.call('HSET', KEYS[4], id, '')
-end
-redis.call('HINCRBY', KEYS[2], 'prompts_released', n)
-redis.call('HSET', KEYS[3], 'seed', ARGV[2], 'epoch', ARGV[3], 'position', ARGV[4])
-return n
-"""
-
 # Seed the counters again, unless someone did already. KEYS: counters, released. ARGV: n, then
 # n (field, value) pairs, then (group, entry id) pairs to open again for the entries holding them.
 # HINCRBY, not HSET: what was counted since the loss (a junk dead letter) stays counted.
-_RESEED_LUA = """
-if redis.call('HEXISTS', KEYS[1], 'prompts_released') == 1 then return 0 end
+_RESEED_LUA = f"""
+if redis.call('HEXISTS', KEYS[1], '{Counter.PROMPTS_RELEASED}') == 1 then return 0 end
 local n = tonumber(ARGV[1])
 for i = 2, 2 * n, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
@@ -80,21 +69,10 @@ class Cursor:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
 
 
-def release_budget(
-    step: int, max_staleness: int, groups_per_step: int, counters: dict[str, int]
-) -> int:
+def release_budget(step: int, max_staleness: int, groups_per_step: int, counters: Counters) -> int:
     """Prompt groups that may be released now (can be negative after a restart; treat as 0)."""
-    freed = sum(
-        counters.get(name, 0)
-        for name in ("groups_dropped_stale", "groups_dead_lettered", "groups_lost")
-    )
-    allowed = (step + max_staleness + 1) * groups_per_step + freed
-    return allowed - counters.get("prompts_released", 0)
-
-
-def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
-    raw = client.hgetall(keys.counters)
-    return {k.decode(): int(v) for k, v in raw.items()}  # type: ignore[union-attr]
+    allowed = (step + max_staleness + 1) * groups_per_step + counters.freed
+    return allowed - counters.prompts_released
 
 
 def load_cursor(client: redis.Redis, keys: Keys, fallback: Cursor) -> Cursor:
@@ -119,13 +97,17 @@ class Admission:
         max_staleness: int,
         groups_per_step: int,
         cursor: Cursor,
-        counters: dict[str, int] | None = None,
+        counters: Mapping[str, int] | None = None,
         held: Callable[[], dict[str, str]] = dict,
-        max_message_bytes: int = QueueConfig().max_message_bytes,
+        queue: QueueConfig | None = None,
+        reconnect_max_s: float = 5.0,
+        should_stop: Callable[[], bool] | None = None,
+        on_outage: Callable[[bool], None] | None = None,
     ) -> None:
         """`counters`: the run counters as last known (a checkpoint's), to find a loss of Redis's
         data by; `held`: entry id → group of the trajectory entries the trainer holds, kept in
-        flight through such a loss; `max_message_bytes` bounds each prompt entry."""
+        flight through such a loss; `queue` bounds each prompt entry and says when Redis is
+        full; the rest is the prompt producer's (`asyncrl.queue.Producer`)."""
         self.client = client
         self.keys = keys
         self.task = task
@@ -137,11 +119,17 @@ class Admission:
         self._items = task.train_items(cursor.seed, cursor.epoch)
         self._cursor_unknown = False
         self._lock = threading.Lock()
-        self._max_message_bytes = max_message_bytes
-        self._script = client.register_script(_RELEASE_LUA)
+        self._producer = Producer(
+            client,
+            keys.prompts,
+            queue,
+            reconnect_max_s=reconnect_max_s,
+            should_stop=should_stop,
+            on_outage=on_outage,
+        )
         self._reseed_script = client.register_script(_RESEED_LUA)
         self._held = held
-        self._counters: dict[str, int] = dict(counters or {})
+        self._counters = Counters.from_hash(counters or {})
         """The counters as last read (and counted by this process since)."""
 
     def release(self, step: int, version: int) -> int:
@@ -166,7 +154,8 @@ class Admission:
         if budget <= 0:
             return 0
         self._cursor_unknown = True  # until the transaction below is known to be applied
-        messages = []
+        start = Cursor(**self.cursor.as_dict())
+        entries: list[EntryFields] = []
         for _ in range(budget):
             item = self._items[self.cursor.position]
             prompt = PromptGroup(
@@ -179,17 +168,22 @@ class Admission:
                 n=self.n,
                 release_version=version,
             )
-            data = encode_prompt(prompt)
-            entry_size({"data": data, "schema": b"1"}, self._max_message_bytes)
-            messages.append(data)
+            entries.append({"data": encode_prompt(prompt), "schema": b"1"})
             self._advance()
-        c = self.cursor
-        self._script(
-            keys=[self.keys.prompts, self.keys.counters, self.keys.cursor, self.keys.released],
-            args=[budget, c.seed, c.epoch, c.position, *messages],
+        released = self._producer.add_counted(
+            entries,
+            counters_key=self.keys.counters,
+            counter=Counter.PROMPTS_RELEASED,
+            expected=counters.prompts_released,
+            groups_key=self.keys.released,
+            state=(self.keys.cursor, self.cursor.as_dict()),
         )
         self._cursor_unknown = False
-        counters["prompts_released"] = counters.get("prompts_released", 0) + budget
+        if not released:  # Redis is full, or lost its counters since they were read: not now
+            self.cursor = start
+            self._items = self.task.train_items(start.seed, start.epoch)
+            return 0
+        self._counters = counters.plus(Counter.PROMPTS_RELEASED, budget)
         return budget
 
     def settle(self, settle: Callable[[], int], outcome: str) -> int:
@@ -200,13 +194,14 @@ class Admission:
         with self._lock:
             self._read()
             counted = settle()
-            self._counters[outcome] = self._counters.get(outcome, 0) + counted
+            self._counters = self._counters.plus(outcome, counted)
             return counted
 
-    def _read(self) -> dict[str, int]:
-        """The counters now, seeded again first if Redis lost them."""
+    def _read(self) -> Counters:
+        """The counters now, seeded again first if Redis lost them (releases only ever add to
+        `prompts_released`: none counted where some were is a loss)."""
         counters = read_counters(self.client, self.keys)
-        if "prompts_released" not in counters and self._counters.get("prompts_released", 0):
+        if not counters.prompts_released and self._counters.prompts_released:
             counters = self._reseed()
         self._counters = counters
         return counters
@@ -214,16 +209,14 @@ class Admission:
     def counters(self) -> dict[str, int]:
         """The counters as last read, for a checkpoint."""
         with self._lock:
-            return dict(self._counters)
+            return self._counters.as_dict()
 
-    def _reseed(self) -> dict[str, int]:
+    def _reseed(self) -> Counters:
         """Redis lost the run's state: seed the counters from the last read; the counters now."""
-        seed = {name: self._counters.get(name, 0) for name in COUNTERS}
-        settled = ("groups_trained", "groups_dropped_stale", "groups_dead_lettered", "groups_lost")
         held = self._held()
-        in_flight = seed["prompts_released"] - sum(seed[name] for name in settled)
+        in_flight = self._counters.prompts_released - self._counters.ended
         lost = max(0, in_flight - len(held))
-        seed["groups_lost"] += lost
+        seed = self._counters.plus(Counter.GROUPS_LOST, lost)
         args: list[str | int] = [len(seed)]
         for name, value in seed.items():
             args += [name, value]
@@ -236,7 +229,7 @@ class Admission:
                 "lost, %d the trainer holds kept; %d prompts released so far",
                 lost,
                 len(held),
-                seed["prompts_released"],
+                seed.prompts_released,
             )
         return read_counters(self.client, self.keys)
 

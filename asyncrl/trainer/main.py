@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config
-from asyncrl.keys import TRAJECTORIES_GROUP, Keys
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
 from asyncrl.provenance import trajectory_groups
 from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
+from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, Keys
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.checkpoint import (
@@ -201,7 +201,10 @@ class Trainer:
                 ),
                 counters=resumed_counters,
                 held=self.consumer.held_groups,
-                max_message_bytes=cfg.queue.max_message_bytes,
+                queue=cfg.queue,
+                reconnect_max_s=cfg.redis.reconnect_max_s,
+                should_stop=lambda: self.stopping,
+                on_outage=self.metrics.redis_outage,
             )
             from asyncrl.weights import build_publisher
 
@@ -267,7 +270,7 @@ class Trainer:
         for consumer, ids in self.covered_at_restart.items():
             if ids:
                 self._take_over(ids)
-                settled = self._settle(ids, "groups_trained")
+                settled = self._settle(ids, Counter.GROUPS_TRAINED)
                 if settled:
                     log.info("acked %d entries of %s trained before the restart", settled, consumer)
 
@@ -396,7 +399,7 @@ class Trainer:
                     ids.append(d.id)
                 if stale:
                     # Not waited for: the reading thread applies it before its next read.
-                    self.prefetch.settle(stale, "groups_dropped_stale", wait=False)
+                    self.prefetch.settle(stale, Counter.GROUPS_DROPPED_STALE, wait=False)
                     self.metrics.trajectories_dropped["stale"].inc(len(stale))
             short = len(groups) < self.local_groups
             starved = short and time.monotonic() - waited_since > self.cfg.trainer.wait_timeout_s
@@ -570,7 +573,7 @@ class Trainer:
                 dist.barrier(self.world)
             # The checkpoint holding these steps is durable: now they count as trained.
             if self.unacked:
-                self.prefetch.settle(self.unacked, "groups_trained")
+                self.prefetch.settle(self.unacked, Counter.GROUPS_TRAINED)
                 self.unacked = []
 
     def _evaluate(self) -> None:

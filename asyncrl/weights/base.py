@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import redis
 
     from asyncrl.engines.base import RolloutEngine
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
     from asyncrl.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)

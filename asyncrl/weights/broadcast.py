@@ -92,7 +92,7 @@ from asyncrl.weights.groups import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
 

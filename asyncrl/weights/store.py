@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     import redis
 
-    from asyncrl.keys import Keys
+    from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
 
