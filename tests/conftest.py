@@ -23,6 +23,16 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for all tests of a module, for runs and trainers that they share."""
+    server = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def password_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server that requires `.password`, random per test so a grep finds only leaks."""

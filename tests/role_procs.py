@@ -1,6 +1,7 @@
-"""Helpers of the failure tests: run `asyncrl launch --role trainer|rollout` processes against a
-test Redis, and read back what they wrote. Every process is started here, in its own session,
-and stopped or killed by its handle only."""
+"""Helpers of the role tests: write their config, run `asyncrl` commands and `asyncrl launch
+--role trainer|rollout` processes against a test Redis, wait on them, and read back what they
+wrote. Every process is started here, in its own session, and stopped or killed by its handle
+only."""
 
 from __future__ import annotations
 
@@ -12,27 +13,69 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+import redis
 
-from asyncrl.config import nest
+from asyncrl.config import write_config
+from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 
 REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+# The children import asyncrl from this checkout and share the test machine's cores.
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def write_config(path: Path, settings: dict[str, Any]) -> Path:
-    """A config file from dotted keys, e.g. {"run.id": "x", "trainer.max_steps": 5}."""
-    path.write_text(yaml.safe_dump(nest(settings)))
-    return path
+@dataclass
+class Run:
+    """What an `asyncrl launch` run left: its exit and output, its step lines, `asyncrl status`."""
+
+    dir: Path
+    url: str
+    rc: int
+    output: str
+    steps: list[dict[str, Any]]
+    status: dict[str, Any]
+
+
+def role_config(
+    tmp_path: Path, redis_url: str, model: Path, run_id: str, settings: dict[str, Any]
+) -> Path:
+    """`tmp_path / "config.yaml"` for role processes of the run `run_id`, run dir
+    `tmp_path / "run"`, on `redis_url` and `model`, metrics on a free port; `settings` (dotted
+    keys) on top."""
+    return write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": run_id,
+            "run.dir": str(tmp_path / "run"),
+            "redis.url": redis_url,
+            "model.path": str(model),
+            "metrics.port": 0,
+            **settings,
+        },
+    )
+
+
+def asyncrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`python -m asyncrl ARGS` run to its end, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", *args],
+        cwd=REPO,
+        env={**os.environ, **CHILD_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class Role:
     """One `asyncrl launch --role ROLE` child process, its output in `log`."""
 
     def __init__(self, role: str, config: Path, log: Path, *args: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        env = {**os.environ, **CHILD_ENV}
         self.log = log
         argv = [sys.executable, "-m", "asyncrl", "launch", "--role", role, "--config", str(config)]
         with log.open("ab") as out:
@@ -117,6 +160,24 @@ def wait_until(
         time.sleep(0.02)
 
 
+def _pending(client: redis.Redis, stream: str, group: str, consumer: str | None) -> set[str]:
+    try:
+        rows = client.xpending_range(stream, group, "-", "+", 10_000, consumername=consumer)
+    except redis.ResponseError:  # no consumer group yet
+        return set()
+    return {r["message_id"].decode() for r in rows}
+
+
+def pending_prompts(client: redis.Redis, keys: Keys, consumer: str | None = None) -> set[str]:
+    """The prompt ids rollout workers (`consumer` only, if given) read and have not acked."""
+    return _pending(client, keys.prompts, PROMPTS_GROUP, consumer)
+
+
+def pending_groups(client: redis.Redis, keys: Keys) -> set[str]:
+    """The trajectory ids the trainer read and has not acked."""
+    return _pending(client, keys.trajectories, TRAJECTORIES_GROUP, None)
+
+
 def step_lines(run_dir: Path) -> list[dict[str, Any]]:
     """The trainer's step lines in `metrics.jsonl` (eval lines left out)."""
     path = run_dir / "metrics.jsonl"
@@ -188,3 +249,24 @@ def kill_all(pids: list[int]) -> None:
     for pid in pids:
         if is_running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def check_accounting(run: Run, steps: int, groups_per_step: int) -> None:
+    status = run.status
+    counters, streams = status["counters"], status["streams"]
+    queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
+    assert counters["prompts_released"] == (
+        counters["groups_trained"]
+        + counters["groups_dropped_stale"]
+        + counters["groups_dead_lettered"]
+        + queued
+    ), status
+    assert status["balanced"] is True
+    # Every step's groups were acked once, at the checkpoint that holds the step.
+    assert counters["groups_trained"] == steps * groups_per_step
+    assert streams["trajectories"]["pending"] == 0  # the final checkpoint acked everything
+    assert counters["groups_dead_lettered"] == 0
+    assert streams["dlq"]["length"] == 0
+    assert status["version"] == steps
+    assert status["last_step"]["step"] == steps
+    assert status["workers"] == {"rollout": [], "trainer": []}  # all stopped cleanly

@@ -19,7 +19,6 @@ trimming never deletes an unacked entry (test_trim_never_deletes_pending_or_unde
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -31,8 +30,7 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.queue import stream_stats
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, role_config, step_lines, stop_all, wait_until
 
 G = 2
 ETA = 1
@@ -65,14 +63,12 @@ def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
 ) -> None:
     keys = Keys("backpressure")
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.prompts_per_batch": 1,
             "rollout.sampling.max_new_tokens": 4,

@@ -8,13 +8,11 @@ One run feeds all the tests of this module; each asserts one family of the tool'
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from chaos import G, run_chaos
 
 FAULTS = 20

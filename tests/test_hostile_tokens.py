@@ -9,7 +9,6 @@ msgpack as any writer with access to Redis could, ends in the dead-letter stream
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,7 @@ from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.rollout.tiny_model import VOCAB
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, role_config, step_lines, stop_all, wait_until
 
 V = len(VOCAB)  # the random tiny model's vocabulary: ids 0..V-1
 
@@ -101,14 +99,12 @@ def test_out_of_vocabulary_ids_are_dead_lettered_and_both_roles_keep_running(
         for stream, entries in hostile.items()
     }
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        run,
         {
-            "run.id": run,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.prompts_per_batch": 2,
             "rollout.sampling.max_new_tokens": 8,

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import redis
 
-sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import (
     REPO,
     Role,

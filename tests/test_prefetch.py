@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import redis
-from test_queue import GROUP, STREAM, add, consumer, counter
 
 from asyncrl.queue import RawFields
 from asyncrl.trainer.prefetch import Prefetcher
+
+from queue_helpers import GROUP, STREAM, add, consumer, counter
 
 
 def pending(client: redis.Redis) -> int:

@@ -30,14 +30,13 @@ from asyncrl.keys import PROMPTS_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics import REGISTRY, RoleMetrics, RunGauges, refresh_run_gauges
 
+from gen_dashboard import referenced_names
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 APT_HINT = "apt-get install -y prometheus"
 # Grafana's $__rate_interval for a 1 s scrape interval, give or take.
 RATE_INTERVAL = "10s"
-
-sys.path.insert(0, str(ROOT / "tools"))
-from gen_dashboard import referenced_names  # noqa: E402
 
 
 def _binary(name: str) -> str:

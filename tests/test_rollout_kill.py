@@ -8,33 +8,29 @@ worker B takes over A's prompts once A's heartbeat has expired and they have bee
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import msgpack
 import pytest
 import redis
 
-from asyncrl.keys import PROMPTS_GROUP, Keys
+from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.trainer.admission import read_counters
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
+from role_procs import (
+    Role,
+    arithmetic_admission,
+    pending_prompts,
+    role_config,
+    step_lines,
+    stop_all,
+    wait_until,
+)
 
 PROMPTS = 8
 PER_BATCH = 4
-
-
-def pending_of(client: redis.Redis, keys: Keys, consumer: str) -> set[str]:
-    try:
-        rows = client.xpending_range(
-            keys.prompts, PROMPTS_GROUP, "-", "+", 1000, consumername=consumer
-        )
-    except redis.ResponseError:  # no consumer group yet
-        return set()
-    return {r["message_id"].decode() for r in rows}
 
 
 @pytest.mark.slow
@@ -43,14 +39,12 @@ def test_killed_rollout_worker_loses_no_prompt(
     redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
 ) -> None:
     keys = Keys("rkill")
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.prompts_per_batch": PER_BATCH,
             "rollout.heartbeat_ttl_s": 1.5,
             # An untrained model rarely stops early: each batch is 4 × 16 responses of 64 tokens.
@@ -77,9 +71,11 @@ def test_killed_rollout_worker_loses_no_prompt(
         )
         assert admission.release(step=0, version=0) == PROMPTS
         released = [i.decode() for i, _ in redis_client.xrange(keys.prompts)]
-        wait_until(lambda: bool(pending_of(redis_client, keys, "A")), 60, "A taking prompts", [a])
+        wait_until(
+            lambda: bool(pending_prompts(redis_client, keys, "A")), 60, "A taking prompts", [a]
+        )
         a.kill()
-        held = pending_of(redis_client, keys, "A")
+        held = pending_prompts(redis_client, keys, "A")
         # Killed mid-generation: it held a batch and had published nothing.
         assert len(held) == PER_BATCH
         assert not any(
@@ -127,14 +123,12 @@ def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
     g, max_steps = 2, 8
     keys = Keys("lone")
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.prompts_per_batch": 2,
             "rollout.heartbeat_ttl_s": 1.5,

@@ -4,7 +4,6 @@ worker holds such a prompt until newer weights arrive instead of wasting its gen
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from asyncrl.rollout.tasks import build_task
 from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.weights import WeightsConfig, build_publisher
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, stop_all, wait_until, write_config
+from role_procs import Role, role_config, stop_all, wait_until
 
 ETA = 1
 RELEASED_AT = 3
@@ -38,14 +36,12 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
 ) -> None:
     keys = Keys("genbound")
     store_dir = tmp_path / "weights"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.sampling.max_new_tokens": 4,
             "algo.max_staleness": ETA,

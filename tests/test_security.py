@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.config import write_config
 from asyncrl.launch.redis_server import RedisServer, TlsFiles, find_redis_server, free_port
 from asyncrl.redis_conn import RedisAccessError, RedisConfig, connect, wait_until_reachable
 
-sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import (
     REPO,
     Role,
@@ -33,10 +33,10 @@ from role_procs import (
     is_running,
     kill_all,
     local_run_config,
+    role_config,
     step_lines,
     stop_all,
     wait_until,
-    write_config,
 )
 
 PASSWORD = "pw-" + secrets.token_hex(12)
@@ -312,16 +312,8 @@ def test_a_role_given_a_wrong_password_exits_at_once(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    config = write_config(
-        tmp_path / "config.yaml",
-        {
-            "run.id": "wrongpw",
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": secure_redis.url,
-            **tls_settings(certs[1]),
-            "model.path": str(random_model),
-            "metrics.port": 0,
-        },
+    config = role_config(
+        tmp_path, secure_redis.url, random_model, "wrongpw", tls_settings(certs[1])
     )
     monkeypatch.setenv(ENV, "not-" + PASSWORD)
     roles = [

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
 
 from asyncrl.launch.redis_server import RedisServer
+
+from role_procs import Role, role_config, step_lines, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 6
@@ -22,13 +23,12 @@ def test_async_run_through_sglang_client(
     served: str, random_model: Path, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        "sglang-e2e",
         {
-            "run.id": "sglang-e2e",
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
             "task.type": "arithmetic",
             "rollout.n": 4,
             "rollout.prompts_per_batch": 4,
@@ -40,7 +40,6 @@ def test_async_run_through_sglang_client(
             "trainer.eval_every": 0,
             "algo.max_staleness": 0,
             "algo.filter_zero_variance": False,
-            "metrics.port": 0,
         },
     )
     trainer = Role("trainer", config, tmp_path / "trainer.log")

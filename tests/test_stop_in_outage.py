@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import msgpack
@@ -24,9 +23,15 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
-from test_rollout_kill import pending_of
+from role_procs import (
+    Role,
+    arithmetic_admission,
+    pending_prompts,
+    role_config,
+    step_lines,
+    stop_all,
+    wait_until,
+)
 
 PROMPTS = 2  # one batch: the worker reads no more until it has published
 N = 8
@@ -42,16 +47,14 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
     redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
 ) -> None:
     keys = Keys("stopout")
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": redis_server.url,
             "redis.socket_timeout_s": 2.0,
             "redis.reconnect_max_s": 1.0,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": N,
             "rollout.prompts_per_batch": PROMPTS,
             "rollout.heartbeat_ttl_s": 1.5,
@@ -76,7 +79,7 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
     frozen = False
     try:
         wait_until(
-            lambda: len(pending_of(redis_client, keys, "W")) == PROMPTS,
+            lambda: len(pending_prompts(redis_client, keys, "W")) == PROMPTS,
             240,
             "the worker taking its batch",
             [worker],
@@ -145,16 +148,14 @@ def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
     on, each step's groups of the surviving lineage counted trained once."""
     keys = Keys("stopout-t")
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
             "redis.socket_timeout_s": 2.0,
             "redis.reconnect_max_s": 1.0,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.heartbeat_ttl_s": 1.5,
             "rollout.sampling.max_new_tokens": 4,

@@ -11,36 +11,26 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
 from asyncrl.keys import TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
-from asyncrl.protocol import Sample, TrajectoryGroup, stream_fields
+from asyncrl.protocol import stream_fields
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, pending_groups, role_config, step_lines, stop_all, wait_until
+from sample_groups import plain_group
 
 G = 4
 CKPT_EVERY = 3
 MAX_STEPS = 8
 KILL_AFTER = 4
-
-
-def pending_ids(client: redis.Redis, keys: Keys) -> set[str]:
-    try:
-        rows = client.xpending_range(keys.trajectories, TRAJECTORIES_GROUP, "-", "+", 10_000)
-    except redis.ResponseError:  # no consumer group yet
-        return set()
-    return {r["message_id"].decode() for r in rows}
 
 
 @pytest.mark.slow
@@ -50,14 +40,12 @@ def test_trainer_killed_between_checkpoints_resumes(
 ) -> None:
     run_dir = tmp_path / "run"
     keys = Keys("restart")
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        tmp_path,
+        redis_server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 4,
             "rollout.prompts_per_batch": 2,
             "rollout.heartbeat_ttl_s": 2.0,
@@ -95,7 +83,7 @@ def test_trainer_killed_between_checkpoints_resumes(
         ckpt_step = int(ckpts[-1].name.removeprefix("step_"))
         # The premise: killed between checkpoints, with trained steps the checkpoint lacks.
         assert ckpt_step == CKPT_EVERY < killed_at < 2 * CKPT_EVERY, (ckpt_step, killed_at)
-        held = pending_ids(redis_client, keys)
+        held = pending_groups(redis_client, keys)
         assert len(held) >= (killed_at - ckpt_step) * G  # unacked: no checkpoint holds them
         counters = collect_status(redis_client, keys, run_dir)["counters"]
         assert counters["groups_trained"] == ckpt_step * G
@@ -121,7 +109,7 @@ def test_trainer_killed_between_checkpoints_resumes(
     assert min(versions) > max(s["version"] for s in before)
 
     # The entries the killed trainer held were re-read: none is pending or dead-lettered now.
-    assert not held & pending_ids(redis_client, keys)
+    assert not held & pending_groups(redis_client, keys)
     assert redis_client.xlen(keys.dlq) == 0
     status = collect_status(redis_client, keys, run_dir)
     counters, streams = status["counters"], status["streams"]
@@ -135,27 +123,6 @@ def test_trainer_killed_between_checkpoints_resumes(
     )
     final = list_checkpoints(run_dir / "checkpoints")[-1]
     assert final.name == f"step_{MAX_STEPS:08d}"
-
-
-def _group(gid: str) -> TrajectoryGroup:
-    sample = Sample(
-        response_ids=np.array([4, 5, 2], np.int32),
-        logprobs=np.array([-0.5, -1.0, -0.1], np.float32),
-        versions=np.zeros(3, np.int32),
-        reward=1.0,
-        finish="stop",
-    )
-    return TrajectoryGroup(
-        run="stop",
-        group_id=gid,
-        prompt_id=gid,
-        release_version=0,
-        worker="w",
-        created_at=0.0,
-        finished_at=0.0,
-        prompt_ids=np.array([1, 5, 6, 13, 7, 8, 14], np.int32),
-        samples=[sample, sample],
-    )
 
 
 def test_sigterm_while_collecting_leaves_the_partial_step_pending(
@@ -185,12 +152,12 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
         ],
     )
     redis_client.hset(keys.released, mapping={"a": "", "b": ""})  # as admission would
-    first_id = redis_client.xadd(keys.trajectories, stream_fields(_group("a"))).decode()
+    first_id = redis_client.xadd(keys.trajectories, stream_fields(plain_group("a"))).decode()
     trainer = Trainer(cfg)
 
     def stop_once_held() -> None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not pending_ids(redis_client, keys):
+        while time.monotonic() < deadline and not pending_groups(redis_client, keys):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -204,12 +171,12 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
         signal.signal(signal.SIGTERM, previous)
         trainer.client.close()
     assert trainer.step == 0
-    assert pending_ids(redis_client, keys) == {first_id}
+    assert pending_groups(redis_client, keys) == {first_id}
     counters = collect_status(redis_client, keys, tmp_path / "run")["counters"]
     assert counters["groups_trained"] == 0
 
     # The restarted trainer trains on it.
-    second_id = redis_client.xadd(keys.trajectories, stream_fields(_group("b"))).decode()
+    second_id = redis_client.xadd(keys.trajectories, stream_fields(plain_group("b"))).decode()
     restarted = Trainer(cfg)
     try:
         groups, _, ids = restarted._collect()
@@ -238,7 +205,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
     keys = Keys("covered")
     run_dir = tmp_path / "run"
     ids = [
-        redis_client.xadd(keys.trajectories, stream_fields(_group(f"g{i}"))).decode()
+        redis_client.xadd(keys.trajectories, stream_fields(plain_group(f"g{i}"))).decode()
         for i in range(5)
     ]
     # As if released and generated: the accounting balances with the entries pending.
@@ -282,7 +249,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
                 trainer.client.close()
             status = collect_status(redis_client, keys, run_dir)
             assert status["counters"]["groups_trained"] == 4
-            assert pending_ids(redis_client, keys) == {ids[4]}
+            assert pending_groups(redis_client, keys) == {ids[4]}
             assert status["balanced"], status
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -90,9 +90,8 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 import redis
-import yaml
 
-from asyncrl.config import nest
+from asyncrl.config import write_config
 from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import is_balanced, read_accounting, stream_depths
@@ -150,11 +149,6 @@ def settings(
         "weights.sync_timeout_s": 5.0,
         "weights.lease_s": 2.0,
     }
-
-
-def write_config(path: Path, flat: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(nest(flat)))
-    return path
 
 
 def _i32(values: list[int]) -> bytes:
