@@ -21,9 +21,15 @@ import redis
 
 from asyncrl.config import write_config
 from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from asyncrl.launch.local import start_logged
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
+# What the `role_config` fixture gives: (run id, dotted settings) → the config file.
+RoleConfig = Callable[[str, dict[str, Any]], Path]
+# Settings under which a rollout worker that dies or hangs is found out within about 2 s: its
+# heartbeat lapses and the prompts it holds can be claimed by another.
+QUICK_TAKEOVER = {"rollout.heartbeat_ttl_s": 1.5, "queue.claim_idle_s": 1.0}
 # The children import asyncrl from this checkout and share the test machine's cores.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -40,7 +46,7 @@ class Run:
     status: dict[str, Any]
 
 
-def role_config(
+def write_role_config(
     tmp_path: Path, redis_url: str, model: Path, run_id: str, settings: dict[str, Any]
 ) -> Path:
     """`tmp_path / "config.yaml"` for role processes of the run `run_id`, run dir
@@ -76,18 +82,10 @@ class Role:
 
     def __init__(self, role: str, config: Path, log: Path, *args: str) -> None:
         env = {**os.environ, **CHILD_ENV}
+        log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         argv = [sys.executable, "-m", "asyncrl", "launch", "--role", role, "--config", str(config)]
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [*argv, *args],
-                cwd=REPO,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self.proc = start_logged([*argv, *args], log, env, cwd=REPO)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

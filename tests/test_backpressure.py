@@ -26,11 +26,10 @@ import pytest
 import redis
 
 from asyncrl.keys import PROMPTS_GROUP, Keys
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.queue import stream_stats
 
-from role_procs import Role, role_config, step_lines, stop_all, wait_until
+from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
 
 G = 2
 ETA = 1
@@ -59,14 +58,11 @@ def counters_and_lengths(client: redis.Redis, keys: Keys) -> tuple[int, int, int
 
 @pytest.mark.slow
 def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("backpressure")
     run_dir = tmp_path / "run"
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {
             "rollout.n": 2,
@@ -85,7 +81,6 @@ def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     workers = [Role("rollout", config, logs / f"w{i}.log", "--worker-id", f"w{i}") for i in (0, 1)]
     roles = [trainer, *workers]

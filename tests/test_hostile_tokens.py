@@ -17,10 +17,9 @@ import pytest
 import redis
 
 from asyncrl.keys import Keys
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.rollout.tiny_model import VOCAB
 
-from role_procs import Role, role_config, step_lines, stop_all, wait_until
+from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
 
 V = len(VOCAB)  # the random tiny model's vocabulary: ids 0..V-1
 
@@ -78,7 +77,7 @@ def group(run: str, group_id: str, prompt_ids: bytes, response_ids: bytes) -> di
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_out_of_vocabulary_ids_are_dead_lettered_and_both_roles_keep_running(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("vocab")
     run, max_steps = keys.run_id, 3
@@ -100,9 +99,6 @@ def test_out_of_vocabulary_ids_are_dead_lettered_and_both_roles_keep_running(
     }
     run_dir = tmp_path / "run"
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         run,
         {
             "rollout.n": 2,
@@ -118,7 +114,6 @@ def test_out_of_vocabulary_ids_are_dead_lettered_and_both_roles_keep_running(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
     try:

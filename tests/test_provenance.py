@@ -32,10 +32,10 @@ from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 
 from role_procs import (
     Role,
+    RoleConfig,
     arithmetic_admission,
     pending_groups,
     pending_prompts,
-    role_config,
     step_lines,
     stop_all,
     wait_until,
@@ -76,14 +76,11 @@ def dead_letters(client: redis.Redis, keys: Keys) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_trainer_trains_no_unreleased_empty_or_duplicate_group(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys, g, eta, steps = Keys("prov"), 2, 1, 2
     run_dir = tmp_path / "run"
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {
             "weights.type": "store",
@@ -142,13 +139,10 @@ def test_trainer_trains_no_unreleased_empty_or_duplicate_group(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_worker_refuses_a_prompt_nobody_released(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("prov-w")
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {
             "weights.type": "store",

@@ -20,7 +20,7 @@ from asyncrl.keys import Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.queue import QueueConfig
 
-from role_procs import Role, role_config, step_lines, stop_all, wait_until
+from role_procs import Role, step_lines, stop_all, wait_until, write_role_config
 
 JUNK = 15
 JUNK_BYTES = 2**20
@@ -38,7 +38,7 @@ def test_junk_filling_redis_is_dead_lettered_and_training_goes_on(
     client = redis.Redis.from_url(server.url, socket_timeout=10)
     keys = Keys("full")
     run_dir = tmp_path / "run"
-    config = role_config(
+    config = write_role_config(
         tmp_path,
         server.url,
         random_model,
@@ -59,7 +59,6 @@ def test_junk_filling_redis_is_dead_lettered_and_training_goes_on(
     junk = [b"\xc1" + rng.randbytes(JUNK_BYTES - 1) for _ in range(JUNK)]
     ids = [client.xadd(keys.trajectories, {"data": j}).decode() for j in junk]  # type: ignore[union-attr]
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
     roles = [trainer, worker]

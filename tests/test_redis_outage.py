@@ -25,7 +25,7 @@ from asyncrl.launch.redis_server import RedisServer, free_port
 from asyncrl.launch.status import collect_status
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-from role_procs import Role, role_config, step_lines, stop_all, wait_until
+from role_procs import Role, step_lines, stop_all, wait_until, write_role_config
 
 OUTAGE_S = 8.0
 G = 2
@@ -55,7 +55,7 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     ports = [free_port(), free_port()]
     # Each role's metrics port is given on its command line, over the config's.
-    config = role_config(
+    config = write_role_config(
         tmp_path,
         server.url,
         random_model,
@@ -75,7 +75,6 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log", f"metrics.port={ports[0]}")
     worker = Role(
         "rollout", config, logs / "rollout.log", "--worker-id", "w0", f"metrics.port={ports[1]}"

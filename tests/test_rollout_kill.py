@@ -15,15 +15,15 @@ import pytest
 import redis
 
 from asyncrl.keys import Keys
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.trainer.admission import read_counters
 
 from role_procs import (
+    QUICK_TAKEOVER,
     Role,
+    RoleConfig,
     arithmetic_admission,
     pending_prompts,
-    role_config,
     step_lines,
     stop_all,
     wait_until,
@@ -36,20 +36,16 @@ PER_BATCH = 4
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_rollout_worker_loses_no_prompt(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("rkill")
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {
+            **QUICK_TAKEOVER,
             "rollout.prompts_per_batch": PER_BATCH,
-            "rollout.heartbeat_ttl_s": 1.5,
             # An untrained model rarely stops early: each batch is 4 × 16 responses of 64 tokens.
             "rollout.sampling.max_new_tokens": 64,
-            "queue.claim_idle_s": 1.0,
             "queue.claim_every_s": 0.2,
             "weights.type": "store",
         },
@@ -58,7 +54,6 @@ def test_killed_rollout_worker_loses_no_prompt(
         redis_client, keys, random_model, n=16, max_staleness=PROMPTS - 1
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     a = Role("rollout", config, logs / "a.log", "--worker-id", "A")
     b = Role("rollout", config, logs / "b.log", "--worker-id", "B")
     try:
@@ -113,7 +108,7 @@ def test_killed_rollout_worker_loses_no_prompt(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """The quickstart's shape: one worker, broadcast weights. Killed with groups queued, the
     worker's id is proposed the next version while its lease holds, never answers, and is left
@@ -124,16 +119,12 @@ def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
     keys = Keys("lone")
     run_dir = tmp_path / "run"
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {
+            **QUICK_TAKEOVER,
             "rollout.n": 2,
             "rollout.prompts_per_batch": 2,
-            "rollout.heartbeat_ttl_s": 1.5,
             "rollout.sampling.max_new_tokens": 8,
-            "queue.claim_idle_s": 1.0,
             "trainer.groups_per_step": g,
             "trainer.max_steps": max_steps,
             "trainer.checkpoint_every": 1,
@@ -149,7 +140,6 @@ def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     worker = Role("rollout", config, logs / "w0-1.log", "--worker-id", "w0")
     restarted: Role | None = None

@@ -12,14 +12,13 @@ import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.keys import PROMPTS_GROUP, Keys
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import decode_group
 from asyncrl.rollout.config import ArithmeticTaskConfig
 from asyncrl.rollout.tasks import build_task
 from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.weights import WeightsConfig, build_publisher
 
-from role_procs import Role, role_config, stop_all, wait_until
+from role_procs import Role, RoleConfig, stop_all, wait_until
 
 ETA = 1
 RELEASED_AT = 3
@@ -32,14 +31,11 @@ def _xreadgroup_calls(client: redis.Redis) -> int:
 
 @pytest.mark.slow
 def test_a_worker_holds_prompts_its_weights_are_too_old_for(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("genbound")
     store_dir = tmp_path / "weights"
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {
             "rollout.n": 2,
@@ -65,7 +61,6 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
     )
     params = dict(AutoModelForCausalLM.from_pretrained(random_model).named_parameters())
     logs = tmp_path / "logs"
-    logs.mkdir()
     worker = Role("rollout", config, logs / "w.log", "--worker-id", "w")
     try:
         wait_until(

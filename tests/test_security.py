@@ -33,10 +33,10 @@ from role_procs import (
     is_running,
     kill_all,
     local_run_config,
-    role_config,
     step_lines,
     stop_all,
     wait_until,
+    write_role_config,
 )
 
 PASSWORD = "pw-" + secrets.token_hex(12)
@@ -245,7 +245,6 @@ def test_roles_over_tls_with_auth_leak_no_secret(
         tmp_path / "rollout.yaml", {**common, "metrics.port": ports["rollout"]}
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     monkeypatch.setenv(ENV, PASSWORD)  # inherited by the worker ...
     worker = Role("rollout", rollout_cfg, logs / "rollout.log", "--worker-id", "w0")
     monkeypatch.delenv(ENV)  # ... not by the trainer, which reads the file
@@ -312,7 +311,7 @@ def test_a_role_given_a_wrong_password_exits_at_once(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    config = role_config(
+    config = write_role_config(
         tmp_path, secure_redis.url, random_model, "wrongpw", tls_settings(certs[1])
     )
     monkeypatch.setenv(ENV, "not-" + PASSWORD)

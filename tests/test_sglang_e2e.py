@@ -11,22 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launch.redis_server import RedisServer
-
-from role_procs import Role, role_config, step_lines, stop_all, wait_until
+from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 6
 
 
 def test_async_run_through_sglang_client(
-    served: str, random_model: Path, redis_server: RedisServer, tmp_path: Path
+    served: str, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     run_dir = tmp_path / "run"
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         "sglang-e2e",
         {
             "task.type": "arithmetic",

@@ -22,12 +22,11 @@ import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.keys import Keys
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.protocol import stream_fields
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-from role_procs import Role, pending_groups, role_config, step_lines, stop_all, wait_until
+from role_procs import Role, RoleConfig, pending_groups, step_lines, stop_all, wait_until
 from sample_groups import plain_group
 
 G = 4
@@ -69,11 +68,10 @@ def covered(run_dir: Path) -> tuple[int, dict[str, list[str]]]:
 def test_sigterm_to_one_rank_stops_all_ranks(
     parallel: str,
     signalled: tuple[int, ...],
-    redis_server: RedisServer,
     redis_client: redis.Redis,
-    random_model: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    role_config: RoleConfig,
 ) -> None:
     run_dir = tmp_path / "run"
     keys = Keys(f"ranks-{parallel}")
@@ -91,7 +89,7 @@ def test_sigterm_to_one_rank_stops_all_ranks(
         "trainer.wait_timeout_s": 300,
         "algo.max_staleness": 100,
     }
-    config = role_config(tmp_path, redis_server.url, random_model, keys.run_id, settings)
+    config = role_config(keys.run_id, settings)
 
     def feed(n: int, start: int = 0) -> list[str]:
         gids = [f"g{i}" for i in range(start, start + n)]
@@ -140,9 +138,6 @@ def test_sigterm_to_one_rank_stops_all_ranks(
     # Restarted, the ranks restore the checkpoint (sharded or not), train the pending entry in
     # the next step and stop at max_steps.
     role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {**settings, "trainer.max_steps": STEPS + 1},
     )

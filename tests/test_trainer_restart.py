@@ -24,7 +24,7 @@ from asyncrl.launch.status import collect_status
 from asyncrl.protocol import stream_fields
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-from role_procs import Role, pending_groups, role_config, step_lines, stop_all, wait_until
+from role_procs import Role, RoleConfig, pending_groups, step_lines, stop_all, wait_until
 from sample_groups import plain_group
 
 G = 4
@@ -36,14 +36,11 @@ KILL_AFTER = 4
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_trainer_killed_between_checkpoints_resumes(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     run_dir = tmp_path / "run"
     keys = Keys("restart")
     config = role_config(
-        tmp_path,
-        redis_server.url,
-        random_model,
         keys.run_id,
         {
             "rollout.n": 4,
@@ -65,7 +62,6 @@ def test_trainer_killed_between_checkpoints_resumes(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
     first = Role("trainer", config, logs / "trainer-1.log")
     second: Role | None = None

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import yaml
 
@@ -60,6 +60,24 @@ def prepare_run_dir(
         (lambda msg: None) if mode == "json" else (lambda msg: print(msg, flush=True))
     )
     return mode, say
+
+
+def start_logged(
+    argv: list[str], log_path: Path, env: dict[str, str], **popen: Any
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in a session of its own, so that a Ctrl-C or a signal to the caller's
+    process group reaches it only through its handle; no stdin, its output appended to
+    `log_path`."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            **popen,
+        )
 
 
 class Restartable(Protocol):
@@ -115,18 +133,14 @@ class Child:
         self.restarts = 0
 
     def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                # SIGKILL, not SIGTERM: a draining trainer whose Redis goes with the launcher
-                # would wait for it forever; its checkpoint and pending entries cover the kill.
-                preexec_fn=process.die_with_parent(signal.SIGKILL),
-            )
+        self.proc = start_logged(
+            self.argv,
+            self.log_path,
+            self.env,
+            # SIGKILL, not SIGTERM: a draining trainer whose Redis goes with the launcher
+            # would wait for it forever; its checkpoint and pending entries cover the kill.
+            preexec_fn=process.die_with_parent(signal.SIGKILL),
+        )
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
