@@ -880,6 +880,7 @@ def main() -> int:
     parser.add_argument(
         "--faults",
         dest="max_faults",
+        metavar="FAULTS",
         type=int,
         default=0,
         help="stop after N faults (0: no limit)",
