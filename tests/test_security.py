@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,8 +26,8 @@ from asyncrl.launch.redis_server import RedisServer, TlsFiles, find_redis_server
 from asyncrl.redis_conn import RedisAccessError, RedisConfig, connect, wait_until_reachable
 
 from role_procs import (
-    REPO,
     Role,
+    asyncrl,
     children_of,
     is_running,
     kill_all,
@@ -268,27 +267,14 @@ def test_roles_over_tls_with_auth_leak_no_secret(
             metrics = {addr for addr, p in sockets if p == port}
             assert metrics == {"127.0.0.1"}, sockets
         assert trainer.wait(180) == 0, trainer.tail()
-        status = subprocess.run(
-            [sys.executable, "-m", "asyncrl", "status", "--json", "--config", str(trainer_cfg)],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=60,
-        )
+        status = asyncrl("status", "--json", "--config", str(trainer_cfg))
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["counters"]["groups_trained"] == 6
         seen += [status.stdout, status.stderr]
-        printed = subprocess.run(
-            [
-                *(sys.executable, "-m", "asyncrl", "launch", "--role", "rollout", "--config"),
-                str(trainer_cfg),
-                f"redis.url={secure_redis.url.replace('//', f'//:{PASSWORD}@')}",
-                "--print-config",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=60,
+        printed = asyncrl(
+            *("launch", "--role", "rollout", "--config", str(trainer_cfg)),
+            f"redis.url={secure_redis.url.replace('//', f'//:{PASSWORD}@')}",
+            "--print-config",
         )
         assert printed.returncode == 0, printed.stderr
         assert ":***@127.0.0.1" in printed.stdout

@@ -5,13 +5,11 @@ bounded, run accounting balances."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
+from role_procs import Role, RoleConfig, asyncrl, step_lines, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 6
@@ -49,12 +47,7 @@ def test_async_run_through_sglang_client(
     assert all(s["staleness_max"] == 0 for s in steps)
     diffs = [s["behaviour_logprob_abs_diff_lag0"] for s in steps]
     assert all(d is not None and d < 1e-4 for d in diffs), diffs
-    status = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "status", "--json", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = asyncrl("status", "--json", "--config", str(config))
     report = json.loads(status.stdout)
     assert report["balanced"], report
     assert report["counters"]["groups_trained"] == STEPS * 4
