@@ -50,8 +50,8 @@ def write_role_config(
     tmp_path: Path, redis_url: str, model: Path, run_id: str, settings: dict[str, Any]
 ) -> Path:
     """`tmp_path / "config.yaml"` for role processes of the run `run_id`, run dir
-    `tmp_path / "run"`, on `redis_url` and `model`, metrics on a free port; `settings` (dotted
-    keys) on top."""
+    `tmp_path / "run"`, on `redis_url` and `model`, no metrics endpoint; `settings` (dotted keys)
+    on top."""
     return write_config(
         tmp_path / "config.yaml",
         {
@@ -250,6 +250,8 @@ def kill_all(pids: list[int]) -> None:
 
 
 def check_accounting(run: Run, steps: int, groups_per_step: int) -> None:
+    """`asyncrl status` of a finished run: balanced, every step's groups trained once and acked,
+    nothing dead-lettered, every role gone."""
     status = run.status
     counters, streams = status["counters"], status["streams"]
     queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
