@@ -19,7 +19,6 @@ import pytest
 import redis
 
 from asyncrl.keys import TRAJECTORIES_GROUP, Keys
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.protocol import stream_fields
 from asyncrl.trainer.checkpoint import list_checkpoints
@@ -122,7 +121,7 @@ def test_trainer_killed_between_checkpoints_resumes(
 
 
 def test_sigterm_while_collecting_leaves_the_partial_step_pending(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """A trainer told to stop halfway through collecting a step checkpoints what it trained and
     leaves the groups of the unfinished step pending, for the restarted trainer to train on —
@@ -132,20 +131,17 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
 
     keys = Keys("stop")
     cfg = load_config(
-        None,
-        [
-            f"run.id={keys.run_id}",
-            f"run.dir={tmp_path / 'run'}",
-            f"redis.url={redis_server.url}",
-            f"model.path={random_model}",
-            "metrics.port=0",
-            "weights.type=store",
-            "trainer.device=cpu",
-            "trainer.groups_per_step=2",
-            "trainer.checkpoint_every=1",
-            "trainer.wait_timeout_s=60",
-            "rollout.n=2",
-        ],
+        role_config(
+            keys.run_id,
+            {
+                "weights.type": "store",
+                "trainer.device": "cpu",
+                "trainer.groups_per_step": 2,
+                "trainer.checkpoint_every": 1,
+                "trainer.wait_timeout_s": 60,
+                "rollout.n": 2,
+            },
+        )
     )
     redis_client.hset(keys.released, mapping={"a": "", "b": ""})  # as admission would
     first_id = redis_client.xadd(keys.trajectories, stream_fields(plain_group("a"))).decode()
@@ -185,7 +181,7 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
 
 
 def test_restart_acks_every_ranks_covered_entries_once(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """A 2-rank trainer died after its checkpoint was durable but before the ranks acked the
     entries it covers. The restarted trainer — one rank now — acks both ranks' lists as trained,
@@ -221,19 +217,16 @@ def test_restart_acks_every_ranks_covered_entries_once(
         keep=2,
     )
     cfg = load_config(
-        None,
-        [
-            f"run.id={keys.run_id}",
-            f"run.dir={run_dir}",
-            f"redis.url={redis_server.url}",
-            f"model.path={random_model}",
-            "metrics.port=0",
-            "weights.type=store",
-            "trainer.device=cpu",
-            "trainer.max_steps=2",  # nothing left to train: restore, ack, leave
-            "trainer.checkpoint_every=1",
-            "rollout.n=2",
-        ],
+        role_config(
+            keys.run_id,
+            {
+                "weights.type": "store",
+                "trainer.device": "cpu",
+                "trainer.max_steps": 2,  # nothing left to train: restore, ack, leave
+                "trainer.checkpoint_every": 1,
+                "rollout.n": 2,
+            },
+        )
     )
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -253,11 +246,11 @@ def test_restart_acks_every_ranks_covered_entries_once(
 
 @pytest.mark.parametrize("published_after", [None, 27])
 def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
-    redis_server: RedisServer,
     redis_client: redis.Redis,
     random_model: Path,
     tmp_path: Path,
     published_after: int | None,
+    role_config: RoleConfig,
 ) -> None:
     """Redis lost its data, `version` key included; the checkpoint's weights went out as version
     24, so the restored weights are published as 25 (not 0: workers holding 24 would take 0..24
@@ -287,18 +280,15 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
     expected = 1 + (24 if published_after is None else published_after)
     assert redis_client.dbsize() == 0
     cfg = load_config(
-        None,
-        [
-            f"run.id={keys.run_id}",
-            f"run.dir={run_dir}",
-            f"redis.url={redis_server.url}",
-            f"model.path={random_model}",
-            "metrics.port=0",
-            "weights.type=store",
-            "trainer.device=cpu",
-            "trainer.max_steps=24",  # nothing left to train: restore, publish, leave
-            "rollout.n=2",
-        ],
+        role_config(
+            keys.run_id,
+            {
+                "weights.type": "store",
+                "trainer.device": "cpu",
+                "trainer.max_steps": 24,  # nothing left to train: restore, publish, leave
+                "rollout.n": 2,
+            },
+        )
     )
     previous = signal.getsignal(signal.SIGTERM)
     try:
