@@ -242,5 +242,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError("; ".join(lines)) from None
 
 
+def write_config(path: Path, settings: dict[str, Any]) -> Path:
+    """Write a config file that `load_config` reads back, from dotted keys, e.g.
+    {"run.id": "x", "trainer.max_steps": 5}; for tools and tests that start `asyncrl` processes."""
+    path.write_text(yaml.safe_dump(nest(settings)))
+    return path
+
+
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.redacted(), sort_keys=False)

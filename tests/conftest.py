@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 import subprocess
 import sys
@@ -13,10 +14,22 @@ import redis
 
 from asyncrl.launch.redis_server import RedisServer
 
+from role_procs import RoleConfig, write_role_config
+
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(data_dir=tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for all tests of a module, for runs and trainers that they share."""
+    server = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
     try:
         yield server
     finally:
@@ -33,6 +46,13 @@ def password_redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def role_config(tmp_path: Path, redis_server: RedisServer, random_model: Path) -> RoleConfig:
+    """Writes the config of role processes on this test's Redis and the random tiny model
+    (`role_procs.write_role_config`)."""
+    return functools.partial(write_role_config, tmp_path, redis_server.url, random_model)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""Helpers of the failure tests: run `asyncrl launch --role trainer|rollout` processes against a
-test Redis, and read back what they wrote. Every process is started here, in its own session,
-and stopped or killed by its handle only."""
+"""Helpers of the role tests: write their config, run `asyncrl` commands and `asyncrl launch
+--role trainer|rollout` processes against a test Redis, wait on them, and read back what they
+wrote. Every process is started here, in its own session, and stopped or killed by its handle
+only."""
 
 from __future__ import annotations
 
@@ -12,39 +13,79 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+import redis
 
-from asyncrl.config import nest
+from asyncrl.config import write_config
+from asyncrl.launch.local import start_logged
+from asyncrl.runstate import PROMPTS_GROUP, TRAJECTORIES_GROUP, Counter, Keys
 
 REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+# What the `role_config` fixture gives: (run id, dotted settings) → the config file.
+RoleConfig = Callable[[str, dict[str, Any]], Path]
+# Settings under which a rollout worker that dies or hangs is found out within about 2 s: its
+# heartbeat lapses and the prompts it holds can be claimed by another.
+QUICK_TAKEOVER = {"rollout.heartbeat_ttl_s": 1.5, "queue.claim_idle_s": 1.0}
+# The children import asyncrl from this checkout and share the test machine's cores.
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def write_config(path: Path, settings: dict[str, Any]) -> Path:
-    """A config file from dotted keys, e.g. {"run.id": "x", "trainer.max_steps": 5}."""
-    path.write_text(yaml.safe_dump(nest(settings)))
-    return path
+@dataclass
+class Run:
+    """What an `asyncrl launch` run left: its exit and output, its step lines, `asyncrl status`."""
+
+    dir: Path
+    url: str
+    rc: int
+    output: str
+    steps: list[dict[str, Any]]
+    status: dict[str, Any]
+
+
+def write_role_config(
+    tmp_path: Path, redis_url: str, model: Path, run_id: str, settings: dict[str, Any]
+) -> Path:
+    """`tmp_path / "config.yaml"` for role processes of the run `run_id`, run dir
+    `tmp_path / "run"`, on `redis_url` and `model`, no metrics endpoint; `settings` (dotted keys)
+    on top."""
+    return write_config(
+        tmp_path / "config.yaml",
+        {
+            "run.id": run_id,
+            "run.dir": str(tmp_path / "run"),
+            "redis.url": redis_url,
+            "model.path": str(model),
+            "metrics.port": 0,
+            **settings,
+        },
+    )
+
+
+def asyncrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`python -m asyncrl ARGS` run to its end, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", *args],
+        cwd=REPO,
+        env={**os.environ, **CHILD_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class Role:
     """One `asyncrl launch --role ROLE` child process, its output in `log`."""
 
     def __init__(self, role: str, config: Path, log: Path, *args: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        env = {**os.environ, **CHILD_ENV}
+        log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         argv = [sys.executable, "-m", "asyncrl", "launch", "--role", role, "--config", str(config)]
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [*argv, *args],
-                cwd=REPO,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self.proc = start_logged([*argv, *args], log, env, cwd=REPO)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -115,6 +156,24 @@ def wait_until(
             f"--- {r.log.name}\n{r.tail()}" for r in roles
         )
         time.sleep(0.02)
+
+
+def _pending(client: redis.Redis, stream: str, group: str, consumer: str | None) -> set[str]:
+    try:
+        rows = client.xpending_range(stream, group, "-", "+", 10_000, consumername=consumer)
+    except redis.ResponseError:  # no consumer group yet
+        return set()
+    return {r["message_id"].decode() for r in rows}
+
+
+def pending_prompts(client: redis.Redis, keys: Keys, consumer: str | None = None) -> set[str]:
+    """The prompt ids rollout workers (`consumer` only, if given) read and have not acked."""
+    return _pending(client, keys.prompts, PROMPTS_GROUP, consumer)
+
+
+def pending_groups(client: redis.Redis, keys: Keys) -> set[str]:
+    """The trajectory ids the trainer read and has not acked."""
+    return _pending(client, keys.trajectories, TRAJECTORIES_GROUP, None)
 
 
 def step_lines(run_dir: Path) -> list[dict[str, Any]]:
@@ -188,3 +247,26 @@ def kill_all(pids: list[int]) -> None:
     for pid in pids:
         if is_running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def check_accounting(run: Run, steps: int, groups_per_step: int) -> None:
+    """`asyncrl status` of a finished run: balanced, every step's groups trained once and acked,
+    nothing dead-lettered, every role gone."""
+    status = run.status
+    counters, streams = status["counters"], status["streams"]
+    queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
+    assert counters[Counter.PROMPTS_RELEASED] == (
+        counters[Counter.GROUPS_TRAINED]
+        + counters[Counter.GROUPS_DROPPED_STALE]
+        + counters[Counter.GROUPS_DEAD_LETTERED]
+        + queued
+    ), status
+    assert status["balanced"] is True
+    # Every step's groups were acked once, at the checkpoint that holds the step.
+    assert counters[Counter.GROUPS_TRAINED] == steps * groups_per_step
+    assert streams["trajectories"]["pending"] == 0  # the final checkpoint acked everything
+    assert counters[Counter.GROUPS_DEAD_LETTERED] == 0
+    assert streams["dlq"]["length"] == 0
+    assert status["version"] == steps
+    assert status["last_step"]["step"] == steps
+    assert status["workers"] == {"rollout": [], "trainer": []}  # all stopped cleanly

@@ -5,7 +5,6 @@ group on the trajectories stream (never acking) keeps every entry from being tri
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,9 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import Keys
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_e2e import CONFIG, Run, asyncrl, check_accounting
+from role_procs import QUICKSTART, Run, asyncrl, check_accounting
 
-AGENTIC = CONFIG.parent / "agentic.yaml"
+AGENTIC = QUICKSTART.parent / "agentic.yaml"
 STEPS, GROUPS, N, TURNS = 3, 4, 4, 2
 
 

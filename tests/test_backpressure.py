@@ -19,20 +19,17 @@ trimming never deletes an unacked entry (test_trim_never_deletes_pending_or_unde
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import redis
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.queue import stream_stats
 from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
 
 G = 2
 ETA = 1
@@ -61,18 +58,13 @@ def counters_and_lengths(client: redis.Redis, keys: Keys) -> tuple[int, int, int
 
 @pytest.mark.slow
 def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("backpressure")
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.prompts_per_batch": 1,
             "rollout.sampling.max_new_tokens": 4,
@@ -89,7 +81,6 @@ def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     workers = [Role("rollout", config, logs / f"w{i}.log", "--worker-id", f"w{i}") for i in (0, 1)]
     roles = [trainer, *workers]

@@ -8,16 +8,14 @@ One run feeds all the tests of this module; each asserts one family of the tool'
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from chaos import G, run_chaos
-
 from asyncrl.runstate import Counter
+
+from chaos import G, run_chaos
 
 FAULTS = 20
 # Redis restarts and hostile entries are the cheapest faults (no process re-imports torch),

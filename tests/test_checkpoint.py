@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from checkpoint_proc import digests
 
 PROC = Path(__file__).parent / "checkpoint_proc.py"

@@ -14,6 +14,8 @@ from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engines.config import TorchEngineConfig
 
+from role_procs import asyncrl
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,12 +81,7 @@ def test_bad_yaml_file(tmp_path: Path) -> None:
 
 
 def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "launch", "--role", "trainer", "algo.max_staleness=-3"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = launch_cli("--role", "trainer", "algo.max_staleness=-3")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -93,13 +90,7 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def launch_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "asyncrl", "launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return asyncrl("launch", *args, timeout=timeout)
 
 
 def assert_config_error(proc: subprocess.CompletedProcess[str], key: str) -> None:

@@ -21,40 +21,14 @@ import redis
 
 from asyncrl.config import load_config
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.protocol import Sample, TrajectoryGroup, encode_group, stream_fields
+from asyncrl.protocol import encode_group, stream_fields
 from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, read_counters
 from asyncrl.trainer.main import Trainer
 
-VERSION = 10  # the trainer's current version in these tests
+from sample_groups import VERSION, make_group
+
 ETA = 2
 MAX_MESSAGE_BYTES = 16384
-
-
-def make_group(gid: str, **change: Any) -> TrajectoryGroup:
-    """A valid group at staleness 1; `change` overrides sample 1's fields or the group's."""
-    sample_fields: dict[str, Any] = {
-        "response_ids": np.array([4, 5, 2], np.int32),
-        "logprobs": np.array([-0.5, -1.0, -0.1], np.float32),
-        "versions": np.array([VERSION - 1, VERSION - 1, VERSION], np.int32),
-        "reward": 1.0,
-        "finish": "stop",
-    }
-    group_change = {k: v for k, v in change.items() if k not in sample_fields}
-    bad = Sample(**{**sample_fields, **{k: v for k, v in change.items() if k in sample_fields}})
-    group = TrajectoryGroup(
-        run="dlq",
-        group_id=gid,
-        prompt_id=gid,
-        release_version=VERSION - 1,
-        worker="w",
-        created_at=0.0,
-        finished_at=0.0,
-        prompt_ids=np.array([1, 5, 6, 13, 7, 8, 14], np.int32),
-        samples=[Sample(**sample_fields), bad],
-    )
-    for k, v in group_change.items():
-        setattr(group, k, v)
-    return group
 
 
 def entry(**change: Any) -> dict[bytes | str, bytes]:
@@ -144,17 +118,8 @@ NAMELESS = {"schema field missing", "malformed bytes", "not a map", "no data fie
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    srv = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
 def trainer(
-    server: RedisServer, random_model: Path, tmp_path_factory: pytest.TempPathFactory
+    module_redis: RedisServer, random_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Trainer]:
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(
@@ -162,7 +127,7 @@ def trainer(
         [
             "run.id=dlq",
             f"run.dir={run_dir}",
-            f"redis.url={server.url}",
+            f"redis.url={module_redis.url}",
             f"model.path={random_model}",
             "metrics.port=0",
             "weights.type=store",
@@ -185,8 +150,8 @@ def trainer(
 
 
 @pytest.fixture
-def client(server: RedisServer) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(server.url)
+def client(module_redis: RedisServer) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(module_redis.url)
     try:
         yield c
     finally:

@@ -22,6 +22,8 @@ import yaml
 
 from asyncrl.config import Config, load_config
 
+from gen_dashboard import exported_names, referenced_names
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("cpu", "cuda", "npu")
@@ -30,9 +32,6 @@ OVERLAYS = ("cpu", "cuda", "npu")
 K8S_VERSION = "1.28.0"
 CUSTOM_GROUPS = ("monitoring.coreos.com/", "ray.io/")
 ACCELERATOR = {"cpu": None, "cuda": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
-
-sys.path.insert(0, str(ROOT / "tools"))
-from gen_dashboard import exported_names, referenced_names  # noqa: E402
 
 
 def _tool(*names: str) -> str | None:

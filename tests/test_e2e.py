@@ -5,13 +5,7 @@ contracts read back from its metrics log, its checkpoints and its Redis (an exte
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,8 +14,7 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "configs" / "quickstart.yaml"
+from role_procs import QUICKSTART, Run, asyncrl, check_accounting
 
 # The first test pays for building the warmed model and the run (over a minute on 2 busy cores).
 pytestmark = pytest.mark.timeout(900)
@@ -29,28 +22,6 @@ pytestmark = pytest.mark.timeout(900)
 ETA = 1
 ASYNC_STEPS = 25
 ASYNC_GROUPS = 32
-
-
-@dataclass
-class Run:
-    dir: Path
-    url: str
-    rc: int
-    output: str
-    steps: list[dict[str, Any]]
-    status: dict[str, Any]
-
-
-def asyncrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "asyncrl", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def launch_all(
@@ -62,7 +33,7 @@ def launch_all(
         "--role",
         "all",
         "--config",
-        str(CONFIG),
+        str(QUICKSTART),
         "--progress",
         "quiet",
         "--fresh",
@@ -103,21 +74,12 @@ def launch_all(
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    srv = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
 def async_run(
-    server: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
+    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Run:
     run = launch_all(
         tmp_path_factory.mktemp("async") / "run",
-        server.url,
+        module_redis.url,
         warm_model,
         "e2e-async",
         f"trainer.max_steps={ASYNC_STEPS}",
@@ -136,11 +98,11 @@ def async_run(
 
 @pytest.fixture(scope="module")
 def sync_run(
-    server: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
+    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Run:
     run = launch_all(
         tmp_path_factory.mktemp("sync") / "run",
-        server.url,
+        module_redis.url,
         warm_model,
         "e2e-sync",
         "trainer.max_steps=4",
@@ -152,27 +114,6 @@ def sync_run(
     )
     assert run.rc == 0, run.output[-5000:]
     return run
-
-
-def check_accounting(run: Run, steps: int, groups_per_step: int) -> None:
-    status = run.status
-    counters, streams = status["counters"], status["streams"]
-    queued = sum(streams[s]["lag"] + streams[s]["pending"] for s in ("prompts", "trajectories"))
-    assert counters[Counter.PROMPTS_RELEASED] == (
-        counters[Counter.GROUPS_TRAINED]
-        + counters[Counter.GROUPS_DROPPED_STALE]
-        + counters[Counter.GROUPS_DEAD_LETTERED]
-        + queued
-    ), status
-    assert status["balanced"] is True
-    # Every step's groups were acked once, at the checkpoint that holds the step.
-    assert counters[Counter.GROUPS_TRAINED] == steps * groups_per_step
-    assert streams["trajectories"]["pending"] == 0  # the final checkpoint acked everything
-    assert counters[Counter.GROUPS_DEAD_LETTERED] == 0
-    assert streams["dlq"]["length"] == 0
-    assert status["version"] == steps
-    assert status["last_step"]["step"] == steps
-    assert status["workers"] == {"rollout": [], "trainer": []}  # all stopped cleanly
 
 
 @pytest.mark.slow

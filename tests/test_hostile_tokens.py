@@ -9,7 +9,6 @@ msgpack as any writer with access to Redis could, ends in the dead-letter stream
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,9 @@ import pytest
 import redis
 
 from asyncrl.engines.tiny_model import VOCAB
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Keys
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
 
 V = len(VOCAB)  # the random tiny model's vocabulary: ids 0..V-1
 
@@ -80,7 +77,7 @@ def group(run: str, group_id: str, prompt_ids: bytes, response_ids: bytes) -> di
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_out_of_vocabulary_ids_are_dead_lettered_and_both_roles_keep_running(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("vocab")
     run, max_steps = keys.run_id, 3
@@ -101,14 +98,9 @@ def test_out_of_vocabulary_ids_are_dead_lettered_and_both_roles_keep_running(
         for stream, entries in hostile.items()
     }
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        run,
         {
-            "run.id": run,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.prompts_per_batch": 2,
             "rollout.sampling.max_new_tokens": 8,
@@ -122,7 +114,6 @@ def test_out_of_vocabulary_ids_are_dead_lettered_and_both_roles_keep_running(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
     try:

@@ -16,10 +16,10 @@ import redis
 
 from asyncrl.runstate import Counter
 
-sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import (
     REPO,
     Role,
+    asyncrl,
     children_of,
     is_running,
     kill_all,
@@ -77,13 +77,7 @@ def test_sigterm_stops_the_roles_then_the_embedded_redis(
     last = step_lines(run_dir)[-1]["step"]
     checkpoint = run_dir / "checkpoints" / f"step_{last:08d}" / "trainer_state.json"
     assert json.loads(checkpoint.read_text())["step"] == last
-    status = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "status", "--json", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    status = asyncrl("status", "--json", "--config", str(config), timeout=120)
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["counters"][Counter.GROUPS_TRAINED] == 2 * last, report

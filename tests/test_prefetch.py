@@ -9,21 +9,16 @@ from typing import Any
 
 import pytest
 import redis
-from test_queue import GROUP, STREAM, add, consumer, counter
 
 from asyncrl.queue import RawFields
 from asyncrl.trainer.prefetch import Prefetcher
 
+from queue_helpers import GROUP, STREAM, add, consumer, counter
+from role_procs import wait_until
+
 
 def pending(client: redis.Redis) -> int:
     return int(client.xpending(STREAM, GROUP)["pending"])
-
-
-def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -42,12 +37,12 @@ def test_read_ahead_fills_up_to_capacity(
     ids = add(redis_client, 10)
     p = Prefetcher(consumer(redis_client, "c"), read_ahead=4).start()
     closing.append(p)
-    wait_for(lambda: pending(redis_client) == 4)
+    wait_until(lambda: pending(redis_client) == 4, 5.0, "4 read ahead")
     time.sleep(0.2)
     assert pending(redis_client) == 4  # no further than the capacity
     assert [d.id for d in p.take(3, 1.0)] == ids[:3]
     # refilled behind the take; pending counts a read before the thread has buffered it
-    wait_for(lambda: pending(redis_client) == 7 and p.buffered() == 4)
+    wait_until(lambda: pending(redis_client) == 7 and p.buffered() == 4, 5.0, "4 more buffered")
     assert [d.id for d in p.take(10, 1.0)] == ids[3:7]
 
 
@@ -107,7 +102,7 @@ def test_close_applies_queued_acks_and_leaves_buffered_entries_pending(
     add(redis_client, 5)
     p = Prefetcher(consumer(redis_client, "c"), read_ahead=5).start()
     taken = p.take(2, 1.0)
-    wait_for(lambda: pending(redis_client) == 5)
+    wait_until(lambda: pending(redis_client) == 5, 5.0, "5 pending")
     p.settle([d.id for d in taken], "trained", wait=False)
     p.close()
     assert counter(redis_client, "trained") == len(taken)

@@ -3,13 +3,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_torch_engine import PROMPTS, _engine, _load, _perturbed, _reference
 from transformers import DynamicCache
 
 from asyncrl.engines.base import Generation
 from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
 from asyncrl.engines.tiny_model import save_random_tiny_model
+
+from engine_helpers import PROMPTS, load_model, make_engine, perturbed, reference_logprobs
 
 PARAMS = SamplingParams(max_new_tokens=6)
 
@@ -81,9 +82,9 @@ def _fed(prompts: list[list[int]], gens: list[Generation]) -> int:
 def test_next_turn_reuses_prefix_and_stays_exact(
     model_dir: Path, observations: list[list[int]]
 ) -> None:
-    engine = _engine(model_dir, prefix_cache_tokens=1000, seed=5)
-    plain = _engine(model_dir, seed=5)
-    reference_model = _load(model_dir)
+    engine = make_engine(model_dir, prefix_cache_tokens=1000, seed=5)
+    plain = make_engine(model_dir, seed=5)
+    reference_model = load_model(model_dir)
     first = engine.generate(PROMPTS, PARAMS)
     assert all(g.cached_tokens == 0 for g in first)
     second_prompts = _next_turn(PROMPTS, first, observations)
@@ -102,7 +103,7 @@ def test_next_turn_reuses_prefix_and_stays_exact(
         assert 0 <= gen.cached_tokens <= held
     assert second[-2].cached_tokens == second[-1].cached_tokens == 0
     for prompt, gen in zip(batch, second, strict=True):
-        expected = _reference(reference_model, prompt, gen.token_ids, PARAMS)
+        expected = reference_logprobs(reference_model, prompt, gen.token_ids, PARAMS)
         np.testing.assert_allclose(gen.logprobs, expected, rtol=0, atol=1e-5)
     # Same seed, same draws as an engine that prefills everything.
     plain.generate(PROMPTS, PARAMS)
@@ -111,9 +112,9 @@ def test_next_turn_reuses_prefix_and_stays_exact(
 
 
 def test_weight_swap_between_turns_drops_old_keys(model_dir: Path) -> None:
-    engine = _engine(model_dir, prefix_cache_tokens=1000)
-    new_weights = _perturbed(_load(model_dir), seed=1)
-    new_model = _load(model_dir)
+    engine = make_engine(model_dir, prefix_cache_tokens=1000)
+    new_weights = perturbed(load_model(model_dir), seed=1)
+    new_model = load_model(model_dir)
     new_model.load_state_dict(new_weights, strict=False)
     first = engine.generate(PROMPTS, PARAMS)
     engine.stage_weights({k: v.clone() for k, v in new_weights.items()}, version=1)
@@ -121,14 +122,14 @@ def test_weight_swap_between_turns_drops_old_keys(model_dir: Path) -> None:
     second = engine.generate(second_prompts, PARAMS)
     assert all(g.cached_tokens == 0 for g in second)
     for prompt, gen in zip(second_prompts, second, strict=True):
-        expected = _reference(new_model, prompt, gen.token_ids, PARAMS)
+        expected = reference_logprobs(new_model, prompt, gen.token_ids, PARAMS)
         np.testing.assert_allclose(gen.logprobs, expected, rtol=0, atol=1e-5)
 
 
 def test_stale_reuse_attends_to_old_keys(model_dir: Path) -> None:
-    engine = _engine(model_dir, prefix_cache_tokens=1000, prefix_cache_stale=True)
-    old_model, new_model = _load(model_dir), _load(model_dir)
-    new_weights = _perturbed(old_model, seed=1)
+    engine = make_engine(model_dir, prefix_cache_tokens=1000, prefix_cache_stale=True)
+    old_model, new_model = load_model(model_dir), load_model(model_dir)
+    new_weights = perturbed(old_model, seed=1)
     new_model.load_state_dict(new_weights, strict=False)
     first = engine.generate(PROMPTS, PARAMS)
     engine.stage_weights({k: v.clone() for k, v in new_weights.items()}, version=1)
@@ -149,9 +150,9 @@ def test_stale_reuse_attends_to_old_keys(model_dir: Path) -> None:
 
 
 def test_keys_from_a_swap_mid_sequence_count_as_old(model_dir: Path) -> None:
-    engine = _engine(model_dir, prefix_cache_tokens=1000)
+    engine = make_engine(model_dir, prefix_cache_tokens=1000)
     params = SamplingParams(max_new_tokens=6, stop_token_ids=())
-    new_weights = _perturbed(_load(model_dir), seed=1)
+    new_weights = perturbed(load_model(model_dir), seed=1)
 
     def swap(step: int) -> None:
         if step == 2:

@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -30,14 +29,14 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics import REGISTRY, RoleMetrics, RunGauges, refresh_run_gauges
 from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 
+from gen_dashboard import referenced_names
+from role_procs import QUICKSTART, asyncrl
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 APT_HINT = "apt-get install -y prometheus"
 # Grafana's $__rate_interval for a 1 s scrape interval, give or take.
 RATE_INTERVAL = "10s"
-
-sys.path.insert(0, str(ROOT / "tools"))
-from gen_dashboard import referenced_names  # noqa: E402
 
 
 def _binary(name: str) -> str:
@@ -220,34 +219,21 @@ def test_every_dashboard_and_alert_series_has_data(
 ) -> None:
     api, metrics_port = prometheus
     start = time.time()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "launch",
-            "--role",
-            "all",
-            "--config",
-            str(ROOT / "configs/quickstart.yaml"),
-            "--progress",
-            "quiet",
-            "--fresh",
-            "run.id=prometheus",
-            f"run.dir={tmp_path / 'run'}",
-            f"model.path={warm_model}",
-            "rollout.workers=1",
-            # 36 steps (about 8 s on 2 idle cores; 12 took 2.5 s, and a rate over a 10 s window
-            # then sometimes had one scrape to go on), an eval every 2: several 1 s scrapes see
-            # the counters grow and the eval gauge set.
-            "trainer.max_steps=36",
-            "trainer.checkpoint_every=6",
-            "trainer.eval_every=2",
-            "trainer.eval_size=100",
-            f"metrics.port={metrics_port}",
-        ],
-        capture_output=True,
-        text=True,
+    run = asyncrl(
+        *("launch", "--role", "all", "--config", str(QUICKSTART)),
+        *("--progress", "quiet", "--fresh"),
+        "run.id=prometheus",
+        f"run.dir={tmp_path / 'run'}",
+        f"model.path={warm_model}",
+        "rollout.workers=1",
+        # 36 steps (about 8 s on 2 idle cores; 12 took 2.5 s, and a rate over a 10 s window
+        # then sometimes had one scrape to go on), an eval every 2: several 1 s scrapes see
+        # the counters grow and the eval gauge set.
+        "trainer.max_steps=36",
+        "trainer.checkpoint_every=6",
+        "trainer.eval_every=2",
+        "trainer.eval_size=100",
+        f"metrics.port={metrics_port}",
         timeout=240,
     )
     assert run.returncode == 0, run.stdout + run.stderr

@@ -11,7 +11,6 @@ a prompt nobody released. An `Admission` whose Redis restarted empty releases no
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -28,12 +27,20 @@ from asyncrl.launch.status import collect_status
 from asyncrl.protocol import TrajectoryGroup, decode_group, stream_fields
 from asyncrl.provenance import group_id_of, trajectory_groups
 from asyncrl.queue import Consumer
-from asyncrl.runstate import PROMPTS_GROUP, TRAJECTORIES_GROUP, Counter, Keys, read_accounting
+from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, Keys, read_accounting
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
-from test_dead_letter import make_group
+from role_procs import (
+    Role,
+    RoleConfig,
+    arithmetic_admission,
+    pending_groups,
+    pending_prompts,
+    step_lines,
+    stop_all,
+    wait_until,
+)
+from sample_groups import make_group
 
 PROMPT_IDS = np.array([1, 5, 6, 13, 7, 8, 14], "<i4").tobytes()
 
@@ -66,26 +73,16 @@ def dead_letters(client: redis.Redis, keys: Keys) -> dict[str, str]:
     return {f[b"id"].decode(): f[b"reason"].decode() for _, f in client.xrange(keys.dlq)}
 
 
-def pending(client: redis.Redis, stream: str, group: str) -> set[str]:
-    rows = client.xpending_range(stream, group, "-", "+", 1000)
-    return {r["message_id"].decode() for r in rows}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_trainer_trains_no_unreleased_empty_or_duplicate_group(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys, g, eta, steps = Keys("prov"), 2, 1, 2
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "weights.type": "store",
             "rollout.n": 2,
             "trainer.device": "cpu",
@@ -124,7 +121,7 @@ def test_trainer_trains_no_unreleased_empty_or_duplicate_group(
     # Only the four real groups were trained: two steps of two groups each.
     lines = step_lines(run_dir)
     assert [(s["step"], s["groups"]) for s in lines] == [(1, g), (2, g)]
-    assert not pending(redis_client, keys.trajectories, TRAJECTORIES_GROUP)
+    assert not pending_groups(redis_client, keys)
     dlq = dead_letters(redis_client, keys)
     assert dlq == dict(zip(ids, ["unreleased", "malformed", "duplicate", "duplicate"], strict=True))
     assert not set(real_ids) & set(dlq)
@@ -144,17 +141,12 @@ def test_trainer_trains_no_unreleased_empty_or_duplicate_group(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_worker_refuses_a_prompt_nobody_released(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("prov-w")
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "weights.type": "store",
             "rollout.n": 2,
             "rollout.sampling.max_new_tokens": 8,
@@ -190,7 +182,7 @@ def test_worker_refuses_a_prompt_nobody_released(
     assert dead_letters(redis_client, keys) == {junk_id.decode(): "unreleased"}
     [(_, fields)] = redis_client.xrange(keys.trajectories)
     assert msgpack.unpackb(fields[b"data"])["group_id"] == real_id
-    assert not pending(redis_client, keys.prompts, PROMPTS_GROUP)
+    assert not pending_prompts(redis_client, keys)
     counters, in_flight = read_accounting(redis_client, keys)
     assert counters[Counter.ENTRIES_REJECTED] == 1
     assert counters[Counter.GROUPS_PUBLISHED] == counters[Counter.PROMPTS_RELEASED] == 1

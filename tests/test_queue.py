@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -27,41 +26,7 @@ from asyncrl.queue import (
 )
 from asyncrl.runstate import Counter
 
-STREAM, GROUP, DLQ, COUNTERS = "q:s", "g", "q:dlq", "q:counters"
-
-
-def consumer(
-    client: redis.Redis,
-    name: str,
-    *,
-    group: str = GROUP,
-    alive: Callable[[str], bool] = lambda _: True,
-    decode: Callable[[RawFields], Any] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    **cfg: Any,
-) -> Consumer[Any]:
-    return Consumer(
-        client,
-        STREAM,
-        group,
-        name,
-        QueueConfig(**cfg),
-        dlq=DLQ,
-        counters_key=COUNTERS,
-        is_alive=alive,
-        decode=decode,
-        reconnect_max_s=0.2,
-        should_stop=should_stop,
-    )
-
-
-def add(client: redis.Redis, n: int, start: int = 0) -> list[str]:
-    producer = Producer(client, STREAM)
-    return [producer.add({"n": str(i)}) for i in range(start, start + n)]
-
-
-def counter(client: redis.Redis, name: str) -> int:
-    return int(client.hget(COUNTERS, name) or 0)
+from queue_helpers import COUNTERS, DLQ, GROUP, STREAM, add, consumer, counter
 
 
 def pending_ids(client: redis.Redis, group: str = GROUP) -> list[str]:

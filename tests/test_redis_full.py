@@ -11,7 +11,6 @@ trimmed, and the trainer goes on to train on the rollout worker's real groups.
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,7 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.queue import QueueConfig
 from asyncrl.runstate import Keys
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, step_lines, stop_all, wait_until, write_role_config
 
 JUNK = 15
 JUNK_BYTES = 2**20
@@ -40,14 +38,12 @@ def test_junk_filling_redis_is_dead_lettered_and_training_goes_on(
     client = redis.Redis.from_url(server.url, socket_timeout=10)
     keys = Keys("full")
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = write_role_config(
+        tmp_path,
+        server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.heartbeat_ttl_s": 3.0,
             "rollout.sampling.max_new_tokens": 4,
@@ -63,7 +59,6 @@ def test_junk_filling_redis_is_dead_lettered_and_training_goes_on(
     junk = [b"\xc1" + rng.randbytes(JUNK_BYTES - 1) for _ in range(JUNK)]
     ids = [client.xadd(keys.trajectories, {"data": j}).decode() for j in junk]  # type: ignore[union-attr]
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
     roles = [trainer, worker]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -27,8 +26,7 @@ from asyncrl.runstate import Counter as RunCounter
 from asyncrl.runstate import Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, step_lines, stop_all, wait_until, write_role_config
 
 OUTAGE_S = 8.0
 G = 2
@@ -57,14 +55,14 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
     keys = Keys("outage")
     run_dir = tmp_path / "run"
     ports = [free_port(), free_port()]
-    config = write_config(
-        tmp_path / "config.yaml",
+    # Each role's metrics port is given on its command line, over the config's.
+    config = write_role_config(
+        tmp_path,
+        server.url,
+        random_model,
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": server.url,
             "redis.reconnect_max_s": 2.0,
-            "model.path": str(random_model),
             "rollout.n": 2,
             "rollout.heartbeat_ttl_s": 3.0,
             "rollout.sampling.max_new_tokens": 4,
@@ -78,7 +76,6 @@ def test_roles_survive_a_redis_outage(random_model: Path, tmp_path: Path) -> Non
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log", f"metrics.port={ports[0]}")
     worker = Role(
         "rollout", config, logs / "rollout.log", "--worker-id", "w0", f"metrics.port={ports[1]}"

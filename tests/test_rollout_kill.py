@@ -8,53 +8,43 @@ worker B takes over A's prompts once A's heartbeat has expired and they have bee
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import msgpack
 import pytest
 import redis
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
-from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys, read_counters
+from asyncrl.runstate import Counter, Keys, read_counters
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
+from role_procs import (
+    QUICK_TAKEOVER,
+    Role,
+    RoleConfig,
+    arithmetic_admission,
+    pending_prompts,
+    step_lines,
+    stop_all,
+    wait_until,
+)
 
 PROMPTS = 8
 PER_BATCH = 4
 
 
-def pending_of(client: redis.Redis, keys: Keys, consumer: str) -> set[str]:
-    try:
-        rows = client.xpending_range(
-            keys.prompts, PROMPTS_GROUP, "-", "+", 1000, consumername=consumer
-        )
-    except redis.ResponseError:  # no consumer group yet
-        return set()
-    return {r["message_id"].decode() for r in rows}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_rollout_worker_loses_no_prompt(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("rkill")
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
+            **QUICK_TAKEOVER,
             "rollout.prompts_per_batch": PER_BATCH,
-            "rollout.heartbeat_ttl_s": 1.5,
             # An untrained model rarely stops early: each batch is 4 × 16 responses of 64 tokens.
             "rollout.sampling.max_new_tokens": 64,
-            "queue.claim_idle_s": 1.0,
             "queue.claim_every_s": 0.2,
             "weights.type": "store",
         },
@@ -63,7 +53,6 @@ def test_killed_rollout_worker_loses_no_prompt(
         redis_client, keys, random_model, n=16, max_staleness=PROMPTS - 1
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     a = Role("rollout", config, logs / "a.log", "--worker-id", "A")
     b = Role("rollout", config, logs / "b.log", "--worker-id", "B")
     try:
@@ -76,9 +65,11 @@ def test_killed_rollout_worker_loses_no_prompt(
         )
         assert admission.release(step=0, version=0) == PROMPTS
         released = [i.decode() for i, _ in redis_client.xrange(keys.prompts)]
-        wait_until(lambda: bool(pending_of(redis_client, keys, "A")), 60, "A taking prompts", [a])
+        wait_until(
+            lambda: bool(pending_prompts(redis_client, keys, "A")), 60, "A taking prompts", [a]
+        )
         a.kill()
-        held = pending_of(redis_client, keys, "A")
+        held = pending_prompts(redis_client, keys, "A")
         # Killed mid-generation: it held a batch and had published nothing.
         assert len(held) == PER_BATCH
         assert not any(
@@ -116,7 +107,7 @@ def test_killed_rollout_worker_loses_no_prompt(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """The quickstart's shape: one worker, broadcast weights. Killed with groups queued, the
     worker's id is proposed the next version while its lease holds, never answers, and is left
@@ -126,19 +117,13 @@ def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
     g, max_steps = 2, 8
     keys = Keys("lone")
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
+            **QUICK_TAKEOVER,
             "rollout.n": 2,
             "rollout.prompts_per_batch": 2,
-            "rollout.heartbeat_ttl_s": 1.5,
             "rollout.sampling.max_new_tokens": 8,
-            "queue.claim_idle_s": 1.0,
             "trainer.groups_per_step": g,
             "trainer.max_steps": max_steps,
             "trainer.checkpoint_every": 1,
@@ -154,7 +139,6 @@ def test_a_lone_worker_killed_and_restarted_under_its_id_lets_the_run_finish(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     trainer = Role("trainer", config, logs / "trainer.log")
     worker = Role("rollout", config, logs / "w0-1.log", "--worker-id", "w0")
     restarted: Role | None = None

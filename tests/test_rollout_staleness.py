@@ -4,7 +4,6 @@ worker holds such a prompt until newer weights arrive instead of wasting its gen
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import PROMPTS_GROUP, Keys
 from asyncrl.tasks.base import build_task
@@ -20,8 +18,7 @@ from asyncrl.tasks.config import ArithmeticTaskConfig
 from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.weights import StoreWeightsConfig, build_publisher
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, stop_all, wait_until, write_config
+from role_procs import Role, RoleConfig, stop_all, wait_until
 
 ETA = 1
 RELEASED_AT = 3
@@ -34,18 +31,13 @@ def _xreadgroup_calls(client: redis.Redis) -> int:
 
 @pytest.mark.slow
 def test_a_worker_holds_prompts_its_weights_are_too_old_for(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     keys = Keys("genbound")
     store_dir = tmp_path / "weights"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 2,
             "rollout.sampling.max_new_tokens": 4,
             "algo.max_staleness": ETA,
@@ -69,7 +61,6 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
     )
     params = dict(AutoModelForCausalLM.from_pretrained(random_model).named_parameters())
     logs = tmp_path / "logs"
-    logs.mkdir()
     worker = Role("rollout", config, logs / "w.log", "--worker-id", "w")
     try:
         wait_until(

@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.config import write_config
 from asyncrl.launch.redis_server import RedisServer, TlsFiles, find_redis_server, free_port
 from asyncrl.redis_conn import RedisAccessError, RedisConfig, connect, wait_until_reachable
 from asyncrl.runstate import Counter
 
-sys.path.insert(0, str(Path(__file__).parent))
 from role_procs import (
-    REPO,
     Role,
+    asyncrl,
     children_of,
     is_running,
     kill_all,
@@ -37,7 +36,7 @@ from role_procs import (
     step_lines,
     stop_all,
     wait_until,
-    write_config,
+    write_role_config,
 )
 
 PASSWORD = "pw-" + secrets.token_hex(12)
@@ -246,7 +245,6 @@ def test_roles_over_tls_with_auth_leak_no_secret(
         tmp_path / "rollout.yaml", {**common, "metrics.port": ports["rollout"]}
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     monkeypatch.setenv(ENV, PASSWORD)  # inherited by the worker ...
     worker = Role("rollout", rollout_cfg, logs / "rollout.log", "--worker-id", "w0")
     monkeypatch.delenv(ENV)  # ... not by the trainer, which reads the file
@@ -270,27 +268,14 @@ def test_roles_over_tls_with_auth_leak_no_secret(
             metrics = {addr for addr, p in sockets if p == port}
             assert metrics == {"127.0.0.1"}, sockets
         assert trainer.wait(180) == 0, trainer.tail()
-        status = subprocess.run(
-            [sys.executable, "-m", "asyncrl", "status", "--json", "--config", str(trainer_cfg)],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=60,
-        )
+        status = asyncrl("status", "--json", "--config", str(trainer_cfg))
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["counters"][Counter.GROUPS_TRAINED] == 6
         seen += [status.stdout, status.stderr]
-        printed = subprocess.run(
-            [
-                *(sys.executable, "-m", "asyncrl", "launch", "--role", "rollout", "--config"),
-                str(trainer_cfg),
-                f"redis.url={secure_redis.url.replace('//', f'//:{PASSWORD}@')}",
-                "--print-config",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=60,
+        printed = asyncrl(
+            *("launch", "--role", "rollout", "--config", str(trainer_cfg)),
+            f"redis.url={secure_redis.url.replace('//', f'//:{PASSWORD}@')}",
+            "--print-config",
         )
         assert printed.returncode == 0, printed.stderr
         assert ":***@127.0.0.1" in printed.stdout
@@ -313,16 +298,8 @@ def test_a_role_given_a_wrong_password_exits_at_once(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    config = write_config(
-        tmp_path / "config.yaml",
-        {
-            "run.id": "wrongpw",
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": secure_redis.url,
-            **tls_settings(certs[1]),
-            "model.path": str(random_model),
-            "metrics.port": 0,
-        },
+    config = write_role_config(
+        tmp_path, secure_redis.url, random_model, "wrongpw", tls_settings(certs[1])
     )
     monkeypatch.setenv(ENV, "not-" + PASSWORD)
     roles = [

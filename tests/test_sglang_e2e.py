@@ -5,31 +5,25 @@ bounded, run accounting balances."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter
+
+from role_procs import Role, RoleConfig, asyncrl, step_lines, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 6
 
 
 def test_async_run_through_sglang_client(
-    served: str, random_model: Path, redis_server: RedisServer, tmp_path: Path
+    served: str, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        "sglang-e2e",
         {
-            "run.id": "sglang-e2e",
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
             "task.type": "arithmetic",
             "rollout.n": 4,
             "rollout.prompts_per_batch": 4,
@@ -42,7 +36,6 @@ def test_async_run_through_sglang_client(
             "trainer.eval_every": 0,
             "algo.max_staleness": 0,
             "algo.filter_zero_variance": False,
-            "metrics.port": 0,
         },
     )
     trainer = Role("trainer", config, tmp_path / "trainer.log")
@@ -57,12 +50,7 @@ def test_async_run_through_sglang_client(
     assert all(s["staleness_max"] == 0 for s in steps)
     diffs = [s["behaviour_logprob_abs_diff_lag0"] for s in steps]
     assert all(d is not None and d < 1e-4 for d in diffs), diffs
-    status = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "status", "--json", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = asyncrl("status", "--json", "--config", str(config))
     report = json.loads(status.stdout)
     assert report["balanced"], report
     assert report["counters"][Counter.GROUPS_TRAINED] == STEPS * 4

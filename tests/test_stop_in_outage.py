@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import msgpack
@@ -24,9 +23,16 @@ from asyncrl.launch.status import collect_status
 from asyncrl.runstate import Counter, Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, arithmetic_admission, step_lines, stop_all, wait_until, write_config
-from test_rollout_kill import pending_of
+from role_procs import (
+    QUICK_TAKEOVER,
+    Role,
+    RoleConfig,
+    arithmetic_admission,
+    pending_prompts,
+    step_lines,
+    stop_all,
+    wait_until,
+)
 
 PROMPTS = 2  # one batch: the worker reads no more until it has published
 N = 8
@@ -34,30 +40,29 @@ G = 2
 # SIGTERM to exit: the attempt in flight ends at the socket timeout, then the heartbeat and the
 # weight lease give up on Redis within one socket timeout each.
 EXIT_BOUND_S = 20
+# Calls to a hanging Redis fail within 2 s, and the roles retry at least every second.
+HANGING_REDIS = {"redis.socket_timeout_s": 2.0, "redis.reconnect_max_s": 1.0}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    random_model: Path,
+    tmp_path: Path,
+    role_config: RoleConfig,
 ) -> None:
     keys = Keys("stopout")
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(tmp_path / "run"),
-            "redis.url": redis_server.url,
-            "redis.socket_timeout_s": 2.0,
-            "redis.reconnect_max_s": 1.0,
-            "model.path": str(random_model),
-            "metrics.port": 0,
+            **QUICK_TAKEOVER,
+            **HANGING_REDIS,
             "rollout.n": N,
             "rollout.prompts_per_batch": PROMPTS,
-            "rollout.heartbeat_ttl_s": 1.5,
             # An untrained model rarely stops early: 16 responses of 64 tokens take a while.
             "rollout.sampling.max_new_tokens": 64,
-            "queue.claim_idle_s": 1.0,
             "weights.type": "broadcast",
         },
     )
@@ -65,7 +70,6 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
         redis_client, keys, random_model, n=N, max_staleness=PROMPTS - 1
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     assert redis_server.proc is not None
     redis_pid = redis_server.proc.pid
     # Released before the worker starts, so that its first read takes the whole batch at once.
@@ -76,7 +80,7 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
     frozen = False
     try:
         wait_until(
-            lambda: len(pending_of(redis_client, keys, "W")) == PROMPTS,
+            lambda: len(pending_prompts(redis_client, keys, "W")) == PROMPTS,
             240,
             "the worker taking its batch",
             [worker],
@@ -137,7 +141,7 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """The same for the trainer: SIGTERM while Redis hangs, it leaves without its final ack —
     after writing its final checkpoint, or, stopped in the middle of a step (publishing its
@@ -145,20 +149,13 @@ def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
     on, each step's groups of the surviving lineage counted trained once."""
     keys = Keys("stopout-t")
     run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "redis.socket_timeout_s": 2.0,
-            "redis.reconnect_max_s": 1.0,
-            "model.path": str(random_model),
-            "metrics.port": 0,
+            **QUICK_TAKEOVER,
+            **HANGING_REDIS,
             "rollout.n": 2,
-            "rollout.heartbeat_ttl_s": 1.5,
             "rollout.sampling.max_new_tokens": 4,
-            "queue.claim_idle_s": 1.0,
             "trainer.groups_per_step": G,
             "trainer.max_steps": 10**6,
             "trainer.checkpoint_every": 1000,  # only the final one: the step groups stay unacked
@@ -170,7 +167,6 @@ def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     assert redis_server.proc is not None
     redis_pid = redis_server.proc.pid
     trainer = Role("trainer", config, logs / "trainer.log")

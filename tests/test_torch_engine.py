@@ -4,50 +4,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
-from asyncrl.engines.base import build_engine
-from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
 from asyncrl.engines.tiny_model import EOS_ID, save_random_tiny_model
-from asyncrl.engines.torch_engine import TorchEngine
 
-# Variable lengths in one batch exercise left padding and per-row positions.
-PROMPTS = [[1, 4, 5, 13], [1, 7], [1, 3, 9, 13, 8, 8, 14], [1], [1, 6, 6, 6, 6, 6, 6, 6, 6, 6]]
+from engine_helpers import PROMPTS, load_model, make_engine, perturbed, reference_logprobs
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-def _engine(model_dir: Path, **cfg: object) -> TorchEngine:
-    engine = build_engine(TorchEngineConfig(**cfg), model_path=str(model_dir))  # type: ignore[arg-type]
-    assert isinstance(engine, TorchEngine)
-    return engine
-
-
-def _load(model_dir: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
-
-
-def _perturbed(model: PreTrainedModel, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
-        for name, p in model.named_parameters()
-    }
-
-
-@torch.no_grad()
-def _reference(
-    model: PreTrainedModel, prompt: list[int], response: np.ndarray, params: SamplingParams
-) -> np.ndarray:
-    """Log-probs of `response` from one unpadded full forward pass, as the trainer computes them."""
-    ids = torch.tensor([prompt + response.tolist()])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-    logp = sampling_logprobs(logits, params)
-    return logp.gather(-1, torch.from_numpy(response).long()[:, None])[:, 0].numpy()
 
 
 @pytest.mark.parametrize(
@@ -61,8 +28,8 @@ def _reference(
 def test_behaviour_logprobs_equal_full_forward(
     model_dir: Path, prompts: list[list[int]], params: SamplingParams
 ) -> None:
-    engine = _engine(model_dir, max_batch_size=5)  # several micro-batches per call
-    reference_model = _load(model_dir)
+    engine = make_engine(model_dir, max_batch_size=5)  # several micro-batches per call
+    reference_model = load_model(model_dir)
     gens = engine.generate(prompts, params)
     assert len(gens) == len(prompts)
     for prompt, gen in zip(prompts, gens, strict=True):
@@ -70,7 +37,7 @@ def test_behaviour_logprobs_equal_full_forward(
         assert gen.versions.dtype == np.int32 and (gen.versions == 0).all()
         assert len(gen.token_ids) == len(gen.logprobs) == len(gen.versions) >= 1
         assert (gen.logprobs <= 0).all()
-        expected = _reference(reference_model, prompt, gen.token_ids, params)
+        expected = reference_logprobs(reference_model, prompt, gen.token_ids, params)
         np.testing.assert_allclose(gen.logprobs, expected, rtol=0, atol=1e-5)
     # Rows that stop early leave the batch; the rows still running must stay exact.
     assert {g.finish for g in gens} == {"stop", "length"}
@@ -78,8 +45,8 @@ def test_behaviour_logprobs_equal_full_forward(
 
 def test_same_seed_same_samples(model_dir: Path) -> None:
     params = SamplingParams(max_new_tokens=8)
-    first = _engine(model_dir, seed=3).generate(PROMPTS, params)
-    second = _engine(model_dir, seed=3).generate(PROMPTS, params)
+    first = make_engine(model_dir, seed=3).generate(PROMPTS, params)
+    second = make_engine(model_dir, seed=3).generate(PROMPTS, params)
     for a, b in zip(first, second, strict=True):
         assert np.array_equal(a.token_ids, b.token_ids)
         assert np.array_equal(a.logprobs, b.logprobs)
@@ -88,9 +55,9 @@ def test_same_seed_same_samples(model_dir: Path) -> None:
 def test_in_flight_swap_between_decode_steps(model_dir: Path) -> None:
     swap_step, steps = 3, 8
     params = SamplingParams(max_new_tokens=steps, stop_token_ids=())
-    engine = _engine(model_dir)
-    old_model, new_model = _load(model_dir), _load(model_dir)
-    new_weights = _perturbed(old_model, seed=1)
+    engine = make_engine(model_dir)
+    old_model, new_model = load_model(model_dir), load_model(model_dir)
+    new_weights = perturbed(old_model, seed=1)
     new_model.load_state_dict(new_weights, strict=False)
 
     def stage_from_sync_thread(step: int) -> None:
@@ -107,7 +74,7 @@ def test_in_flight_swap_between_decode_steps(model_dir: Path) -> None:
         assert gen.versions.tolist() == [0] * swap_step + [1] * (steps - swap_step)
         response = gen.token_ids
         # Before the swap: the old weights alone.
-        old = _reference(old_model, prompt, response, params)
+        old = reference_logprobs(old_model, prompt, response, params)
         np.testing.assert_allclose(gen.logprobs[:swap_step], old[:swap_step], atol=1e-5)
         # After: the new weights, attending to the cache the old ones filled (it is kept).
         with torch.no_grad():
@@ -123,9 +90,9 @@ def test_in_flight_swap_between_decode_steps(model_dir: Path) -> None:
 
 
 def test_newest_staged_weights_win(model_dir: Path) -> None:
-    engine = _engine(model_dir)
-    model = _load(model_dir)
-    v1, v2 = _perturbed(model, seed=1), _perturbed(model, seed=2)
+    engine = make_engine(model_dir)
+    model = load_model(model_dir)
+    v1, v2 = perturbed(model, seed=1), perturbed(model, seed=2)
 
     def stage_twice(step: int) -> None:
         if step == 2:
@@ -140,8 +107,8 @@ def test_newest_staged_weights_win(model_dir: Path) -> None:
 
 
 def test_idle_engine_applies_weights_at_once(model_dir: Path) -> None:
-    engine = _engine(model_dir)
-    weights = _perturbed(_load(model_dir), seed=4)
+    engine = make_engine(model_dir)
+    weights = perturbed(load_model(model_dir), seed=4)
     engine.stage_weights(weights, 5)
     assert engine.version == 5
     synced = engine.state_dict_for_sync()
@@ -152,8 +119,8 @@ def test_idle_engine_applies_weights_at_once(model_dir: Path) -> None:
 
 
 def test_bad_weights_are_refused(model_dir: Path) -> None:
-    engine = _engine(model_dir)
-    weights = _perturbed(_load(model_dir), seed=0)
+    engine = make_engine(model_dir)
+    weights = perturbed(load_model(model_dir), seed=0)
     name = next(iter(weights))
     with pytest.raises(ValueError, match="not newer"):
         engine.stage_weights(weights, 0)
@@ -167,7 +134,7 @@ def test_bad_weights_are_refused(model_dir: Path) -> None:
 
 
 def test_stop_tokens_and_finish_reasons(model_dir: Path) -> None:
-    engine = _engine(model_dir)
+    engine = make_engine(model_dir)
     params = SamplingParams(max_new_tokens=30)  # stop on the model's EOS
     gens = engine.generate([[1, 4, 5]] * 64, params)
     for gen in gens:
@@ -181,7 +148,7 @@ def test_stop_tokens_and_finish_reasons(model_dir: Path) -> None:
 
 
 def test_greedy_custom_stop_and_length(model_dir: Path) -> None:
-    engine = _engine(model_dir)
+    engine = make_engine(model_dir)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=())
     free = engine.generate([[1, 7, 7]], greedy)[0]
     assert free.finish == "length" and len(free.token_ids) == 5
@@ -193,7 +160,7 @@ def test_greedy_custom_stop_and_length(model_dir: Path) -> None:
 
 
 def test_generate_restores_model_mode_and_checks_prompts(model_dir: Path) -> None:
-    engine = _engine(model_dir)
+    engine = make_engine(model_dir)
     engine.model.train()
     engine.generate([[1]], SamplingParams(max_new_tokens=2))
     assert engine.model.training

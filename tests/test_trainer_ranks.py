@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -22,15 +21,13 @@ import redis
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.protocol import stream_fields
 from asyncrl.runstate import Counter, Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
-from test_trainer_restart import _group, pending_ids
+from role_procs import Role, RoleConfig, pending_groups, step_lines, stop_all, wait_until
+from sample_groups import plain_group
 
 G = 4
 STEPS = 3
@@ -71,21 +68,15 @@ def covered(run_dir: Path) -> tuple[int, dict[str, list[str]]]:
 def test_sigterm_to_one_rank_stops_all_ranks(
     parallel: str,
     signalled: tuple[int, ...],
-    redis_server: RedisServer,
     redis_client: redis.Redis,
-    random_model: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    role_config: RoleConfig,
 ) -> None:
     run_dir = tmp_path / "run"
     keys = Keys(f"ranks-{parallel}")
     settings = {
-        "run.id": keys.run_id,
-        "run.dir": str(run_dir),
-        "redis.url": redis_server.url,
         "redis.block_ms": 200,
-        "model.path": str(random_model),
-        "metrics.port": 0,
         "weights.type": "store",
         "rollout.n": 2,
         "trainer.device": "cpu",
@@ -98,13 +89,13 @@ def test_sigterm_to_one_rank_stops_all_ranks(
         "trainer.wait_timeout_s": 300,
         "algo.max_staleness": 100,
     }
-    config = write_config(tmp_path / "config.yaml", settings)
+    config = role_config(keys.run_id, settings)
 
     def feed(n: int, start: int = 0) -> list[str]:
         gids = [f"g{i}" for i in range(start, start + n)]
         redis_client.hset(keys.released, mapping=dict.fromkeys(gids, ""))  # as admission would
         return [
-            redis_client.xadd(keys.trajectories, stream_fields(_group(gid))).decode()
+            redis_client.xadd(keys.trajectories, stream_fields(plain_group(gid))).decode()
             for gid in gids
         ]
 
@@ -116,7 +107,7 @@ def test_sigterm_to_one_rank_stops_all_ranks(
         wait_until(
             lambda: (
                 len(step_lines(run_dir)) == STEPS
-                and len(pending_ids(redis_client, keys)) == len(ids)
+                and len(pending_groups(redis_client, keys)) == len(ids)
             ),
             300,
             f"{STEPS} steps and the spare entry read",
@@ -138,7 +129,7 @@ def test_sigterm_to_one_rank_stops_all_ranks(
     assert all(len(v) == STEPS * G // 2 for v in ids_by_rank.values())
     assert set(ids_by_rank["trainer-0"]) | set(ids_by_rank["trainer-1"]) == set(ids[:-1])
     # Trained steps acked once their checkpoint was durable; the unfinished step's entry waits.
-    assert pending_ids(redis_client, keys) == {ids[-1]}
+    assert pending_groups(redis_client, keys) == {ids[-1]}
     counters = collect_status(redis_client, keys, run_dir)["counters"]
     assert counters[Counter.GROUPS_TRAINED] == STEPS * G
     saved = torch.load(list_checkpoints(run_dir / "checkpoints")[-1] / "optimizer.pt")
@@ -146,7 +137,10 @@ def test_sigterm_to_one_rank_stops_all_ranks(
 
     # Restarted, the ranks restore the checkpoint (sharded or not), train the pending entry in
     # the next step and stop at max_steps.
-    write_config(tmp_path / "config.yaml", {**settings, "trainer.max_steps": STEPS + 1})
+    role_config(
+        keys.run_id,
+        {**settings, "trainer.max_steps": STEPS + 1},
+    )
     more = feed(G - 1, len(ids))
     ranks = start_ranks(config, tmp_path / "logs-2", monkeypatch)
     try:

@@ -11,23 +11,20 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
-from asyncrl.protocol import Sample, TrajectoryGroup, stream_fields
+from asyncrl.protocol import stream_fields
 from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, Keys
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-sys.path.insert(0, str(Path(__file__).parent))
-from role_procs import Role, step_lines, stop_all, wait_until, write_config
+from role_procs import Role, RoleConfig, pending_groups, step_lines, stop_all, wait_until
+from sample_groups import plain_group
 
 G = 4
 CKPT_EVERY = 3
@@ -35,29 +32,16 @@ MAX_STEPS = 8
 KILL_AFTER = 4
 
 
-def pending_ids(client: redis.Redis, keys: Keys) -> set[str]:
-    try:
-        rows = client.xpending_range(keys.trajectories, TRAJECTORIES_GROUP, "-", "+", 10_000)
-    except redis.ResponseError:  # no consumer group yet
-        return set()
-    return {r["message_id"].decode() for r in rows}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_trainer_killed_between_checkpoints_resumes(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     run_dir = tmp_path / "run"
     keys = Keys("restart")
-    config = write_config(
-        tmp_path / "config.yaml",
+    config = role_config(
+        keys.run_id,
         {
-            "run.id": keys.run_id,
-            "run.dir": str(run_dir),
-            "redis.url": redis_server.url,
-            "model.path": str(random_model),
-            "metrics.port": 0,
             "rollout.n": 4,
             "rollout.prompts_per_batch": 2,
             "rollout.heartbeat_ttl_s": 2.0,
@@ -77,7 +61,6 @@ def test_trainer_killed_between_checkpoints_resumes(
         },
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
     worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
     first = Role("trainer", config, logs / "trainer-1.log")
     second: Role | None = None
@@ -95,7 +78,7 @@ def test_trainer_killed_between_checkpoints_resumes(
         ckpt_step = int(ckpts[-1].name.removeprefix("step_"))
         # The premise: killed between checkpoints, with trained steps the checkpoint lacks.
         assert ckpt_step == CKPT_EVERY < killed_at < 2 * CKPT_EVERY, (ckpt_step, killed_at)
-        held = pending_ids(redis_client, keys)
+        held = pending_groups(redis_client, keys)
         assert len(held) >= (killed_at - ckpt_step) * G  # unacked: no checkpoint holds them
         counters = collect_status(redis_client, keys, run_dir)["counters"]
         assert counters[Counter.GROUPS_TRAINED] == ckpt_step * G
@@ -121,7 +104,7 @@ def test_trainer_killed_between_checkpoints_resumes(
     assert min(versions) > max(s["version"] for s in before)
 
     # The entries the killed trainer held were re-read: none is pending or dead-lettered now.
-    assert not held & pending_ids(redis_client, keys)
+    assert not held & pending_groups(redis_client, keys)
     assert redis_client.xlen(keys.dlq) == 0
     status = collect_status(redis_client, keys, run_dir)
     counters, streams = status["counters"], status["streams"]
@@ -137,29 +120,8 @@ def test_trainer_killed_between_checkpoints_resumes(
     assert final.name == f"step_{MAX_STEPS:08d}"
 
 
-def _group(gid: str) -> TrajectoryGroup:
-    sample = Sample(
-        response_ids=np.array([4, 5, 2], np.int32),
-        logprobs=np.array([-0.5, -1.0, -0.1], np.float32),
-        versions=np.zeros(3, np.int32),
-        reward=1.0,
-        finish="stop",
-    )
-    return TrajectoryGroup(
-        run="stop",
-        group_id=gid,
-        prompt_id=gid,
-        release_version=0,
-        worker="w",
-        created_at=0.0,
-        finished_at=0.0,
-        prompt_ids=np.array([1, 5, 6, 13, 7, 8, 14], np.int32),
-        samples=[sample, sample],
-    )
-
-
 def test_sigterm_while_collecting_leaves_the_partial_step_pending(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """A trainer told to stop halfway through collecting a step checkpoints what it trained and
     leaves the groups of the unfinished step pending, for the restarted trainer to train on —
@@ -169,28 +131,25 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
 
     keys = Keys("stop")
     cfg = load_config(
-        None,
-        [
-            f"run.id={keys.run_id}",
-            f"run.dir={tmp_path / 'run'}",
-            f"redis.url={redis_server.url}",
-            f"model.path={random_model}",
-            "metrics.port=0",
-            "weights.type=store",
-            "trainer.device=cpu",
-            "trainer.groups_per_step=2",
-            "trainer.checkpoint_every=1",
-            "trainer.wait_timeout_s=60",
-            "rollout.n=2",
-        ],
+        role_config(
+            keys.run_id,
+            {
+                "weights.type": "store",
+                "trainer.device": "cpu",
+                "trainer.groups_per_step": 2,
+                "trainer.checkpoint_every": 1,
+                "trainer.wait_timeout_s": 60,
+                "rollout.n": 2,
+            },
+        )
     )
     redis_client.hset(keys.released, mapping={"a": "", "b": ""})  # as admission would
-    first_id = redis_client.xadd(keys.trajectories, stream_fields(_group("a"))).decode()
+    first_id = redis_client.xadd(keys.trajectories, stream_fields(plain_group("a"))).decode()
     trainer = Trainer(cfg)
 
     def stop_once_held() -> None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not pending_ids(redis_client, keys):
+        while time.monotonic() < deadline and not pending_groups(redis_client, keys):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -204,12 +163,12 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
         signal.signal(signal.SIGTERM, previous)
         trainer.client.close()
     assert trainer.step == 0
-    assert pending_ids(redis_client, keys) == {first_id}
+    assert pending_groups(redis_client, keys) == {first_id}
     counters = collect_status(redis_client, keys, tmp_path / "run")["counters"]
     assert counters[Counter.GROUPS_TRAINED] == 0
 
     # The restarted trainer trains on it.
-    second_id = redis_client.xadd(keys.trajectories, stream_fields(_group("b"))).decode()
+    second_id = redis_client.xadd(keys.trajectories, stream_fields(plain_group("b"))).decode()
     restarted = Trainer(cfg)
     try:
         groups, _, ids = restarted._collect()
@@ -222,7 +181,7 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
 
 
 def test_restart_acks_every_ranks_covered_entries_once(
-    redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """A 2-rank trainer died after its checkpoint was durable but before the ranks acked the
     entries it covers. The restarted trainer — one rank now — acks both ranks' lists as trained,
@@ -238,7 +197,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
     keys = Keys("covered")
     run_dir = tmp_path / "run"
     ids = [
-        redis_client.xadd(keys.trajectories, stream_fields(_group(f"g{i}"))).decode()
+        redis_client.xadd(keys.trajectories, stream_fields(plain_group(f"g{i}"))).decode()
         for i in range(5)
     ]
     # As if released and generated: the accounting balances with the entries pending.
@@ -258,19 +217,16 @@ def test_restart_acks_every_ranks_covered_entries_once(
         keep=2,
     )
     cfg = load_config(
-        None,
-        [
-            f"run.id={keys.run_id}",
-            f"run.dir={run_dir}",
-            f"redis.url={redis_server.url}",
-            f"model.path={random_model}",
-            "metrics.port=0",
-            "weights.type=store",
-            "trainer.device=cpu",
-            "trainer.max_steps=2",  # nothing left to train: restore, ack, leave
-            "trainer.checkpoint_every=1",
-            "rollout.n=2",
-        ],
+        role_config(
+            keys.run_id,
+            {
+                "weights.type": "store",
+                "trainer.device": "cpu",
+                "trainer.max_steps": 2,  # nothing left to train: restore, ack, leave
+                "trainer.checkpoint_every": 1,
+                "rollout.n": 2,
+            },
+        )
     )
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -282,7 +238,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
                 trainer.client.close()
             status = collect_status(redis_client, keys, run_dir)
             assert status["counters"][Counter.GROUPS_TRAINED] == 4
-            assert pending_ids(redis_client, keys) == {ids[4]}
+            assert pending_groups(redis_client, keys) == {ids[4]}
             assert status["balanced"], status
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -290,11 +246,11 @@ def test_restart_acks_every_ranks_covered_entries_once(
 
 @pytest.mark.parametrize("published_after", [None, 27])
 def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
-    redis_server: RedisServer,
     redis_client: redis.Redis,
     random_model: Path,
     tmp_path: Path,
     published_after: int | None,
+    role_config: RoleConfig,
 ) -> None:
     """Redis lost its data, `version` key included; the checkpoint's weights went out as version
     24, so the restored weights are published as 25 (not 0: workers holding 24 would take 0..24
@@ -324,18 +280,15 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
     expected = 1 + (24 if published_after is None else published_after)
     assert redis_client.dbsize() == 0
     cfg = load_config(
-        None,
-        [
-            f"run.id={keys.run_id}",
-            f"run.dir={run_dir}",
-            f"redis.url={redis_server.url}",
-            f"model.path={random_model}",
-            "metrics.port=0",
-            "weights.type=store",
-            "trainer.device=cpu",
-            "trainer.max_steps=24",  # nothing left to train: restore, publish, leave
-            "rollout.n=2",
-        ],
+        role_config(
+            keys.run_id,
+            {
+                "weights.type": "store",
+                "trainer.device": "cpu",
+                "trainer.max_steps": 24,  # nothing left to train: restore, publish, leave
+                "rollout.n": 2,
+            },
+        )
     )
     previous = signal.getsignal(signal.SIGTERM)
     try:

@@ -17,11 +17,10 @@ from asyncrl.algo.config import AlgoConfig
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.packing import pack_microbatches
 
+import trainer_step_proc as proc
+
 HELPER = Path(__file__).with_name("trainer_step_proc.py")
 REPO = HELPER.parent.parent
-
-sys.path.insert(0, str(HELPER.parent))
-import trainer_step_proc as proc  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])

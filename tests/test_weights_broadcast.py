@@ -18,6 +18,18 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
+from asyncrl.weights import (
+    BroadcastWeightsConfig,
+    SyncRecord,
+    WeightPublisher,
+    build_publisher,
+)
+from asyncrl.weights.base import text
+
+from role_procs import wait_until
 from weights_proc import (
     fingerprint,
     first_key,
@@ -29,13 +41,7 @@ from weights_proc import (
     stop,
     train_step,
     versions,
-    wait_until,
 )
-
-from asyncrl.launch.redis_server import RedisServer
-from asyncrl.runstate import Keys
-from asyncrl.weights import BroadcastWeightsConfig, SyncRecord, WeightPublisher, build_publisher
-from asyncrl.weights.base import text
 
 RUN = "wtest"
 KEYS = Keys(RUN)
@@ -57,7 +63,7 @@ class Harness:
         self.publisher = build_publisher(
             CFG, self.client, KEYS, device="cpu", on_record=self.records.put
         )
-        wait_until(lambda: self.registered() == workers, f"{workers} registered")
+        wait_until(lambda: self.registered() == workers, 60, f"{workers} registered")
         return self.publisher
 
     def registered(self) -> set[str]:
@@ -70,7 +76,7 @@ class Harness:
     def hold(self, workers: list[str], version: int, expected: tuple[int, str]) -> None:
         """Wait until each worker reports `version`, then compare it bit for bit."""
         for w in workers:
-            wait_until(functools.partial(self.holds, w, version), f"{w} at v{version}")
+            wait_until(functools.partial(self.holds, w, version), 60, f"{w} at v{version}")
             report = next(r for r in got(self.client, RUN, w) if r["version"] == version)
             assert (report["checksum"], report["digest"]) == expected, (w, version)
 
@@ -143,7 +149,7 @@ def test_killed_subscriber_is_dropped_and_a_newcomer_catches_up(harness: Harness
     train_step(params)
     pub.publish(params.items(), 1)
     expected = fingerprint(params)
-    wait_until(lambda: version_in_flight(harness.client) == 1, "send of v1 started")
+    wait_until(lambda: version_in_flight(harness.client) == 1, 60, "send of v1 started")
     victim.kill()
     victim.wait()
     failed = harness.records.get(timeout=30)
@@ -159,7 +165,7 @@ def test_killed_subscriber_is_dropped_and_a_newcomer_catches_up(harness: Harness
     harness.hold(["a", "c"], 2, expected)
 
     harness.spawn("d")  # joins mid-run: gets the current version before anything else
-    wait_until(lambda: harness.client.get(first_key(RUN, "d")) is not None, "d's first weights")
+    wait_until(lambda: harness.client.get(first_key(RUN, "d")) is not None, 60, "d's first weights")
     assert int(harness.client.get(first_key(RUN, "d"))) == 2  # type: ignore[arg-type]
     harness.hold(["d"], 2, expected)
     assert versions(harness.client, RUN, "a") == [0, 1, 2]
@@ -194,7 +200,7 @@ def test_a_worker_restarted_under_its_id_after_it_went_unanswered_gets_the_curre
             and h.get("members") == "[]"
         )
 
-    wait_until(went_unanswered, "an epoch proposed to the dead a, formed without it")
+    wait_until(went_unanswered, 60, "an epoch proposed to the dead a, formed without it")
     harness.spawn("a")
     harness.hold(["a"], 1, expected)
     assert int(harness.client.get(first_key(RUN, "a"))) == 1  # type: ignore[arg-type]
@@ -270,7 +276,7 @@ def test_versions_published_during_a_slow_send_are_coalesced(harness: Harness) -
     # hold) stays in flight while 3 and 4 are published.
     train_step(params)
     pub.publish(params.items(), 2)
-    wait_until(lambda: version_in_flight(harness.client) == 2, "send of v2 started")
+    wait_until(lambda: version_in_flight(harness.client) == 2, 60, "send of v2 started")
     for version in (3, 4):
         train_step(params)
         pub.publish(params.items(), version)
@@ -288,7 +294,7 @@ def accelerator_round_trip(harness: Harness, kind: str) -> None:
     harness.publisher = build_publisher(
         CFG, harness.client, KEYS, device=f"{kind}:0", on_record=harness.records.put
     )
-    wait_until(lambda: harness.registered() == {"a"}, "a registered")
+    wait_until(lambda: harness.registered() == {"a"}, 60, "a registered")
     params = {k: t.to(f"{kind}:0") for k, t in make_params(64).items()}
     for version in range(2):
         harness.publisher.publish(params.items(), version)

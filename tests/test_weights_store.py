@@ -10,6 +10,19 @@ import redis
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Keys
+from asyncrl.weights import (
+    StoreWeightsConfig,
+    SyncRecord,
+    build_publisher,
+    build_subscriber,
+)
+from asyncrl.weights.buckets import checksum_tensors
+from asyncrl.weights.store import version_path
+
+from role_procs import wait_until
 from weights_proc import (
     fingerprint,
     got,
@@ -18,14 +31,7 @@ from weights_proc import (
     spawn,
     stop,
     train_step,
-    wait_until,
 )
-
-from asyncrl.launch.redis_server import RedisServer
-from asyncrl.runstate import Keys
-from asyncrl.weights import StoreWeightsConfig, SyncRecord, build_publisher, build_subscriber
-from asyncrl.weights.buckets import checksum_tensors
-from asyncrl.weights.store import version_path
 
 RUN = "wstore"
 KEYS = Keys(RUN)
@@ -83,7 +89,9 @@ def test_subscriber_loads_the_newest_valid_version_only(
         params = make_params(8)
         pub.publish(params.items(), 0)
         expected = fingerprint(params)
-        wait_until(lambda: [r["version"] for r in got(redis_client, RUN, "a")] == [0], "a at v0")
+        wait_until(
+            lambda: [r["version"] for r in got(redis_client, RUN, "a")] == [0], 60, "a at v0"
+        )
         assert (
             got(redis_client, RUN, "a")[0]["checksum"],
             got(redis_client, RUN, "a")[0]["digest"],
@@ -94,18 +102,18 @@ def test_subscriber_loads_the_newest_valid_version_only(
         good = version_path(store_dir, 0).read_bytes()
         version_path(store_dir, 10).write_bytes(good[:-100])
         announce_file(redis_client, store_dir, 10)
-        wait_until(lambda: rejected(tmp_path, 10), "v10 rejected")
+        wait_until(lambda: rejected(tmp_path, 10), 60, "v10 rejected")
         tampered = {k: v.clone() for k, v in params.items()}
         meta = {"version": "11", "checksum": str(checksum_tensors(tampered.values()))}
         tampered["step"] += 1
         save_file(tampered, version_path(store_dir, 11), metadata=meta)
         announce_file(redis_client, store_dir, 11)
-        wait_until(lambda: rejected(tmp_path, 11), "v11 rejected")
+        wait_until(lambda: rejected(tmp_path, 11), 60, "v11 rejected")
 
         train_step(params)
         pub.publish(params.items(), 12)
         expected = fingerprint(params)
-        wait_until(lambda: got(redis_client, RUN, "a")[-1]["version"] == 12, "a at v12")
+        wait_until(lambda: got(redis_client, RUN, "a")[-1]["version"] == 12, 60, "a at v12")
         report = got(redis_client, RUN, "a")[-1]
         assert (report["checksum"], report["digest"]) == expected
         assert [r["version"] for r in got(redis_client, RUN, "a")] == [0, 12]

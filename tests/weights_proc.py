@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +92,6 @@ def got(client: redis.Redis, run: str, worker: str) -> list[dict[str, Any]]:
 
 def versions(client: redis.Redis, run: str, worker: str) -> list[int]:
     return [r["version"] for r in got(client, run, worker)]
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    """Poll until `predicate()`; the timeout only turns a hang into a failure."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def restart_empty(server: RedisServer, data_dir: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from bench_codec import bench_codec, make_group  # tools/ is on sys.path when run as a script
+from bench_codec import bench_codec, make_group  # a sibling: the script's folder is importable
 
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import stream_fields

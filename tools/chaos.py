@@ -90,9 +90,9 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 import redis
-import yaml
 
-from asyncrl.config import nest
+from asyncrl.config import write_config
+from asyncrl.launch.local import start_logged
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics import JsonlTail, is_eval_record
 from asyncrl.protocol import decode_group
@@ -158,11 +158,6 @@ def settings(
         "weights.sync_timeout_s": 5.0,
         "weights.lease_s": 2.0,
     }
-
-
-def write_config(path: Path, flat: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(nest(flat)))
-    return path
 
 
 def _i32(values: list[int]) -> bytes:
@@ -292,15 +287,7 @@ class Child:
         self.expected_exit = False
         self._log_from = self.log.stat().st_size if self.log.exists() else 0
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+        self.proc = start_logged(self.argv, self.log, env)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -890,7 +877,14 @@ def main() -> int:
         description="Kill and restart workers, trainer and Redis; check nothing is lost."
     )
     parser.add_argument("--seconds", type=float, default=120.0, help="how long to inject faults")
-    parser.add_argument("--faults", type=int, default=0, help="stop after N faults (0: no limit)")
+    parser.add_argument(
+        "--faults",
+        dest="max_faults",
+        metavar="FAULTS",
+        type=int,
+        default=0,
+        help="stop after N faults (0: no limit)",
+    )
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--trainer-ranks", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -904,17 +898,7 @@ def main() -> int:
     parser.add_argument("--progress-timeout-s", type=float, default=120.0)
     parser.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     args = parser.parse_args()
-    summary = run_chaos(
-        args.seconds,
-        args.workers,
-        args.trainer_ranks,
-        args.seed,
-        workdir=args.workdir,
-        max_faults=args.faults,
-        deck=args.deck,
-        weights=args.weights,
-        progress_timeout_s=args.progress_timeout_s,
-    )
+    summary = run_chaos(**vars(args))
     for key in (
         *("seconds", "faults", "slowest_recovery_s", "step_lines", "final_step", "counters"),
         *("streams", "in_flight", "redis_lost_data", "hostile_entries", "dead_letter_reasons"),

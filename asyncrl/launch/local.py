@@ -20,9 +20,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import yaml
 
@@ -32,6 +32,11 @@ from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secre
 from asyncrl.redis_conn import redact_url, split_password, with_password
 from asyncrl.runstate import Keys
 
+if TYPE_CHECKING:
+    from asyncrl.launch.progress import Progress
+
+# A rollout worker that exits is restarted at most this often.
+MAX_RESTARTS = 10
 # What local mode writes into a run directory; `--fresh` removes exactly these.
 RUN_STATE = ("checkpoints", "redis", "weights", "logs", "metrics.jsonl", "config.yaml", "plots")
 
@@ -57,6 +62,70 @@ def prepare_run_dir(
     return mode, say
 
 
+def start_logged(
+    argv: list[str], log_path: Path, env: dict[str, str], **popen: Any
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in a session of its own, so that a Ctrl-C or a signal to the caller's
+    process group reaches it only through its handle; no stdin, its output appended to
+    `log_path`."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            **popen,
+        )
+
+
+class Restartable(Protocol):
+    """A rollout process as the launcher's watch loop sees it."""
+
+    name: str
+    restarts: int
+
+    def poll(self) -> int | None: ...
+
+
+R = TypeVar("R", bound=Restartable)
+
+
+def supervise(
+    trainer_exited: Callable[[], int | None],
+    rollouts: Sequence[R],
+    restart: Callable[[R], None],
+    progress: Progress,
+    say: Callable[[str], None],
+    trainer_logs: str,
+) -> int:
+    """Until `trainer_exited()` gives the trainer's exit status: keep the progress line fresh and
+    restart a rollout worker that exits, up to `MAX_RESTARTS` times each (a worker that keeps
+    dying is left down; the run goes on with the others). Returns the trainer's status."""
+    try:
+        while (rc := trainer_exited()) is None:
+            progress.update()
+            for role in rollouts:
+                if (code := role.poll()) is not None and role.restarts < MAX_RESTARTS:
+                    say(f"{role.name} exited with {code}; restarting")
+                    role.restarts += 1
+                    restart(role)
+            time.sleep(0.5)
+        progress.update()
+    finally:
+        progress.close()
+    if rc != 0:
+        say(f"trainer exited with {rc}; see {trainer_logs}")
+    return rc
+
+
+def interrupted(exc: KeyboardInterrupt, say: Callable[[str], None]) -> int:
+    """Ctrl-C, SIGTERM or SIGHUP: the exit status to give; the roles are stopped after."""
+    say(f"{str(exc) or 'interrupted'}: stopping (run the same command again to resume)")
+    return process.exit_status(exc)
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
@@ -64,18 +133,14 @@ class Child:
         self.restarts = 0
 
     def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                # SIGKILL, not SIGTERM: a draining trainer whose Redis goes with the launcher
-                # would wait for it forever; its checkpoint and pending entries cover the kill.
-                preexec_fn=process.die_with_parent(signal.SIGKILL),
-            )
+        self.proc = start_logged(
+            self.argv,
+            self.log_path,
+            self.env,
+            # SIGKILL, not SIGTERM: a draining trainer whose Redis goes with the launcher
+            # would wait for it forever; its checkpoint and pending entries cover the kill.
+            preexec_fn=process.die_with_parent(signal.SIGKILL),
+        )
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -146,24 +211,11 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
         say(f"started trainer and {cfg.rollout.workers} rollout worker(s); logs in {run_dir}/logs")
         client = connect(cfg.redis, with_password(url, password))
         progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
-        try:
-            while (rc := trainer.poll()) is None:
-                progress.update()
-                for child in children[1:]:
-                    if child.poll() is not None and child.restarts < 10:
-                        say(f"{child.name} exited with {child.poll()}; restarting")
-                        child.restarts += 1
-                        child.start()
-                time.sleep(0.5)
-            progress.update()
-        finally:
-            progress.close()
-        if rc != 0:
-            say(f"trainer exited with {rc}; see {trainer.log_path}")
-        return rc
+        return supervise(
+            trainer.poll, children[1:], Child.start, progress, say, str(trainer.log_path)
+        )
     except KeyboardInterrupt as exc:
-        say(f"{str(exc) or 'interrupted'}: stopping (run the same command again to resume)")
-        return process.exit_status(exc)
+        return interrupted(exc, say)
     finally:
         process.ignore_stop_signals()
         for child in children:

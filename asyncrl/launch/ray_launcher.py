@@ -33,7 +33,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -42,7 +41,7 @@ import yaml
 
 from asyncrl.config import Config
 from asyncrl.launch import process
-from asyncrl.launch.local import prepare_run_dir
+from asyncrl.launch.local import interrupted, prepare_run_dir, supervise
 from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secret
 from asyncrl.redis_conn import redact_url, split_password, with_password
 from asyncrl.runstate import Keys
@@ -52,8 +51,6 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from ray.util.placement_group import PlacementGroup
 
-# Rollout processes are restarted at most this often each (local mode's rule).
-MAX_RESTARTS = 10
 # How long to wait for the cluster to grant the trainer ranks' resources before giving up.
 PLACEMENT_TIMEOUT_S = 600.0
 # The local Ray's object store: the roles move weights over torch.distributed or Redis, not Ray,
@@ -357,24 +354,18 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
         client = connect(cfg.redis, with_password(url, password))
         progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
         try:
-            while (rc := _trainers_exited(trainers)) is None:
-                progress.update()
-                for role in rollouts:
-                    if (code := role.poll()) is not None and role.restarts < MAX_RESTARTS:
-                        say(f"{role.name} exited with {code}; restarting")
-                        role.restarts += 1
-                        role.start(config_yaml, run_dir)
-                time.sleep(0.5)
-            progress.update()
+            return supervise(
+                lambda: _trainers_exited(trainers),
+                rollouts,
+                lambda role: role.start(config_yaml, run_dir),
+                progress,
+                say,
+                str(run_dir / "logs"),
+            )
         finally:
-            progress.close()
             client.close()
-        if rc != 0:
-            say(f"trainer exited with {rc}; see {run_dir / 'logs'}")
-        return rc
     except KeyboardInterrupt as exc:
-        say(f"{str(exc) or 'interrupted'}: stopping (run the same command again to resume)")
-        return process.exit_status(exc)
+        return interrupted(exc, say)
     finally:
         process.ignore_stop_signals()
         for role in [*rollouts, *trainers]:
