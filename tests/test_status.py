@@ -15,7 +15,7 @@ from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.progress import Mode, Progress
 from asyncrl.launch.redis_server import RedisServer, free_port
 from asyncrl.launch.status import collect_status
-from asyncrl.metrics import JsonlWriter
+from asyncrl.metrics.jsonl import JsonlWriter
 
 STATUS_KEYS = {
     "run_id",

@@ -96,7 +96,8 @@ from asyncrl.config import nest
 from asyncrl.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import is_balanced, read_accounting, stream_depths
-from asyncrl.metrics import JsonlTail, is_eval_record
+from asyncrl.metrics.jsonl import JsonlTail
+from asyncrl.metrics.record import is_eval_record
 from asyncrl.protocol import decode_group
 from asyncrl.trainer.checkpoint import list_checkpoints
 

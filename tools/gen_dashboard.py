@@ -3,9 +3,10 @@
     python tools/gen_dashboard.py           # (re)write the dashboard
     python tools/gen_dashboard.py --check   # exit 1 if the file differs from what this generates
 
-Every query is checked against the metric families `asyncrl.metrics` registers, so a renamed or
-removed metric fails here (and in tests/test_deploy.py) instead of leaving an empty panel. The
-data source is a template variable: the file holds no data-source uid and imports anywhere.
+Every query is checked against the metric families `asyncrl.metrics.roles` registers, so a
+renamed or removed metric fails here (and in tests/test_deploy.py) instead of leaving an empty
+panel. The data source is a template variable: the file holds no data-source uid and imports
+anywhere.
 """
 
 from __future__ import annotations
@@ -376,7 +377,7 @@ def build() -> dict[str, object]:
 
 def exported_names() -> set[str]:
     """Every sample name the asyncrl processes can export (`_total`, `_bucket`, ... included)."""
-    from asyncrl.metrics import REGISTRY
+    from asyncrl.metrics.roles import REGISTRY
 
     suffixes = {
         "counter": ("_total",),

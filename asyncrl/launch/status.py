@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl import heartbeat
 from asyncrl.keys import COUNTERS, PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
-from asyncrl.metrics import is_eval_record, read_jsonl
+from asyncrl.metrics.jsonl import read_jsonl
+from asyncrl.metrics.record import StepRecord, read_record
 from asyncrl.queue import stream_stats
 
 if TYPE_CHECKING:
@@ -114,11 +115,17 @@ def live_workers(client: redis.Redis, keys: Keys) -> dict[str, list[dict[str, An
     }
 
 
+def _is_step(value: object) -> bool:
+    return isinstance(read_record(value), StepRecord)
+
+
 def last_step_in_log(run_dir: Path) -> dict[str, Any] | None:
+    """The last step line of the log as written (a `StepRecord`'s JSON, figures the line
+    lacks left out rather than shown as null)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    steps = [r for r in read_jsonl(path, tail_bytes=_LOG_TAIL_BYTES) if not is_eval_record(r)]
+    steps = [r for r in read_jsonl(path, tail_bytes=_LOG_TAIL_BYTES) if _is_step(r)]
     return steps[-1] if steps else None
 
 
@@ -129,8 +136,8 @@ def _last_step(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, Any]
             value = json.loads(raw)
         except ValueError:
             value = None
-        if isinstance(value, dict):
-            return value
+        if _is_step(value):
+            return dict(value)
     return last_step_in_log(run_dir)
 
 

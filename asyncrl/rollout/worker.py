@@ -62,7 +62,8 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from asyncrl.heartbeat import Heartbeat, is_alive
-        from asyncrl.metrics import RoleMetrics, serve
+        from asyncrl.metrics.roles import RoleMetrics
+        from asyncrl.metrics.server import serve
         from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.engine import build_engine

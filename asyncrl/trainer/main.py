@@ -85,7 +85,10 @@ class Trainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from asyncrl.heartbeat import Heartbeat, is_alive
-        from asyncrl.metrics import JsonlWriter, RoleMetrics, RunGauges, serve
+        from asyncrl.metrics.jsonl import JsonlWriter
+        from asyncrl.metrics.poller import RunGauges
+        from asyncrl.metrics.roles import RoleMetrics
+        from asyncrl.metrics.server import serve
         from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.tasks import build_task
