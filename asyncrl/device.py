@@ -78,3 +78,24 @@ def torch_device(name: str, index: int | None = None) -> torch.device:
     if kind.name == "cpu":
         return torch.device("cpu")
     return torch.device(kind.name, index if index is not None else 0)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device of a `trainer.device` / engine device setting: `auto` is this process' cuda
+    device (LOCAL_RANK) when there is one, else the cpu; any other name than cuda or npu is the
+    cpu."""
+    import os
+
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        name = "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if name == "npu":
+        import torch_npu  # noqa: F401  # registers the npu device
+
+        return torch.device("npu", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -68,7 +68,7 @@ class RolloutWorker:
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.engine import build_engine
         from asyncrl.rollout.tasks import build_task
-        from asyncrl.trainer.main import resolve_device
+        from asyncrl.device import resolve_device
         from asyncrl.weights import build_subscriber
 
         self.cfg = cfg

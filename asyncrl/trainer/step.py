@@ -51,8 +51,8 @@ class StepStats:
     behaviour_weight_capped_fraction: float
     logprob_abs_diff_lag0: float | None
     lag0_tokens: int
-    weight_quantiles: dict[str, float]
-    """p50/p90/p99 of the behaviour weights of this rank's trained tokens."""
+    weight_quantiles: tuple[float, float, float] | None
+    """p50/p90/p99 of the behaviour weights of this rank's trained tokens; None without any."""
     processed_tokens: int
     """Prompt and response tokens through forward and backward, all ranks (for MFU)."""
     skipped: bool = False
@@ -240,15 +240,11 @@ def weights_finite(model: torch.nn.Module, world: dist.ProcessGroup | None = Non
     return bad == 0
 
 
-def _quantiles(values: torch.Tensor | None) -> dict[str, float]:
+def _quantiles(values: torch.Tensor | None) -> tuple[float, float, float] | None:
     if values is None or values.numel() == 0:
-        return {}
-    q = torch.quantile(values, torch.tensor([0.5, 0.9, 0.99])).tolist()
-    return {
-        "behaviour_weight_p50": q[0],
-        "behaviour_weight_p90": q[1],
-        "behaviour_weight_p99": q[2],
-    }
+        return None
+    p50, p90, p99 = torch.quantile(values, torch.tensor([0.5, 0.9, 0.99])).tolist()
+    return p50, p90, p99
 
 
 def _rejection_rescale(
