@@ -16,6 +16,7 @@ from asyncrl.metrics.jsonl import JsonlTail, JsonlWriter, read_jsonl
 from asyncrl.metrics.record import StepRecord
 from asyncrl.metrics.roles import REGISTRY, RoleMetrics
 from asyncrl.metrics.server import MetricsServer, serve
+from asyncrl.metrics.table import METRICS, metrics_doc
 
 # The names the Grafana dashboard is built on (DESIGN §8): renaming one breaks it.
 EXPECTED = {
@@ -239,6 +240,15 @@ def test_jsonl_tail_reads_whole_lines_only(tmp_path: Path) -> None:
     assert tail.read_new() == []
     path.write_text('{"step": 0}\n')  # a fresh run in the same directory
     assert tail.read_new() == [{"step": 0}]
+
+
+def test_docs_metrics_md_is_generated_from_the_table() -> None:
+    doc = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+    assert doc.read_text() == metrics_doc(), "stale: run python tools/gen_dashboard.py"
+    exported = {f.name: f.type for f in REGISTRY.collect()}
+    for m in METRICS:
+        assert exported[m.name.removesuffix("_total")] == m.kind, m.name
+        assert f"`{m.name}`" in doc.read_text()
 
 
 def test_tokens_per_second() -> None:

@@ -1,9 +1,9 @@
 """Every Prometheus metric of asyncrl, one row each (DESIGN §8).
 
-The families (`roles.REGISTRY`), the role bindings (`roles.RoleMetrics`), what a step line sets
-(`RoleMetrics.observe_step`) and the table of `docs/metrics.md` (`tools/gen_dashboard.py
---metrics-doc`) are all generated from `METRICS`; adding a metric is adding a row (and its typed
-attribute on `RoleMetrics`).
+The families (`roles.REGISTRY`), the role bindings (`roles.RoleMetrics`), what a step record
+sets (`RoleMetrics.observe_step`) and `docs/metrics.md` (`tools/gen_dashboard.py`) are all
+generated from `METRICS`; adding a metric is adding a row (and its typed attribute on
+`RoleMetrics`).
 
 Naming: prefix `asyncrl_`, base units (seconds, bytes), counters end in `_total`, no colons.
 Every series carries `role` (trainer, rollout, launcher) and `worker` (trainer rank or rollout
@@ -340,8 +340,30 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
-def markdown_table() -> str:
-    """The table of `docs/metrics.md`, one row per metric."""
+_DOC_HEAD = """\
+# Metrics
+
+Generated from `asyncrl/metrics/table.py` by `python tools/gen_dashboard.py` (which also writes
+the Grafana dashboard); `python tools/gen_dashboard.py --check` fails when this file is stale.
+
+Every series carries `role` (trainer, rollout, launcher) and `worker` (trainer rank or rollout
+worker id); the labels below are the extra ones, with all their values. A series exists only in
+the processes that use it. Counters end in `_total`; units are seconds and bytes.
+
+`asyncrl_run_groups` mirrors the run-accounting hash in Redis (field `prompts_released` →
+outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`). It is
+a gauge, not a counter: its value is the run's absolute count read from Redis. It, the queue and
+the worker gauges describe Redis state and are re-read every 5 s by trainer rank 0
+(`asyncrl/metrics/poller.py`).
+
+A "step-record field" is the `StepRecord` field (`asyncrl/metrics/record.py`, one line of
+`{run.dir}/metrics.jsonl`) that each step sets the metric from.
+
+"""
+
+
+def metrics_doc() -> str:
+    """`docs/metrics.md`: the prose above and one table row per metric."""
     lines = [
         "| metric | type | labels | set by | step-record field | help |",
         "|---|---|---|---|---|---|",
@@ -349,5 +371,6 @@ def markdown_table() -> str:
     for m in METRICS:
         labels = f"{m.label[0]}: {', '.join(m.label[1])}" if m.label else ""
         field = m.step_field or ", ".join(f for _, f in m.step_fields)
-        lines.append(f"| `{m.name}` | {m.kind} | {labels} | {m.set_by} | {field} | {m.help} |")
-    return "\n".join(lines) + "\n"
+        kind = f"{m.kind}, buckets {m.buckets[0]:g}…{m.buckets[-1]:g}" if m.buckets else m.kind
+        lines.append(f"| `{m.name}` | {kind} | {labels} | {m.set_by} | {field} | {m.help} |")
+    return _DOC_HEAD + "\n".join(lines) + "\n"

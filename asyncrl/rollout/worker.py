@@ -61,6 +61,7 @@ class RolloutWorker:
     def __init__(self, cfg: Config, worker_id: str | None = None) -> None:
         from transformers import AutoTokenizer
 
+        from asyncrl.device import resolve_device
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics.roles import RoleMetrics
         from asyncrl.metrics.server import serve
@@ -68,7 +69,6 @@ class RolloutWorker:
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.rollout.engine import build_engine
         from asyncrl.rollout.tasks import build_task
-        from asyncrl.device import resolve_device
         from asyncrl.weights import build_subscriber
 
         self.cfg = cfg
