@@ -28,15 +28,12 @@ def _consumer(client: redis.Redis, keys: Keys, name: str) -> Consumer[object]:
     )
 
 
-def _ledger(
-    client: redis.Redis, keys: Keys, consumer: Consumer[object], **covered: list[str]
-) -> Ledger:
+def _ledger(client: redis.Redis, consumer: Consumer[object], **covered: list[str]) -> Ledger:
     return Ledger(
         consumer,  # type: ignore[arg-type]  # the ledger never decodes
         ONE_RANK,
         RedisGuard(reconnect_max_s=0.2),
         client,
-        keys,
         covered_at_restart=covered,
     )
 
@@ -62,7 +59,7 @@ def test_entries_are_acked_only_once_checkpointed(redis_client: redis.Redis) -> 
     for i in range(3):
         producer.add({"data": b"%d" % i})
     consumer = _consumer(redis_client, keys, consumer_name(0))
-    ledger = _ledger(redis_client, keys, consumer)
+    ledger = _ledger(redis_client, consumer)
     ids = _read(consumer, 3)
 
     ledger.record(ids[:2])  # the third one's step has not run
@@ -94,7 +91,7 @@ def test_a_restart_acks_what_the_checkpoint_covers_once(redis_client: redis.Redi
     # The restart runs one rank: rank 0 acks for both, the acked entry is not counted again.
     restarted = _consumer(redis_client, keys, consumer_name(0))
     covered = {"trainer-0": mine, "trainer-1": theirs}
-    ledger = _ledger(redis_client, keys, restarted, **covered)
+    ledger = _ledger(redis_client, restarted, **covered)
     ledger.ack_covered_at_restart()
     assert _pending(redis_client, keys) == {}
     assert _trained(redis_client, keys) == 4
@@ -105,8 +102,7 @@ def test_a_restart_acks_what_the_checkpoint_covers_once(redis_client: redis.Redi
 
 def test_restart_after_redis_lost_the_group_acks_nothing(redis_client: redis.Redis) -> None:
     keys = Keys("ledger3")
-    ledger = _ledger(
-        redis_client, keys, _consumer(redis_client, keys, "trainer-0"), **{"trainer-0": ["1-0"]}
-    )
+    consumer = _consumer(redis_client, keys, "trainer-0")
+    ledger = _ledger(redis_client, consumer, **{"trainer-0": ["1-0"]})
     ledger.ack_covered_at_restart()  # no stream, no group: NOGROUP is not an error
     assert _trained(redis_client, keys) == 0

@@ -107,20 +107,8 @@ def launch_all(
     temporary one); the records of its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = run_dir or Path(tmp) / "run"
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "launch",
-            "--role",
-            "all",
-            "--config",
-            cfg_path,
-            "--progress",
-            "quiet",
-            f"run.dir={run_dir}",
-            *overrides,
-        ]
+        launch = ["launch", "--role", "all", "--progress", "quiet", "--config"]
+        cmd = [sys.executable, "-m", "asyncrl", *launch, cfg_path, f"run.dir={run_dir}", *overrides]
         subprocess.run(cmd, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
         lines = read_jsonl(run_dir / "metrics.jsonl")
         return [r for r in map(read_record, lines) if r is not None]

@@ -58,6 +58,17 @@ def _phase_share(role: str) -> str:
     return f'avg by (phase) (rate(asyncrl_time_seconds_total{{role="{role}"}}{RATE}))'
 
 
+def _phase_panel(role: str, whose: str, over: str) -> Panel:
+    return _one(
+        f"{role.capitalize()} time per phase",
+        _phase_share(role),
+        "{{phase}}",
+        f"Share of the {whose} wall time per phase (mean over {over}).",
+        unit="percentunit",
+        stacked=True,
+    )
+
+
 ROWS: list[tuple[str, list[Panel]]] = [
     (
         "Progress",
@@ -277,20 +288,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "{{pool}}",
                 "Workers with a live heartbeat in Redis, by pool.",
             ),
-            Panel(
-                "Trainer time per phase",
-                "Share of the trainer's wall time per phase (mean over ranks).",
-                [(_phase_share("trainer"), "{{phase}}")],
-                unit="percentunit",
-                stacked=True,
-            ),
-            Panel(
-                "Rollout time per phase",
-                "Share of the rollout workers' wall time per phase (mean over workers).",
-                [(_phase_share("rollout"), "{{phase}}")],
-                unit="percentunit",
-                stacked=True,
-            ),
+            _phase_panel("trainer", "trainer's", "ranks"),
+            _phase_panel("rollout", "rollout workers'", "workers"),
         ],
     ),
 ]

@@ -392,7 +392,6 @@ def build(cfg: Config) -> TrainerParts:
         ranks,
         redis_guard,
         client,
-        keys,
         admission=admission,
         covered_at_restart=resumed.covered,
     )

@@ -29,12 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from asyncrl.keys import TRAJECTORIES_GROUP
-
 if TYPE_CHECKING:
     import redis
 
-    from asyncrl.keys import Keys
     from asyncrl.protocol import TrajectoryGroup
     from asyncrl.queue import Consumer, RedisGuard
     from asyncrl.trainer.admission import Admission
@@ -58,19 +55,14 @@ class Ledger:
         ranks: Ranks,
         redis_guard: RedisGuard,
         client: redis.Redis,
-        keys: Keys,
         *,
         admission: Admission | None = None,
         covered_at_restart: dict[str, list[str]] | None = None,
     ) -> None:
         """`admission`: rank 0's, through which entries are settled; `covered_at_restart`: the
         ids by consumer that the checkpoint resumed from covers (rank 0; empty elsewhere)."""
-        self.consumer = consumer
-        self.ranks = ranks
-        self.redis = redis_guard
-        self.client = client
-        self.keys = keys
-        self.admission = admission
+        self.consumer, self.ranks, self.admission = consumer, ranks, admission
+        self.redis, self.client = redis_guard, client
         self.covered_at_restart = covered_at_restart or {}
         self.unacked: list[str] = []
         """Entry ids of the steps run since the last checkpoint, this rank's."""
@@ -131,10 +123,11 @@ class Ledger:
         """Make those of `ids` still pending pending on this rank's consumer."""
         from redis import exceptions as rx
 
+        c = self.consumer
+
         def claim() -> None:
-            stream, group = self.keys.trajectories, TRAJECTORIES_GROUP
             try:
-                self.client.xclaim(stream, group, self.consumer.name, 0, list(ids), justid=True)
+                self.client.xclaim(c.stream, c.group, c.name, 0, list(ids), justid=True)
             except rx.ResponseError as exc:
                 if "NOGROUP" not in str(exc):  # no group: Redis lost the entries with it
                     raise

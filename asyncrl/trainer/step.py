@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -137,32 +138,27 @@ def train_step(
         # Masking rejects tokens: they leave the loss mask (verl's modified response_mask).
         loss_mask = weights if masking and weights is not None else mb.mask
         loss_weights = None if masking else weights
-        if algo.loss == "gspo":
-            loss, stats = gspo_loss(
-                logp,
-                prox,
-                mb.advantages,
-                loss_mask,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                weights=loss_weights,
-                global_seqs=g_seqs,
-            )
-        else:
-            loss, stats = ppo_loss(
-                logp,
-                prox,
-                mb.advantages,
-                loss_mask,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
+        objective = (
+            gspo_loss
+            if algo.loss == "gspo"
+            else partial(
+                ppo_loss,
                 dual_clip=algo.dual_clip,
                 agg=algo.aggregation,
-                weights=loss_weights,
                 global_tokens=g_tokens,
-                global_seqs=g_seqs,
                 horizon=horizon,
             )
+        )
+        loss, stats = objective(
+            logp,
+            prox,
+            mb.advantages,
+            loss_mask,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            weights=loss_weights,
+            global_seqs=g_seqs,
+        )
         if ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
             with torch.no_grad():
                 ref_logp = token_logprobs(ref_model, mb, sampling)
