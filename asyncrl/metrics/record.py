@@ -34,7 +34,7 @@ class StepRecord:
     tokens: int | None = None
     """Response tokens trained on (loss-masked), all ranks; None: not recorded."""
     reward_mean: float | None = None
-    """Mean reward of the step's samples; None: not recorded."""
+    """Mean reward of rank 0's samples of the step; None: not recorded."""
     staleness_mean: float | None = None
     """Mean staleness (trainer version − oldest token version) of rank 0's groups; None: not
     recorded."""
@@ -45,7 +45,8 @@ class StepRecord:
     behaviour_weight_capped_fraction: float | None = None
     """Fraction of behaviour weights at the cap; None: not recorded."""
     clip_fraction: float | None = None
-    """Fraction of response tokens whose ratio was clipped; None: not recorded."""
+    """Fraction of the trained response tokens whose ratio was clipped, all ranks; None: not
+    recorded."""
     behaviour_logprob_abs_diff_lag0: float | None = None
     """Mean |trainer − behaviour| log-prob over tokens of the current version; None: the step
     had no such token."""

@@ -123,8 +123,8 @@ class RoleMetrics:
         self.train_steps.inc()
         for m in _STEP_METRICS:
             bound = getattr(self, m.attr)
-            for label, name in m.step_fields or ((None, m.step_field),):
-                value = getattr(record, str(name))
+            for label, name in m.step_sources:
+                value = getattr(record, name)
                 if value is None:
                     continue
                 child = bound if label is None else bound[label]
@@ -160,5 +160,5 @@ class RoleMetrics:
             self.run_groups[outcome].set(counters.get(field, 0))
 
 
-_STEP_METRICS = tuple(m for m in METRICS if m.step_field or m.step_fields)
+_STEP_METRICS = tuple(m for m in METRICS if m.step_sources)
 assert set(RoleMetrics.__annotations__) == set(_BY_ATTR), "RoleMetrics types ≠ table.METRICS"

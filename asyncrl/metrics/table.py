@@ -69,6 +69,14 @@ class Metric:
     """Roles that bind it at construction, so that it starts at zero; others bind it at first
     use, and a series exists only in the processes that use it."""
 
+    @property
+    def step_sources(self) -> tuple[tuple[str | None, str], ...]:
+        """(label value, StepRecord field) pairs a step record sets it from; the label value is
+        None for a metric without a label of its own."""
+        if self.step_field is not None:
+            return ((None, self.step_field),)
+        return self.step_fields
+
 
 _BOTH = ("rollout", "trainer")
 _TRAINER = ("trainer",)
