@@ -16,33 +16,32 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
-from asyncrl.metrics import is_eval_record, read_jsonl, tokens_per_second
+from asyncrl.metrics.jsonl import read_jsonl
+from asyncrl.metrics.record import EvalRecord, StepRecord, read_record
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-Record = dict[str, Any]
+R = TypeVar("R", StepRecord, EvalRecord)
 Series = tuple[str, list[float], list[float]]
 Panel = tuple[list[Series], str, str]  # series, x label, y label
 
 
-def _latest_per_step(records: list[Record]) -> list[Record]:
+def _latest_per_step(records: list[R]) -> list[R]:
     # A trainer resumed from an older checkpoint rewrites the steps after it; the later lines
     # are the surviving lineage.
-    by_step = {r["step"]: r for r in records if isinstance(r.get("step"), int | float)}
+    by_step = {r.step: r for r in records}
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _series(
-    label: str, records: list[Record], x: str, y: str | Callable[[Record], float | None]
-) -> Series:
+def _series(label: str, records: list[R], x: str, y: str | Callable[[R], float | None]) -> Series:
     xs, ys = [], []
     for record in records:
-        xv = record.get(x)
-        yv = y(record) if callable(y) else record.get(y)
-        if isinstance(xv, int | float) and isinstance(yv, int | float) and math.isfinite(yv):
+        xv = getattr(record, x)
+        yv = y(record) if callable(y) else getattr(record, y)
+        if xv is not None and yv is not None and math.isfinite(yv):
             xs.append(float(xv))
             ys.append(float(yv))
     return label, xs, ys
@@ -62,10 +61,10 @@ def _draw(ax: Axes, series: list[Series], xlabel: str, ylabel: str) -> bool:
     return drawn
 
 
-def _figures(steps: list[Record], evals: list[Record]) -> dict[str, list[Panel]]:
+def _figures(steps: list[StepRecord], evals: list[EvalRecord]) -> dict[str, list[Panel]]:
     """Figure name → its panels, side by side."""
-    by_wall = sorted(steps, key=lambda r: r.get("wall_seconds") or 0.0)
-    evals_by_wall = sorted(evals, key=lambda r: r.get("wall_seconds") or 0.0)
+    by_wall = sorted(steps, key=lambda r: r.wall_seconds or 0.0)
+    evals_by_wall = sorted(evals, key=lambda r: r.wall_seconds or 0.0)
     return {
         "reward": [
             (
@@ -103,10 +102,12 @@ def _figures(steps: list[Record], evals: list[Record]) -> dict[str, list[Panel]]
             ),
             ([_series("clip_fraction", steps, "step", "clip_fraction")], "step", "clip fraction"),
         ],
-        "throughput": [
-            ([_series("tokens/s", steps, "step", tokens_per_second)], "step", "tokens / s")
-        ],
+        "throughput": [([_series("tokens/s", steps, "step", _throughput)], "step", "tokens / s")],
     }
+
+
+def _throughput(record: StepRecord) -> float | None:
+    return record.throughput
 
 
 def main(run_dir: str | Path, out: str | Path | None = None) -> int:
@@ -116,14 +117,14 @@ def main(run_dir: str | Path, out: str | Path | None = None) -> int:
             f"asyncrl plot: {path} does not exist (is {run_dir} a run directory?)", file=sys.stderr
         )
         return 2
-    records = read_jsonl(path)
+    records = [r for r in map(read_record, read_jsonl(path)) if r is not None]
     if not records:
         print(f"asyncrl plot: {path} holds no records yet", file=sys.stderr)
         return 2
     from matplotlib.figure import Figure
 
-    steps = _latest_per_step([r for r in records if not is_eval_record(r)])
-    evals = _latest_per_step([r for r in records if is_eval_record(r)])
+    steps = _latest_per_step([r for r in records if isinstance(r, StepRecord)])
+    evals = _latest_per_step([r for r in records if isinstance(r, EvalRecord)])
     out_dir = Path(out) if out is not None else Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, panels in _figures(steps, evals).items():

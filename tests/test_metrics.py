@@ -12,16 +12,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncrl.metrics import (
-    REGISTRY,
-    JsonlTail,
-    JsonlWriter,
-    MetricsServer,
-    RoleMetrics,
-    read_jsonl,
-    serve,
-    tokens_per_second,
-)
+from asyncrl.metrics.jsonl import JsonlTail, JsonlWriter, read_jsonl
+from asyncrl.metrics.record import StepRecord
+from asyncrl.metrics.roles import REGISTRY, RoleMetrics
+from asyncrl.metrics.server import MetricsServer, serve
+from asyncrl.metrics.table import METRICS, metrics_doc
 from asyncrl.runstate import Counter
 
 # The names the Grafana dashboard is built on (DESIGN §8): renaming one breaks it.
@@ -101,19 +96,21 @@ def exercise(m: RoleMetrics) -> None:
     m.workers_live["rollout"].set(2)
     m.set_run_groups({Counter.PROMPTS_RELEASED: 10, Counter.GROUPS_TRAINED: 6})
     m.observe_step(
-        {
-            "step": 1,
-            "version": 8,
-            "groups": 4,
-            "reward_mean": 0.25,
-            "clip_fraction": 0.1,
-            "behaviour_weight_mean": 0.98,
-            "behaviour_weight_capped_fraction": 0.01,
-            "behaviour_weight_p50": 1.0,
-            "step_seconds": 0.7,
-            "weight_publish_blocking_seconds": 0.002,
-            "skipped_nonfinite": True,
-        },
+        StepRecord.from_json(
+            {
+                "step": 1,
+                "version": 8,
+                "groups": 4,
+                "reward_mean": 0.25,
+                "clip_fraction": 0.1,
+                "behaviour_weight_mean": 0.98,
+                "behaviour_weight_capped_fraction": 0.01,
+                "behaviour_weight_p50": 1.0,
+                "step_seconds": 0.7,
+                "weight_publish_blocking_seconds": 0.002,
+                "skipped_nonfinite": True,
+            }
+        ),
         staleness=[0, 1, 1, 3],
     )
 
@@ -246,7 +243,19 @@ def test_jsonl_tail_reads_whole_lines_only(tmp_path: Path) -> None:
     assert tail.read_new() == [{"step": 0}]
 
 
+def test_docs_metrics_md_is_generated_from_the_table() -> None:
+    doc = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+    assert doc.read_text() == metrics_doc(), "stale: run python tools/gen_dashboard.py"
+    exported = {f.name: f.type for f in REGISTRY.collect()}
+    for m in METRICS:
+        assert exported[m.name.removesuffix("_total")] == m.kind, m.name
+        assert f"`{m.name}`" in doc.read_text()
+
+
 def test_tokens_per_second() -> None:
+    def tokens_per_second(line: dict[str, float]) -> float | None:
+        return StepRecord.from_json({"step": 1, **line}).throughput
+
     assert tokens_per_second({"tokens": 300, "step_seconds": 1.5}) == 200
     assert tokens_per_second({"tokens_per_second": 42.0, "tokens": 1}) == 42.0
     assert tokens_per_second({"tokens": 300, "step_seconds": 0}) is None
@@ -255,7 +264,8 @@ def test_tokens_per_second() -> None:
 
 def test_metrics_imports_nothing_heavy() -> None:
     code = (
-        "import sys, asyncrl.metrics; "
+        "import sys, asyncrl.metrics.roles, asyncrl.metrics.jsonl, asyncrl.metrics.poller, "
+        "asyncrl.metrics.server; "
         "print([m for m in ('torch', 'numpy', 'redis', 'rich', 'matplotlib', 'pydantic') "
         "if m in sys.modules])"
     )

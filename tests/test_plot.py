@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.metrics import JsonlWriter
+from asyncrl.metrics.jsonl import JsonlWriter
 from asyncrl.plot import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

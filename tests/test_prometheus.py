@@ -1,6 +1,6 @@
 """A real Prometheus scrapes a short quickstart run: every series the Grafana dashboard and the
 alert rules use must hold data, and the shipped config and rules must pass promtool. Also the
-run-wide gauges (`asyncrl.metrics.RunGauges`) against a real Redis.
+run-wide gauges (`asyncrl.metrics.poller.RunGauges`) against a real Redis.
 
 Needs the `prometheus` and `promtool` binaries (Debian: `apt-get install -y prometheus`); skipped
 with that hint without them. Everything listens on loopback and is stopped by its handle.
@@ -26,7 +26,8 @@ import yaml
 
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.metrics import REGISTRY, RoleMetrics, RunGauges, refresh_run_gauges
+from asyncrl.metrics.poller import RunGauges, refresh_run_gauges
+from asyncrl.metrics.roles import REGISTRY, RoleMetrics
 from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 
 from gen_dashboard import referenced_names

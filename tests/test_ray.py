@@ -24,7 +24,8 @@ from asyncrl.launch.ray_launcher import (
 )
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
-from asyncrl.metrics import is_eval_record, read_jsonl
+from asyncrl.metrics.jsonl import read_jsonl
+from asyncrl.metrics.record import is_eval_record
 from asyncrl.runstate import Counter, Keys
 
 ROOT = Path(__file__).resolve().parents[1]

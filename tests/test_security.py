@@ -326,7 +326,7 @@ def test_a_role_given_a_wrong_password_exits_at_once(
 def test_endpoints_default_to_loopback() -> None:
     from asyncrl.cli import _parser
     from asyncrl.config import Config
-    from asyncrl.metrics import serve
+    from asyncrl.metrics.server import serve
 
     cfg = Config()
     assert cfg.metrics.host == "127.0.0.1"

@@ -14,7 +14,7 @@ from asyncrl.cli import main as cli_main
 from asyncrl.launch.progress import Mode, Progress
 from asyncrl.launch.redis_server import RedisServer, free_port
 from asyncrl.launch.status import collect_status
-from asyncrl.metrics import JsonlWriter
+from asyncrl.metrics.jsonl import JsonlWriter
 from asyncrl.runstate import PROMPTS_GROUP, TRAJECTORIES_GROUP, Counter, Keys
 
 STATUS_KEYS = {

@@ -60,6 +60,7 @@ from asyncrl.config import Config, load_config
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.evaluate import held_out_reward
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.metrics.record import StepRecord
 from asyncrl.model import ensure_model
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import Counter, Keys, read_counters
@@ -100,7 +101,7 @@ def run_mode(
     cfg = load_config(cfg_path, overrides)
     return {
         "seed": seed,
-        "steps": [d for d in lines if "reward_mean" in d],
+        "steps": [r for r in lines if isinstance(r, StepRecord)],
         "intervals": [(g.created_at, g.finished_at) for g in groups],
         "counters": counters,
         "eval_reward": final_reward(cfg, list_checkpoints(run_dir / "checkpoints")[-1]),
@@ -136,26 +137,28 @@ def peak_in_flight(intervals: list[tuple[float, float]]) -> int:
 
 
 def summarize(run: dict[str, Any]) -> dict[str, float]:
-    steps = run["steps"]
-    wall = steps[-1]["wall_seconds"]
-    waited = sum(s["wait_seconds"] for s in steps)
-    stepped = sum(s["step_seconds"] for s in steps)
+    steps: list[StepRecord] = run["steps"]
+
+    def total(figure: str, records: list[StepRecord] = steps) -> float:
+        return sum(getattr(r, figure) or 0.0 for r in records)
+
+    first = steps[0]
+    wall = steps[-1].wall_seconds or 0.0
+    waited, stepped = total("wait_seconds"), total("step_seconds")
     last = steps[-max(3, len(steps) // 4) :]
     return {
         "wall_s": wall,
-        "fill_s": steps[0]["wait_seconds"],
+        "fill_s": first.wait_seconds or 0.0,
         "busy_s": wall - waited,
         "idle_fraction": waited / wall,
-        "idle_fraction_after_fill": (waited - steps[0]["wait_seconds"])
-        / (wall - steps[0]["wall_seconds"] + steps[0]["step_seconds"]),
-        "train_reward_last_quarter": sum(s["reward_mean"] for s in last) / len(last),
+        "idle_fraction_after_fill": (waited - (first.wait_seconds or 0.0))
+        / (wall - (first.wall_seconds or 0.0) + (first.step_seconds or 0.0)),
+        "train_reward_last_quarter": total("reward_mean", last) / len(last),
         "final_reward": run["eval_reward"],
-        "publish_blocking_fraction": sum(s["weight_publish_blocking_seconds"] for s in steps)
-        / stepped,
+        "publish_blocking_fraction": total("weight_publish_blocking_seconds") / stepped,
         "step_seconds_mean": stepped / len(steps),
-        "staleness_mean": sum(s["staleness_mean"] for s in steps) / len(steps),
-        "weight_capped_fraction": sum(s["behaviour_weight_capped_fraction"] for s in steps)
-        / len(steps),
+        "staleness_mean": total("staleness_mean") / len(steps),
+        "weight_capped_fraction": total("behaviour_weight_capped_fraction") / len(steps),
     }
 
 

@@ -30,6 +30,8 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.engines.sampling import sampling_logprobs
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.metrics.jsonl import read_jsonl
+from asyncrl.metrics.record import EvalRecord, Record, StepRecord, read_record
 from asyncrl.model import ensure_model
 from asyncrl.tasks.base import build_task
 
@@ -100,39 +102,30 @@ def minimal_loop(cfg_path: str, max_seconds: float) -> tuple[float | None, list]
 
 def launch_all(
     cfg_path: str, timeout_s: float, *overrides: str, run_dir: Path | None = None
-) -> list[dict]:
+) -> list[Record]:
     """Run `asyncrl launch --role all` on `cfg_path` with `overrides` in `run_dir` (default: a
-    temporary one); the lines of its metrics.jsonl."""
+    temporary one); the records of its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = run_dir or Path(tmp) / "run"
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "launch",
-            "--role",
-            "all",
-            "--config",
-            cfg_path,
-            "--progress",
-            "quiet",
-            f"run.dir={run_dir}",
-            *overrides,
-        ]
+        launch = ["launch", "--role", "all", "--progress", "quiet", "--config"]
+        cmd = [sys.executable, "-m", "asyncrl", *launch, cfg_path, f"run.dir={run_dir}", *overrides]
         subprocess.run(cmd, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
-        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        lines = read_jsonl(run_dir / "metrics.jsonl")
+        return [r for r in map(read_record, lines) if r is not None]
 
 
 def asyncrl_run(cfg_path: str, max_seconds: float) -> tuple[float | None, list, dict]:
     """Time to target, the evals, and where the time to target went (steps, waits)."""
     lines = launch_all(cfg_path, max_seconds + 120, "run.id=bench-quickstart")
-    evals = [(d["wall_seconds"], d["eval_accuracy"]) for d in lines if "eval_accuracy" in d]
+    evals = [(r.wall_seconds or 0.0, r.eval_accuracy) for r in lines if isinstance(r, EvalRecord)]
     reached = time_to_target(evals)
-    steps = [d for d in lines if "reward_mean" in d and d["wall_seconds"] <= (reached or 0)]
+    steps = [
+        r for r in lines if isinstance(r, StepRecord) and (r.wall_seconds or 0) <= (reached or 0)
+    ]
     spent = {
         "steps": len(steps),
-        "step_s": sum(d["step_seconds"] for d in steps),
-        "wait_s": sum(d["wait_seconds"] for d in steps),
+        "step_s": sum(r.step_seconds or 0.0 for r in steps),
+        "wait_s": sum(r.wait_seconds or 0.0 for r in steps),
     }
     return reached, evals, spent
 

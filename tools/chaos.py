@@ -94,7 +94,8 @@ import redis
 from asyncrl.config import write_config
 from asyncrl.launch.local import start_logged
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.metrics import JsonlTail, is_eval_record
+from asyncrl.metrics.jsonl import JsonlTail
+from asyncrl.metrics.record import is_eval_record
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import (
     PROMPTS_GROUP,

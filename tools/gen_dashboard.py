@@ -1,11 +1,13 @@
-"""Generate the Grafana dashboard deploy/grafana/asyncrl.json from the panels below.
+"""Generate the Grafana dashboard deploy/grafana/asyncrl.json from the panels below, and
+docs/metrics.md from the metric table (asyncrl/metrics/table.py).
 
-    python tools/gen_dashboard.py           # (re)write the dashboard
-    python tools/gen_dashboard.py --check   # exit 1 if the file differs from what this generates
+    python tools/gen_dashboard.py           # (re)write both
+    python tools/gen_dashboard.py --check   # exit 1 if either differs from what this generates
 
-Every query is checked against the metric families `asyncrl.metrics` registers, so a renamed or
-removed metric fails here (and in tests/test_deploy.py) instead of leaving an empty panel. The
-data source is a template variable: the file holds no data-source uid and imports anywhere.
+Every query is checked against the metric families `asyncrl.metrics.roles` registers, so a
+renamed or removed metric fails here (and in tests/test_deploy.py) instead of leaving an empty
+panel. The data source is a template variable: the file holds no data-source uid and imports
+anywhere.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "asyncrl.json"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "deploy" / "grafana" / "asyncrl.json"
+METRICS_DOC = ROOT / "docs" / "metrics.md"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "[$__rate_interval]"
 
@@ -33,6 +38,11 @@ class Panel:
     heatmap: bool = False
 
 
+def _one(title: str, expr: str, legend: str, description: str, **kw: Any) -> Panel:
+    """A panel of one query."""
+    return Panel(title, description, [(expr, legend)], **kw)
+
+
 def _q(fraction: float, histogram: str, by: str = "le") -> str:
     return f"histogram_quantile({fraction}, sum by ({by}) (rate({histogram}_bucket{RATE})))"
 
@@ -46,6 +56,17 @@ def _mean(histogram: str, by: str = "") -> str:
 def _phase_share(role: str) -> str:
     """Seconds per second of each phase = its share of wall time, averaged over processes."""
     return f'avg by (phase) (rate(asyncrl_time_seconds_total{{role="{role}"}}{RATE}))'
+
+
+def _phase_panel(role: str, whose: str, over: str) -> Panel:
+    return _one(
+        f"{role.capitalize()} time per phase",
+        _phase_share(role),
+        "{{phase}}",
+        f"Share of the {whose} wall time per phase (mean over {over}).",
+        unit="percentunit",
+        stacked=True,
+    )
 
 
 ROWS: list[tuple[str, list[Panel]]] = [
@@ -72,10 +93,11 @@ ROWS: list[tuple[str, list[Panel]]] = [
                     )
                 ],
             ),
-            Panel(
+            _one(
                 "Optimizer steps per second",
+                f"sum(rate(asyncrl_train_steps_total{RATE}))",
+                "steps/s",
                 "Optimizer steps taken by the trainer.",
-                [(f"sum(rate(asyncrl_train_steps_total{RATE}))", "steps/s")],
             ),
         ],
     ),
@@ -135,37 +157,42 @@ ROWS: list[tuple[str, list[Panel]]] = [
     (
         "Queues",
         [
-            Panel(
+            _one(
                 "Queue lag",
+                "asyncrl_queue_lag",
+                "{{stream}}",
                 "Stream entries not yet delivered to their consumer group.",
-                [("asyncrl_queue_lag", "{{stream}}")],
             ),
-            Panel(
+            _one(
                 "Queue pending",
+                "asyncrl_queue_pending",
+                "{{stream}}",
                 "Entries delivered but not acked (the trainer acks at each checkpoint).",
-                [("asyncrl_queue_pending", "{{stream}}")],
             ),
-            Panel(
+            _one(
                 "Dead letters",
+                "asyncrl_queue_dead_letter",
+                "dead-letter stream",
                 "Length of the dead-letter stream: entries that failed validation or were "
                 "delivered too often.",
-                [("asyncrl_queue_dead_letter", "dead-letter stream")],
             ),
-            Panel(
+            _one(
                 "Run accounting",
+                "asyncrl_run_groups",
+                "{{outcome}}",
                 "Prompt groups by outcome, from Redis: released = trained + dropped stale + "
                 "dead-lettered + lost + in flight; rejected counts junk and duplicate entries.",
-                [("asyncrl_run_groups", "{{outcome}}")],
             ),
         ],
     ),
     (
         "Staleness and off-policy correction",
         [
-            Panel(
+            _one(
                 "Staleness distribution",
+                f"sum by (le) (increase(asyncrl_staleness_bucket{RATE}))",
+                "{{le}}",
                 "Trained groups by staleness (trainer version − oldest token version).",
-                [(f"sum by (le) (increase(asyncrl_staleness_bucket{RATE}))", "{{le}}")],
                 heatmap=True,
             ),
             Panel(
@@ -200,21 +227,24 @@ ROWS: list[tuple[str, list[Panel]]] = [
     (
         "Learning",
         [
-            Panel(
+            _one(
                 "Reward mean",
+                "asyncrl_reward_mean",
+                "reward",
                 "Mean reward of the groups of the last step.",
-                [("asyncrl_reward_mean", "reward")],
             ),
-            Panel(
+            _one(
                 "Eval accuracy",
+                "asyncrl_eval_accuracy",
+                "held-out accuracy",
                 "Mean held-out episode reward (accuracy for 0/1 rewards) at the last evaluation.",
-                [("asyncrl_eval_accuracy", "held-out accuracy")],
                 unit="percentunit",
             ),
-            Panel(
+            _one(
                 "MFU",
+                "asyncrl_trainer_mfu",
+                "{{worker}}",
                 "Model FLOPs utilisation of the last step, per trainer rank.",
-                [("asyncrl_trainer_mfu", "{{worker}}")],
                 unit="percentunit",
             ),
         ],
@@ -240,10 +270,11 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
                 unit="s",
             ),
-            Panel(
+            _one(
                 "Weight bytes per second",
+                f"sum by (role) (rate(asyncrl_weight_sync_bytes_total{RATE}))",
+                "{{role}}",
                 "Bytes of weights sent (trainer) and received (rollout).",
-                [(f"sum by (role) (rate(asyncrl_weight_sync_bytes_total{RATE}))", "{{role}}")],
                 unit="Bps",
             ),
         ],
@@ -251,25 +282,14 @@ ROWS: list[tuple[str, list[Panel]]] = [
     (
         "Workers and time",
         [
-            Panel(
+            _one(
                 "Live workers",
+                "asyncrl_workers_live",
+                "{{pool}}",
                 "Workers with a live heartbeat in Redis, by pool.",
-                [("asyncrl_workers_live", "{{pool}}")],
             ),
-            Panel(
-                "Trainer time per phase",
-                "Share of the trainer's wall time per phase (mean over ranks).",
-                [(_phase_share("trainer"), "{{phase}}")],
-                unit="percentunit",
-                stacked=True,
-            ),
-            Panel(
-                "Rollout time per phase",
-                "Share of the rollout workers' wall time per phase (mean over workers).",
-                [(_phase_share("rollout"), "{{phase}}")],
-                unit="percentunit",
-                stacked=True,
-            ),
+            _phase_panel("trainer", "trainer's", "ranks"),
+            _phase_panel("rollout", "rollout workers'", "workers"),
         ],
     ),
 ]
@@ -376,7 +396,7 @@ def build() -> dict[str, object]:
 
 def exported_names() -> set[str]:
     """Every sample name the asyncrl processes can export (`_total`, `_bucket`, ... included)."""
-    from asyncrl.metrics import REGISTRY
+    from asyncrl.metrics.roles import REGISTRY
 
     suffixes = {
         "counter": ("_total",),
@@ -407,14 +427,20 @@ def main() -> int:
     if unknown:
         print(f"queries use metrics asyncrl does not export: {sorted(unknown)}", file=sys.stderr)
         return 1
-    text = json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+    from asyncrl.metrics.table import metrics_doc
+
+    generated = {
+        OUT: json.dumps(build(), indent=2, ensure_ascii=False) + "\n",
+        METRICS_DOC: metrics_doc(),
+    }
     if args.check:
-        if not OUT.is_file() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run python tools/gen_dashboard.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+        stale = [p for p, text in generated.items() if not p.is_file() or p.read_text() != text]
+        for path in stale:
+            print(f"{path} is stale: run python tools/gen_dashboard.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in generated.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     return 0
 
 

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from asyncrl.metrics import JsonlTail, is_eval_record, tokens_per_second
+from asyncrl.metrics.jsonl import JsonlTail
+from asyncrl.metrics.record import EvalRecord, StepRecord, read_record
 from asyncrl.runstate import Keys, live_workers, stream_depths
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 Mode = Literal["live", "quiet", "json"]
 
 _REDIS_RETRY_S = 5.0
+_NO_STEP = StepRecord(step=0)
+"""Shown before the first step line: every figure unknown."""
 
 
 def _num(value: Any, spec: str = ".3g") -> str:
@@ -70,8 +73,8 @@ class Progress:
         self._start = time.monotonic()
         self._last_quiet = -math.inf  # the first update prints at once
         self._redis_retry_at = 0.0
-        self._step: dict[str, Any] = {}
-        self._eval: dict[str, Any] = {}
+        self._step: StepRecord | None = None
+        self._eval: EvalRecord | None = None
         self._streams: dict[str, dict[str, int]] | None = None
         self._workers: dict[str, list[dict[str, Any]]] | None = None
         self._redis_ok = client is not None
@@ -87,10 +90,11 @@ class Progress:
         for record in self._tail.read_new():
             if self.mode == "json":
                 self.out.write(json.dumps(record) + "\n")
-            if is_eval_record(record):
-                self._eval = record
-            else:
-                self._step = record
+            typed = read_record(record)
+            if isinstance(typed, EvalRecord):
+                self._eval = typed
+            elif typed is not None:
+                self._step = typed
         if self.mode == "json":
             self.out.flush()
             return
@@ -123,26 +127,22 @@ class Progress:
             self._redis_retry_at = time.monotonic() + _REDIS_RETRY_S
 
     def _fields(self) -> list[tuple[str, str]]:
-        step, ev = self._step, self._eval
+        step, ev = self._step or _NO_STEP, self._eval
         limit = f"/{self.max_steps}" if self.max_steps else ""
         fields = [
-            ("step", f"{_int(step.get('step'))}{limit}"),
-            ("version", _int(step.get("version"))),
-            ("reward", _num(step.get("reward_mean"))),
-            ("eval", f"{_num(ev.get('eval_accuracy'))} @ step {_int(ev.get('step'))}"),
-            (
-                "staleness",
-                f"{_num(step.get('staleness_mean'))} mean, {_num(step.get('staleness_max'))} max",
-            ),
+            ("step", f"{_int(self._step and step.step)}{limit}"),
+            ("version", _int(step.version)),
+            ("reward", _num(step.reward_mean)),
+            ("eval", f"{_num(ev and ev.eval_accuracy)} @ step {_int(ev and ev.step)}"),
+            ("staleness", f"{_num(step.staleness_mean)} mean, {_num(step.staleness_max)} max"),
         ]
         if self._streams is not None:
             for name in ("prompts", "trajectories"):
                 s = self._streams[name]
                 fields.append((name, f"lag {s['lag']}, pending {s['pending']}"))
             fields.append(("dlq", str(self._streams["dlq"]["length"])))
-        fields.append(("tokens/s", _num(tokens_per_second(step), ".4g")))
-        blocking = step.get("weight_publish_blocking_seconds")
-        fields.append(("weight sync", f"{_num(blocking)} s blocking"))
+        fields.append(("tokens/s", _num(step.throughput, ".4g")))
+        fields.append(("weight sync", f"{_num(step.weight_publish_blocking_seconds)} s blocking"))
         if self._workers is not None:
             fields.append(
                 ("workers", ", ".join(f"{len(w)} {role}" for role, w in self._workers.items()))
@@ -164,18 +164,19 @@ class Progress:
 
     def _print_line(self) -> None:
         self._last_quiet = time.monotonic()
-        step = self._step
+        step, ev = self._step or _NO_STEP, self._eval
+        limit = f"/{self.max_steps}" if self.max_steps else ""
         parts = [
-            f"step {_int(step.get('step'))}{f'/{self.max_steps}' if self.max_steps else ''}",
-            f"v{_int(step.get('version'))}",
-            f"reward {_num(step.get('reward_mean'))}",
-            f"eval {_num(self._eval.get('eval_accuracy'))}",
-            f"stale {_num(step.get('staleness_mean'))}/{_int(step.get('staleness_max'))}",
+            f"step {_int(self._step and step.step)}{limit}",
+            f"v{_int(step.version)}",
+            f"reward {_num(step.reward_mean)}",
+            f"eval {_num(ev and ev.eval_accuracy)}",
+            f"stale {_num(step.staleness_mean)}/{_int(step.staleness_max)}",
         ]
         if self._streams is not None:
             p, t = self._streams["prompts"], self._streams["trajectories"]
             parts.append(f"lag {p['lag']}+{t['lag']} pending {p['pending']}+{t['pending']}")
-        parts.append(f"{_num(tokens_per_second(step), '.4g')} tok/s")
+        parts.append(f"{_num(step.throughput, '.4g')} tok/s")
         if self._workers is not None:
             parts.append(
                 f"workers {len(self._workers['rollout'])}r+{len(self._workers['trainer'])}t"

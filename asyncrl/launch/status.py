@@ -54,7 +54,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.metrics import is_eval_record, read_jsonl
+from asyncrl.metrics.jsonl import read_jsonl
+from asyncrl.metrics.record import StepRecord, read_record
 from asyncrl.runstate import (
     ROLES,
     Keys,
@@ -73,11 +74,17 @@ if TYPE_CHECKING:
 _LOG_TAIL_BYTES = 1 << 20
 
 
+def _is_step(value: object) -> bool:
+    return isinstance(read_record(value), StepRecord)
+
+
 def last_step_in_log(run_dir: Path) -> dict[str, Any] | None:
+    """The last step line of the log as written (a `StepRecord`'s JSON, figures the line
+    lacks left out rather than shown as null)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    steps = [r for r in read_jsonl(path, tail_bytes=_LOG_TAIL_BYTES) if not is_eval_record(r)]
+    steps = [r for r in read_jsonl(path, tail_bytes=_LOG_TAIL_BYTES) if _is_step(r)]
     return steps[-1] if steps else None
 
 
@@ -88,8 +95,8 @@ def _last_step(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, Any]
             value = json.loads(raw)
         except ValueError:
             value = None
-        if isinstance(value, dict):
-            return value
+        if _is_step(value):
+            return dict(value)
     return last_step_in_log(run_dir)
 
 

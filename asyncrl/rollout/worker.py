@@ -65,7 +65,8 @@ class RolloutWorker:
         from asyncrl.device import resolve_device
         from asyncrl.engines.base import build_engine
         from asyncrl.heartbeat import Heartbeat, is_alive
-        from asyncrl.metrics import RoleMetrics, serve
+        from asyncrl.metrics.roles import RoleMetrics
+        from asyncrl.metrics.server import serve
         from asyncrl.model import ensure_model, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.tasks.base import build_task

@@ -15,9 +15,33 @@ CPU) and the other ranks empty results.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process' place among the trainer ranks. With one rank `world` is None and every
+    collective below is a no-op."""
+
+    rank: int
+    size: int
+    world: dist.ProcessGroup | None
+
+    def any(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over the ranks (one small all-reduce)."""
+        if self.world is None:
+            return list(flags)
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
+        return [bool(v) for v in t.tolist()]
+
+    def barrier(self) -> None:
+        if self.world is not None:
+            dist.barrier(self.world)
 
 
 def shard(module: torch.nn.Module, device: torch.device, world_size: int) -> None:

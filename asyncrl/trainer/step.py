@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -51,8 +52,8 @@ class StepStats:
     behaviour_weight_capped_fraction: float
     logprob_abs_diff_lag0: float | None
     lag0_tokens: int
-    weight_quantiles: dict[str, float]
-    """p50/p90/p99 of the behaviour weights of this rank's trained tokens."""
+    weight_quantiles: tuple[float, float, float] | None
+    """p50/p90/p99 of the behaviour weights of this rank's trained tokens; None without any."""
     processed_tokens: int
     """Prompt and response tokens through forward and backward, all ranks (for MFU)."""
     skipped: bool = False
@@ -137,32 +138,27 @@ def train_step(
         # Masking rejects tokens: they leave the loss mask (verl's modified response_mask).
         loss_mask = weights if masking and weights is not None else mb.mask
         loss_weights = None if masking else weights
-        if algo.loss == "gspo":
-            loss, stats = gspo_loss(
-                logp,
-                prox,
-                mb.advantages,
-                loss_mask,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                weights=loss_weights,
-                global_seqs=g_seqs,
-            )
-        else:
-            loss, stats = ppo_loss(
-                logp,
-                prox,
-                mb.advantages,
-                loss_mask,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
+        objective = (
+            gspo_loss
+            if algo.loss == "gspo"
+            else partial(
+                ppo_loss,
                 dual_clip=algo.dual_clip,
                 agg=algo.aggregation,
-                weights=loss_weights,
                 global_tokens=g_tokens,
-                global_seqs=g_seqs,
                 horizon=horizon,
             )
+        )
+        loss, stats = objective(
+            logp,
+            prox,
+            mb.advantages,
+            loss_mask,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            weights=loss_weights,
+            global_seqs=g_seqs,
+        )
         if ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
             with torch.no_grad():
                 ref_logp = token_logprobs(ref_model, mb, sampling)
@@ -240,15 +236,11 @@ def weights_finite(model: torch.nn.Module, world: dist.ProcessGroup | None = Non
     return bad == 0
 
 
-def _quantiles(values: torch.Tensor | None) -> dict[str, float]:
+def _quantiles(values: torch.Tensor | None) -> tuple[float, float, float] | None:
     if values is None or values.numel() == 0:
-        return {}
-    q = torch.quantile(values, torch.tensor([0.5, 0.9, 0.99])).tolist()
-    return {
-        "behaviour_weight_p50": q[0],
-        "behaviour_weight_p90": q[1],
-        "behaviour_weight_p99": q[2],
-    }
+        return None
+    p50, p90, p99 = torch.quantile(values, torch.tensor([0.5, 0.9, 0.99])).tolist()
+    return p50, p90, p99
 
 
 def _rejection_rescale(

@@ -1,0 +1,168 @@
+"""The typed lines of the run's JSONL log: one `StepRecord` per optimizer step, one `EvalRecord`
+per evaluation (DESIGN §8).
+
+Trainer rank 0 writes a `StepRecord` to `{run.dir}/metrics.jsonl` and to the `last_step` Redis
+key; the Prometheus bindings, `asyncrl plot`, `asyncrl status`, the launcher's progress and the
+bench tools read it back through `read_record`, never by key. The JSON keys are the field names;
+a reader tolerates older lines (a missing figure reads as None) and tells eval lines apart by
+their `eval_accuracy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_OMIT_NONE = {"omit_none": True}
+"""Field metadata: the key is left out of the line rather than written as null."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The figures of one optimizer step, run-wide (all ranks)."""
+
+    step: int
+    """Optimizer steps taken, this one included (1 for the first)."""
+    version: int | None = None
+    """Policy version published after the step; None on a line that lacks it."""
+    wall_seconds: float | None = None
+    """Trainer wall time since the run began, across restarts; None: not recorded."""
+    groups: int | None = None
+    """Trajectory groups trained on, all ranks; None: not recorded."""
+    tokens: int | None = None
+    """Response tokens trained on (loss-masked), all ranks; None: not recorded."""
+    reward_mean: float | None = None
+    """Mean reward of rank 0's samples of the step; None: not recorded."""
+    staleness_mean: float | None = None
+    """Mean staleness (trainer version − oldest token version) of rank 0's groups; None: not
+    recorded."""
+    staleness_max: int | None = None
+    """Largest staleness of rank 0's groups; None: not recorded."""
+    behaviour_weight_mean: float | None = None
+    """Mean truncated behaviour weight over response tokens; None: not recorded."""
+    behaviour_weight_capped_fraction: float | None = None
+    """Fraction of behaviour weights at the cap; None: not recorded."""
+    clip_fraction: float | None = None
+    """Fraction of the trained response tokens whose ratio was clipped, all ranks; None: not
+    recorded."""
+    behaviour_logprob_abs_diff_lag0: float | None = None
+    """Mean |trainer − behaviour| log-prob over tokens of the current version; None: the step
+    had no such token."""
+    lag0_tokens: int | None = None
+    """Tokens behind `behaviour_logprob_abs_diff_lag0`; None: not recorded."""
+    loss: float | None = None
+    """The step's loss; None: not recorded, or not finite (JSON has no NaN)."""
+    grad_norm: float | None = None
+    """Gradient norm before clipping; None: not recorded, or not finite."""
+    lr: float | None = None
+    """Learning rate of the step; None: not recorded."""
+    skipped_nonfinite: bool | None = None
+    """True when the loss or gradient norm was not finite and the optimizer did not step."""
+    step_seconds: float | None = None
+    """Wall time of the step (train and publish); None: not recorded."""
+    wait_seconds: float | None = None
+    """Time spent collecting the step's groups: idle time when rollouts are the bottleneck."""
+    weight_publish_blocking_seconds: float | None = None
+    """Time the loop waited to hand the weights to the publisher; None: not recorded."""
+    weight_sync_seconds: float | None = None
+    """Duration of the last finished weight delivery; None: none had finished yet."""
+    behaviour_weight_p50: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Median behaviour weight of rank 0's trained tokens; None (key absent): no token."""
+    behaviour_weight_p90: float | None = field(default=None, metadata=_OMIT_NONE)
+    """90th percentile of the behaviour weights; None (key absent): no token."""
+    behaviour_weight_p99: float | None = field(default=None, metadata=_OMIT_NONE)
+    """99th percentile of the behaviour weights; None (key absent): no token."""
+    mfu: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Model FLOPs utilisation (0..1); None (key absent): trainer.peak_flops is not set."""
+    tokens_per_second: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Trainer throughput as measured by a bench tool; the trainer leaves it out (see
+    `throughput`)."""
+
+    @property
+    def throughput(self) -> float | None:
+        """Trainer tokens/s: `tokens_per_second` if the line has it, else tokens / step_seconds;
+        None when neither is known."""
+        if self.tokens_per_second is not None:
+            return self.tokens_per_second
+        if self.tokens is not None and self.step_seconds is not None and self.step_seconds > 0:
+            return self.tokens / self.step_seconds
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """The line's JSON object: every figure, None as null, but for the keys that are left
+        out when unknown (the weight quantiles, mfu, tokens_per_second)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None or not f.metadata.get("omit_none")
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> StepRecord:
+        """A step line read back; missing or mistyped figures read as None, unknown keys are
+        ignored (lines of older and newer versions alike)."""
+        return cls(**_typed(cls, value))
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One evaluation on held-out items."""
+
+    step: int
+    """Optimizer steps taken when the evaluation ran."""
+    eval_accuracy: float
+    """Mean held-out episode reward (accuracy for 0/1 rewards)."""
+    wall_seconds: float | None = None
+    """Trainer wall time since the run began; None: not recorded."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "wall_seconds": self.wall_seconds,
+            "eval_accuracy": self.eval_accuracy,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> EvalRecord:
+        return cls(**_typed(cls, value))
+
+
+Record = StepRecord | EvalRecord
+
+
+def is_eval_record(value: Mapping[str, Any]) -> bool:
+    """Eval lines carry `eval_accuracy`; step lines never do."""
+    return "eval_accuracy" in value
+
+
+def read_record(value: object) -> Record | None:
+    """The typed record of one JSON object of the log (or of the `last_step` key); None for
+    anything that is not one (no integer `step`, not an object)."""
+    if not isinstance(value, Mapping) or not _is_number(value.get("step")):
+        return None
+    if is_eval_record(value):
+        if not _is_number(value["eval_accuracy"]):
+            return None
+        return EvalRecord.from_json(value)
+    return StepRecord.from_json(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_KINDS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _typed(cls: type, value: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of `cls` found in `value` with a value of their type; `step` as an int."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        v = value.get(f.name)
+        kind = str(f.type).split(" ")[0]
+        if isinstance(v, _KINDS[kind]) and (kind == "bool" or not isinstance(v, bool)):
+            out[f.name] = float(value[f.name]) if kind == "float" else v
+    out["step"] = int(value["step"])
+    return out

@@ -1,0 +1,427 @@
+"""Builds what a trainer rank needs, one small function per piece, into one typed record.
+
+Order matters where a piece reads another's result: the process group first (the version
+broadcast and FSDP need it), then the model (placed whole or as shards), the optimizer, the
+resume (optimizer and RNG state of the last checkpoint), the version to publish first, and
+last the Redis side — consumer, ledger and, on rank 0 only, admission, the weight publisher and
+the metrics outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.device import resolve_device
+from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
+from asyncrl.runstate import TRAJECTORIES_GROUP, Keys
+from asyncrl.trainer.admission import Admission, Cursor, load_cursor
+from asyncrl.trainer.checkpoint import list_checkpoints, load_checkpoint, recorded_version
+from asyncrl.trainer.ledger import Ledger, consumer_name
+from asyncrl.trainer.parallel import Ranks, shard
+
+if TYPE_CHECKING:
+    import redis
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from asyncrl.config import Config
+    from asyncrl.heartbeat import Heartbeat
+    from asyncrl.metrics.jsonl import JsonlWriter
+    from asyncrl.metrics.poller import RunGauges
+    from asyncrl.metrics.roles import RoleMetrics
+    from asyncrl.queue import Consumer, RedisGuard
+    from asyncrl.tasks.base import Task
+    from asyncrl.weights import SyncRecord, WeightPublisher
+
+log = logging.getLogger("asyncrl.trainer")
+
+
+@dataclass
+class LoopState:
+    """What the loop changes and the built pieces read back (heartbeat, decoding, Redis waits,
+    the weight-sync hook): one mutable object shared by reference."""
+
+    step: int
+    version: int
+    """The version of the weights in hand: published, or about to be."""
+    stopping: bool = False
+    """Set by SIGTERM: Redis waits end, the loop leaves at the next agreement."""
+    last_sync_seconds: float | None = None
+    """Duration of the publisher's last delivery (set on its thread); None before the first."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What the checkpoint resumed from holds; the defaults of a fresh run without one."""
+
+    checkpoint: Path | None = None
+    step: int = 0
+    wall_seconds: float = 0.0
+    version: int = -1
+    cursor: Cursor | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+    covered: dict[str, list[str]] = field(default_factory=dict)
+    """Entry ids by consumer that the checkpoint covers (see `ledger`)."""
+
+
+@dataclass(frozen=True)
+class RankZero:
+    """What only rank 0 runs."""
+
+    admission: Admission
+    publisher: WeightPublisher
+    run_gauges: RunGauges
+    jsonl: JsonlWriter | None
+    """The metrics.jsonl writer; None with `metrics.jsonl: false`."""
+
+
+@dataclass(frozen=True)
+class TrainerParts:
+    cfg: Config
+    keys: Keys
+    device: torch.device
+    ranks: Ranks
+    state: LoopState
+    client: redis.Redis
+    redis: RedisGuard
+    metrics: RoleMetrics
+    model_dir: Path
+    """The base model (tokenizer, reference model, saved with each checkpoint)."""
+    tokenizer: PreTrainedTokenizerBase
+    model: PreTrainedModel
+    ref_model: PreTrainedModel | None
+    """The frozen reference policy of the KL term; None with algo.kl_coef = 0."""
+    optimizer: torch.optim.Optimizer
+    n_params: int
+    task: Task
+    resumed: Resumed
+    max_staleness: int
+    local_groups: int
+    """This rank's share of trainer.groups_per_step."""
+    sharded: bool
+    heartbeat: Heartbeat
+    consumer: Consumer[TrajectoryGroup]
+    ledger: Ledger
+    rank0: RankZero | None
+
+
+def dist_backend(device: torch.device) -> str:
+    """The trainer group's backend: the device's, and gloo for the small CPU tensors of the
+    bookkeeping collectives (normalisers, stop flags, entry ids) that NCCL / HCCL cannot carry."""
+    from asyncrl.device import backend_of
+
+    if device.type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device.type}:{backend_of(device.type)}"
+
+
+def build_ranks(cfg: Config, device: torch.device) -> Ranks:
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    world = None
+    if size > 1:
+        dist.init_process_group(dist_backend(device))
+        world = dist.group.WORLD
+    if cfg.trainer.groups_per_step % size:
+        raise SystemExit(
+            f"trainer.groups_per_step={cfg.trainer.groups_per_step} must be a multiple of "
+            f"the number of trainer ranks ({size})"
+        )
+    return Ranks(int(os.environ.get("RANK", 0)), size, world)
+
+
+def place(module: torch.nn.Module, device: torch.device, ranks: Ranks, sharded: bool) -> None:
+    """Move `module` to the device: whole, or as FSDP shards."""
+    if sharded:
+        shard(module, device, ranks.size)
+    else:
+        module.to(device)
+
+
+def build_models(
+    cfg: Config, load_from: Path, model_dir: Path, place_: Callable[[torch.nn.Module], None]
+) -> tuple[PreTrainedModel, PreTrainedModel | None, int]:
+    """The trained model (from the last checkpoint, if any), the KL reference (the base) and
+    the trained model's parameter count (before sharding)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.trainer.seed)
+    dtype = getattr(torch, cfg.trainer.dtype)
+    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    if cfg.trainer.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    place_(model)
+    ref_model = None
+    if cfg.algo.kl_coef > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        ref_model.eval().requires_grad_(False)
+        place_(ref_model)
+    return model, ref_model, n_params
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.trainer.lr,
+        betas=cfg.trainer.betas,
+        weight_decay=cfg.trainer.weight_decay,
+    )
+
+
+def resume(
+    checkpoint: Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> Resumed:
+    """Optimizer and RNG state from `checkpoint` (the model was loaded from it) and its run
+    state; only rank 0 acks what it covers."""
+    if checkpoint is None:
+        return Resumed()
+    state = load_checkpoint(checkpoint, model, optimizer)
+    log.info("resumed from %s (step %d)", checkpoint.name, state.step)
+    return Resumed(
+        checkpoint=checkpoint,
+        step=state.step,
+        wall_seconds=state.wall_seconds,
+        version=state.version,
+        cursor=Cursor(**state.cursor),
+        counters=state.counters,
+        covered=state.covered if rank == 0 else {},
+    )
+
+
+def first_version(
+    cfg: Config,
+    client: redis.Redis,
+    redis_guard: RedisGuard,
+    keys: Keys,
+    resumed: Resumed,
+    ranks: Ranks,
+    device: torch.device,
+) -> int:
+    """The version the restored (or initial) weights are published under: never a reused one,
+    so above the published one, the checkpoint's and the run directory's record too, since a
+    Redis that lost its data has no `version` key."""
+    published = redis_guard.call(lambda: client.get(keys.version), "read the published version")
+    known = -1 if published is None else int(published)
+    if cfg.trainer.resume:
+        known = max(known, resumed.version, recorded_version(cfg.run.path / "checkpoints"))
+    version = known + 1
+    if ranks.world is not None:
+        # Rank 0's reading wins: it may already have published before another rank reads.
+        shared = torch.tensor([version], dtype=torch.int64, device=device)
+        dist.broadcast(shared, src=0, group=ranks.world)
+        version = int(shared.item())
+    return version
+
+
+def decoder(limits: Limits, state: LoopState) -> Callable[[dict[bytes, bytes]], TrajectoryGroup]:
+    """The consumer's decode: a trajectory entry, validated against the version in hand."""
+
+    def decode(fields: dict[bytes, bytes]) -> TrajectoryGroup:
+        data = fields.get(b"data")
+        if data is None:
+            raise ValidationError("malformed", "entry has no data field")
+        group = decode_group(data, limits, current_version=state.version)
+        if len(group.prompt_ids) == 0:
+            raise ValidationError("malformed", "empty prompt: the first token has no logits")
+        return group
+
+    return decode
+
+
+def build_consumer(
+    cfg: Config,
+    client: redis.Redis,
+    keys: Keys,
+    name: str,
+    limits: Limits,
+    state: LoopState,
+    metrics: RoleMetrics,
+) -> Consumer[TrajectoryGroup]:
+    from asyncrl.heartbeat import is_alive
+    from asyncrl.provenance import trajectory_groups
+    from asyncrl.queue import Consumer
+
+    return Consumer(
+        client,
+        keys.trajectories,
+        TRAJECTORIES_GROUP,
+        name,
+        cfg.queue,
+        dlq=keys.dlq,
+        counters_key=keys.counters,
+        is_alive=is_alive(client, keys, "trainer"),
+        decode=decoder(limits, state),
+        groups=trajectory_groups(keys),
+        reconnect_max_s=cfg.redis.reconnect_max_s,
+        should_stop=lambda: state.stopping,
+        on_outage=metrics.redis_outage,
+    )
+
+
+def build_admission(
+    cfg: Config,
+    client: redis.Redis,
+    redis_guard: RedisGuard,
+    keys: Keys,
+    task: Task,
+    resumed: Resumed,
+    consumer: Consumer[TrajectoryGroup],
+    max_staleness: int,
+    state: LoopState,
+    metrics: RoleMetrics,
+) -> Admission:
+    cursor = resumed.cursor or Cursor(seed=cfg.run.seed)
+    return Admission(
+        client,
+        keys,
+        task,
+        task_name=cfg.task.type,
+        n=cfg.rollout.n,
+        max_staleness=max_staleness,
+        groups_per_step=cfg.trainer.groups_per_step,
+        cursor=redis_guard.call(lambda: load_cursor(client, keys, cursor), "read the data cursor"),
+        counters=resumed.counters,
+        held=consumer.held_groups,
+        queue=cfg.queue,
+        reconnect_max_s=cfg.redis.reconnect_max_s,
+        should_stop=lambda: state.stopping,
+        on_outage=metrics.redis_outage,
+    )
+
+
+def build_rank_zero(
+    cfg: Config,
+    client: redis.Redis,
+    keys: Keys,
+    device: torch.device,
+    admission: Admission,
+    state: LoopState,
+    metrics: RoleMetrics,
+    max_staleness: int,
+) -> RankZero:
+    """The weight publisher and the metrics outputs of rank 0."""
+    from asyncrl.metrics.jsonl import JsonlWriter
+    from asyncrl.metrics.poller import RunGauges
+    from asyncrl.metrics.server import serve
+    from asyncrl.weights import build_publisher
+
+    def on_sync(record: SyncRecord) -> None:
+        """Called on the publisher's thread after each delivery."""
+        state.last_sync_seconds = record.sync_s
+        metrics.weight_sync_seconds.observe(record.sync_s)
+        metrics.weight_sync_bytes.inc(record.bytes_sent)
+
+    publisher = build_publisher(cfg.weights, client, keys, device=device, on_record=on_sync)
+    jsonl = JsonlWriter(cfg.run.path / "metrics.jsonl") if cfg.metrics.jsonl else None
+    if cfg.metrics.port:
+        serve(cfg.metrics.host, cfg.metrics.port, partial(redis_health, client))
+    metrics.staleness_bound.set(max_staleness)
+    run_gauges = RunGauges(metrics, client, keys).start()
+    return RankZero(admission, publisher, run_gauges, jsonl)
+
+
+def redis_health(client: redis.Redis) -> tuple[bool, str]:
+    try:
+        client.ping()
+    except Exception as exc:  # any failure to reach Redis means not ready
+        return False, f"redis: {type(exc).__name__}"
+    return True, "ok"
+
+
+def build(cfg: Config) -> TrainerParts:
+    from transformers import AutoTokenizer
+
+    from asyncrl.heartbeat import Heartbeat
+    from asyncrl.metrics.roles import RoleMetrics
+    from asyncrl.model import ensure_model, vocab_size
+    from asyncrl.queue import RedisGuard
+    from asyncrl.redis_conn import connect
+    from asyncrl.tasks.base import build_task
+
+    keys = Keys(cfg.run.id)
+    device = resolve_device(cfg.trainer.device)
+    ranks = build_ranks(cfg, device)
+    # One rank has nothing to shard.
+    sharded = cfg.trainer.parallel == "fsdp" and ranks.size > 1
+    max_staleness = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
+    state = LoopState(step=0, version=0)
+    client = connect(cfg.redis)
+    name = consumer_name(ranks.rank)
+    metrics = RoleMetrics("trainer", name)
+    # The trainer's own Redis calls wait out outages like the queue's do, until SIGTERM.
+    redis_guard = RedisGuard(
+        reconnect_max_s=cfg.redis.reconnect_max_s,
+        should_stop=lambda: state.stopping,
+        on_outage=metrics.redis_outage,
+    )
+
+    model_dir = ensure_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ckpts = list_checkpoints(cfg.run.path / "checkpoints") if cfg.trainer.resume else []
+    checkpoint = ckpts[-1] if ckpts else None
+    load_from = checkpoint or model_dir
+    model, ref_model, n_params = build_models(
+        cfg, load_from, model_dir, partial(place, device=device, ranks=ranks, sharded=sharded)
+    )
+    optimizer = build_optimizer(cfg, model)
+    task = build_task(cfg.task, tokenizer)
+    resumed = resume(checkpoint, model, optimizer, ranks.rank)
+    state.step = resumed.step
+    state.version = first_version(cfg, client, redis_guard, keys, resumed, ranks, device)
+
+    limits = Limits(max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(load_from))
+    heartbeat = Heartbeat(
+        client,
+        keys.worker("trainer", name),
+        cfg.rollout.heartbeat_ttl_s,
+        lambda: {"version": state.version, "step": state.step},
+    )
+    consumer = build_consumer(cfg, client, keys, name, limits, state, metrics)
+    admission = None
+    rank0 = None
+    if ranks.rank == 0:
+        admission = build_admission(
+            cfg, client, redis_guard, keys, task, resumed, consumer, max_staleness, state, metrics
+        )
+        rank0 = build_rank_zero(cfg, client, keys, device, admission, state, metrics, max_staleness)
+    ledger = Ledger(
+        consumer,
+        ranks,
+        redis_guard,
+        client,
+        admission=admission,
+        covered_at_restart=resumed.covered,
+    )
+    return TrainerParts(
+        cfg=cfg,
+        keys=keys,
+        device=device,
+        ranks=ranks,
+        state=state,
+        client=client,
+        redis=redis_guard,
+        metrics=metrics,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        model=model,
+        ref_model=ref_model,
+        optimizer=optimizer,
+        n_params=n_params,
+        task=task,
+        resumed=resumed,
+        max_staleness=max_staleness,
+        local_groups=cfg.trainer.groups_per_step // ranks.size,
+        sharded=sharded,
+        heartbeat=heartbeat,
+        consumer=consumer,
+        ledger=ledger,
+        rank0=rank0,
+    )
