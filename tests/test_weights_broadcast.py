@@ -80,6 +80,13 @@ class Harness:
             report = next(r for r in got(self.client, RUN, w) if r["version"] == version)
             assert (report["checksum"], report["digest"]) == expected, (w, version)
 
+    def first_version(self, worker: str) -> int:
+        """What `worker`'s first wait for weights returned. Its main thread records it after the
+        weights callback has reported, so a `hold` does not mean it is there yet."""
+        key = first_key(RUN, worker)
+        wait_until(lambda: self.client.get(key) is not None, 60, f"{worker}'s first weights")
+        return int(self.client.get(key))  # type: ignore[arg-type]
+
     def close(self) -> None:
         stop(list(self.procs.values()))
         if self.publisher is not None:
@@ -165,8 +172,7 @@ def test_killed_subscriber_is_dropped_and_a_newcomer_catches_up(harness: Harness
     harness.hold(["a", "c"], 2, expected)
 
     harness.spawn("d")  # joins mid-run: gets the current version before anything else
-    wait_until(lambda: harness.client.get(first_key(RUN, "d")) is not None, 60, "d's first weights")
-    assert int(harness.client.get(first_key(RUN, "d"))) == 2  # type: ignore[arg-type]
+    assert harness.first_version("d") == 2
     harness.hold(["d"], 2, expected)
     assert versions(harness.client, RUN, "a") == [0, 1, 2]
 
@@ -203,7 +209,7 @@ def test_a_worker_restarted_under_its_id_after_it_went_unanswered_gets_the_curre
     wait_until(went_unanswered, 60, "an epoch proposed to the dead a, formed without it")
     harness.spawn("a")
     harness.hold(["a"], 1, expected)
-    assert int(harness.client.get(first_key(RUN, "a"))) == 1  # type: ignore[arg-type]
+    assert harness.first_version("a") == 1
     assert pub.stats().published == 2
 
 
@@ -241,7 +247,7 @@ def test_workers_find_the_publisher_after_redis_comes_back_empty(
     restart_empty(harness.server, tmp_path / "redis-empty")
     harness.spawn("b")  # joins after the loss: only the rendezvous fields can lead it
     harness.hold(["b"], 0, fingerprint(params))
-    assert int(harness.client.get(first_key(RUN, "b"))) == 0  # type: ignore[arg-type]
+    assert harness.first_version("b") == 0
     assert harness.procs["a"].poll() is None
     assert pub.stats().published == 1
 
