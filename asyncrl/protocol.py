@@ -17,6 +17,7 @@ without loading torch.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -184,8 +185,10 @@ class PromptGroup:
     prompt: str
     # Prompt token ids, int32; empty means the worker tokenizes `prompt` itself.
     prompt_ids: np.ndarray
-    # Reference answer handed to the verifier; empty when the task has none.
-    answer: str
+    # Reference answer handed to the verifier; empty when the task has none. Any other plain
+    # value (number, bool, list, string-keyed map: see `plain_value_problem`) travels as JSON
+    # text in the `answer_json` field, beside an empty `answer`.
+    answer: Any
     # Task name, selecting the verifier/environment.
     task: str
     # Number of samples to generate, 1..max_samples.
@@ -250,8 +253,21 @@ def stream_fields(g: TrajectoryGroup) -> dict[bytes | str, bytes]:
     }
 
 
+def plain_value_problem(value: Any) -> str | None:
+    """Why `value` cannot be an answer on the wire, or None: it must come back from JSON as
+    it went in (no tuples, non-string keys, NaN, or objects)."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return f"{type(value).__name__} is not plain data ({exc})"
+    if json.loads(text) != value:
+        return f"{type(value).__name__} does not survive JSON unchanged"
+    return None
+
+
 def encode_prompt(p: PromptGroup) -> bytes:
     """Pack a prompt group (the `data` field of a `prompts` entry). Does not validate."""
+    text = isinstance(p.answer, str)
     return msgpack.packb(
         {
             "schema": p.schema,
@@ -259,7 +275,8 @@ def encode_prompt(p: PromptGroup) -> bytes:
             "prompt_id": p.prompt_id,
             "prompt": p.prompt,
             "prompt_ids": _bin(p.prompt_ids, _I32),
-            "answer": p.answer,
+            "answer": p.answer if text else "",
+            **({} if text else {"answer_json": json.dumps(p.answer, allow_nan=False)}),
             "task": p.task,
             "n": int(p.n),
             "release_version": int(p.release_version),
@@ -342,6 +359,16 @@ def _array(d: dict[str, Any], key: str, dtype: np.dtype, where: str) -> np.ndarr
     return np.frombuffer(raw, dtype=dtype)
 
 
+def _answer(d: dict[str, Any]) -> Any:
+    answer = _take(d, "answer", (str,), "")
+    if "answer_json" not in d:
+        return answer
+    try:  # JSON, never pickle: the text is data only
+        return json.loads(_take(d, "answer_json", (str,), ""))
+    except (ValueError, RecursionError) as exc:
+        raise ValidationError("malformed", f"answer_json: {type(exc).__name__}: {exc}") from None
+
+
 def _decode_sample(d: Any, where: str) -> Sample:
     if type(d) is not dict:
         raise ValidationError(
@@ -399,7 +426,7 @@ def decode_prompt(
         prompt_id=_take(d, "prompt_id", (str,), ""),
         prompt=_take(d, "prompt", (str,), ""),
         prompt_ids=_array(d, "prompt_ids", _I32, ""),
-        answer=_take(d, "answer", (str,), ""),
+        answer=_answer(d),
         task=_take(d, "task", (str,), ""),
         n=_take(d, "n", (int,), ""),
         release_version=_take(d, "release_version", (int,), ""),

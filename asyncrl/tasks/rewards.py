@@ -3,12 +3,17 @@
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from typing import assert_never
+from typing import Any, assert_never
 
-from asyncrl.tasks.config import ExactRewardConfig, MathRewardConfig, RewardConfig
+from asyncrl.tasks.config import (
+    ExactRewardConfig,
+    MathRewardConfig,
+    PythonRewardConfig,
+    RewardConfig,
+)
 
-RewardFn = Callable[[str, str], float]
-"""(response_text, reference_answer) -> reward."""
+RewardFn = Callable[[str, Any], float]
+"""(response_text, reference_answer) -> reward; the answer as the task gives it."""
 
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -82,11 +87,24 @@ def _as_number(s: str) -> Fraction | None:
         return None
 
 
+def _on_text(reward: Callable[[str, str], float]) -> RewardFn:
+    """A text reward that takes a non-string answer (a dataset's number, say) as its `str`."""
+
+    def scored(response: str, answer: Any) -> float:
+        return reward(response, answer if isinstance(answer, str) else str(answer))
+
+    return scored
+
+
 def build_reward(cfg: RewardConfig) -> RewardFn:
     match cfg:
         case ExactRewardConfig():
-            return exact_reward
+            return _on_text(exact_reward)
         case MathRewardConfig():
-            return math_reward
+            return _on_text(math_reward)
+        case PythonRewardConfig():
+            from asyncrl.tasks.plugins import IsolatedReward
+
+            return IsolatedReward(cfg.path, cfg.python_path, cfg.kwargs, cfg.timeout_s)
         case _:
             assert_never(cfg)
