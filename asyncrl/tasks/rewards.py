@@ -21,16 +21,19 @@ _TEXT = re.compile(r"\\(?:text|mathrm)\{([^{}]*)\}")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 
 
-def exact_reward(response: str, reference: str) -> float:
-    return 1.0 if response.strip() == reference.strip() else 0.0
+def exact_reward(response: str, reference: Any) -> float:
+    """1.0 when the stripped response equals the reference (a non-string one as its `str`)."""
+    return 1.0 if response.strip() == str(reference).strip() else 0.0
 
 
-def math_reward(response: str, reference: str) -> float:
+def math_reward(response: str, reference: Any) -> float:
     """1.0 when the response's final answer equals the reference's, else 0.0.
 
     The response must mark its answer (`#### x` or `\\boxed{x}`); a reference without a marker
-    is taken whole. Equal after normalisation, or equal as numbers ("1/2" and "0.5" agree).
+    is taken whole, a non-string one as its `str` (a dataset's number, say). Equal after
+    normalisation, or equal as numbers ("1/2" and "0.5" agree).
     """
+    reference = str(reference)
     answer = extract_final_answer(response)
     if answer is None:
         return 0.0
@@ -87,21 +90,12 @@ def _as_number(s: str) -> Fraction | None:
         return None
 
 
-def _on_text(reward: Callable[[str, str], float]) -> RewardFn:
-    """A text reward that takes a non-string answer (a dataset's number, say) as its `str`."""
-
-    def scored(response: str, answer: Any) -> float:
-        return reward(response, answer if isinstance(answer, str) else str(answer))
-
-    return scored
-
-
 def build_reward(cfg: RewardConfig) -> RewardFn:
     match cfg:
         case ExactRewardConfig():
-            return _on_text(exact_reward)
+            return exact_reward
         case MathRewardConfig():
-            return _on_text(math_reward)
+            return math_reward
         case PythonRewardConfig():
             from asyncrl.tasks.plugins import IsolatedReward
 
