@@ -33,7 +33,10 @@ CHAT = [
     },
     {"messages": [{"role": "user", "content": "2+3="}], "answer": 5},
 ]
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %}+{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    "{% if add_generation_prompt %}+{% endif %}"
+)
 
 
 def _task(path: Path, tokenizer: Any = None, **cfg: Any) -> DatasetTask:

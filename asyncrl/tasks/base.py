@@ -179,8 +179,9 @@ class DatasetError(ValueError):
     """A dataset file or row that cannot be used; the message names the file and the row."""
 
 
-Records = Iterable[tuple[str, object]]
-"""(location, record) pairs of one split: "line 3" of a JSONL file, "row 0" of a table."""
+Records = Iterable[tuple[int, str, object]]
+"""(number, location, record) of each record of one split: (3, "line 3", ...) in a JSONL file,
+(0, "row 0", ...) in a table; the number makes the item's id."""
 
 Messages = list[dict[str, str]]
 
@@ -247,7 +248,7 @@ class RecordsTask:
         fields = (self._cfg.prompt_field, self._cfg.answer_field)
         rows: list[_Row] = []
         bad: list[str] = []
-        for where, record in records:
+        for number, where, record in records:
             values = _check(record, fields)
             if isinstance(values, tuple) and isinstance(values[0], list) and not self._has_template:
                 values = "chat messages need a tokenizer with a chat template"
@@ -256,7 +257,7 @@ class RecordsTask:
                     raise DatasetError(f"{source}: {where}: {values}")
                 bad.append(f"{where}: {values}")
             else:
-                rows.append(_Row(f"{split}:{where.rpartition(' ')[2]}", *values))
+                rows.append(_Row(f"{split}:{number}", *values))
         self.skipped[split] = len(bad)
         if bad:
             log.warning("%s: skipped %d bad rows (first: %s)", source, len(bad), bad[0])
@@ -285,27 +286,27 @@ class _Unparsable:
 
 
 def _records(path: Path, fields: tuple[str, ...]) -> Records:
-    """(location, record) for each row: "line N" in JSONL (from 1, blank lines skipped), "row N"
-    in Parquet and saved datasets (from 0)."""
+    """Each row: "line N" in JSONL (from 1, blank lines skipped), "row N" in Parquet and saved
+    datasets (from 0)."""
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    yield f"line {number}", json.loads(line)
+                    yield number, f"line {number}", json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield f"line {number}", _Unparsable(f"invalid JSON ({e.msg})")
+                    yield number, f"line {number}", _Unparsable(f"invalid JSON ({e.msg})")
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         present = set(pq.read_schema(path).names)
         table = pq.read_table(path, columns=[f for f in fields if f in present])
         for number, record in enumerate(table.to_pylist()):
-            yield f"row {number}", record
+            yield number, f"row {number}", record
     elif path.is_dir():
         for number, record in enumerate(_saved_dataset(path, fields)):
-            yield f"row {number}", record
+            yield number, f"row {number}", record
     else:
         raise DatasetError(
             f"{path}: unsupported file type; use .jsonl, .parquet or a saved dataset's directory"
@@ -343,10 +344,11 @@ def _check(record: object, fields: tuple[str, str]) -> tuple[str | Messages, Any
     for field, value in ((prompt_field, prompt), (answer_field, answer)):
         if value is None:
             return f"missing field {field!r}"
-        if isinstance(value, str | list | dict) and not (
-            value.strip() if isinstance(value, str) else value
-        ):
+        # An empty list or map may be a true answer ("no solutions"); an empty text is not.
+        if isinstance(value, str) and not value.strip():
             return f"field {field!r} is empty"
+    if prompt == []:
+        return f"field {prompt_field!r} is empty"
     if not isinstance(prompt, str) and not _is_messages(prompt):
         return (
             f"field {prompt_field!r} is {type(prompt).__name__}, expected a string or chat "
@@ -389,7 +391,7 @@ def _python_task(cfg: PythonTaskConfig, tokenizer: PreTrainedTokenizerBase) -> T
 
 def _numbered(records: Iterable[object]) -> Records:
     for number, record in enumerate(records):
-        yield f"record {number}", record
+        yield number, f"record {number}", record
 
 
 def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
