@@ -218,6 +218,18 @@ def test_bad_reward_path_is_one_config_line(plugin_dir: Path, override: str, mes
     assert "\n" not in str(err.value)
 
 
+def _print_config(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """`asyncrl launch --print-config` run in `cwd`, as a user starts it there."""
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", "--role", "all", "--print-config", *overrides],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 @pytest.mark.parametrize(
     ("path", "message"),
     [
@@ -228,25 +240,12 @@ def test_bad_reward_path_is_one_config_line(plugin_dir: Path, override: str, mes
 )
 def test_bad_task_path_exits_2_with_one_line(plugin_dir: Path, path: str, message: str) -> None:
     """Through the CLI, as a user meets it: one line, no traceback, before anything starts."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "launch",
-            "--role",
-            "all",
-            "--print-config",
-            "task.type=python",
-            f"task.python_path=[{plugin_dir}]",
-            f"task.path={path}",
-            "model.build_tiny=false",
-        ],
-        cwd=plugin_dir,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = _print_config(
+        plugin_dir,
+        "task.type=python",
+        f"task.python_path=[{plugin_dir}]",
+        f"task.path={path}",
+        "model.build_tiny=false",
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
@@ -256,24 +255,11 @@ def test_bad_task_path_exits_2_with_one_line(plugin_dir: Path, path: str, messag
 
 def test_working_directory_is_on_the_import_path(plugin_dir: Path) -> None:
     """`python_path` left out: a module beside where asyncrl is started is found."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "launch",
-            "--role",
-            "all",
-            "--print-config",
-            "task.type=arithmetic",
-            "task.reward.type=python",
-            "task.reward.path=userpkg.funcs:exact",
-        ],
-        cwd=plugin_dir,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = _print_config(
+        plugin_dir,
+        "task.type=arithmetic",
+        "task.reward.type=python",
+        "task.reward.path=userpkg.funcs:exact",
     )
     assert proc.returncode == 0, proc.stderr
     assert "path: userpkg.funcs:exact" in proc.stdout

@@ -13,7 +13,6 @@ import shutil
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +52,6 @@ def score(response, answer):
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    srv = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 def _user_dir(tmp_path: Path) -> Path:
     user = tmp_path / "user_code"
     user.mkdir()
@@ -89,13 +79,13 @@ def _evals(run: Run) -> list[float]:
 
 @pytest.mark.slow
 def test_own_task_and_async_reward_learn(
-    server: RedisServer, warm_model: Path, tmp_path: Path
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path
 ) -> None:
     user = _user_dir(tmp_path)
     shutil.copy(EXAMPLE, user / "my_task.py")
     run = launch_all(
         tmp_path / "run",
-        server.url,
+        redis_server.url,
         warm_model,
         "plugin-learns",
         _python_task(user, "my_task:make", "my_task:score", timeout_s=10),
@@ -121,14 +111,14 @@ def test_own_task_and_async_reward_learn(
 
 @pytest.mark.slow
 def test_failing_rewards_are_dead_letters_by_reason_and_the_run_finishes(
-    server: RedisServer, warm_model: Path, tmp_path: Path
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path
 ) -> None:
     user = _user_dir(tmp_path)
     (user / "flaky.py").write_text(textwrap.dedent(FAILING))
     steps, groups = 4, 8
     run = launch_all(
         tmp_path / "run",
-        server.url,
+        redis_server.url,
         warm_model,
         "plugin-fails",
         _python_task(user, "flaky:make", "flaky:score", timeout_s=1),
