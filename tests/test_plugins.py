@@ -295,3 +295,14 @@ def test_a_broken_json_answer_is_a_malformed_prompt() -> None:
     with pytest.raises(ValidationError) as err:
         decode_prompt(data)
     assert err.value.reason == "malformed"
+
+
+def test_example_reward_scores_through_its_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncrl.tasks.rewards import build_reward
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config(REPO / "examples" / "custom_reward" / "config.yaml")
+    reward = build_reward(cfg.task.reward)
+    assert reward(" 46", "46") == 1.0
+    assert reward("45", "46") == 0.1  # partial_credit from the config's kwargs
+    assert reward("4", "46") == 0.0
