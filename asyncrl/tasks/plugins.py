@@ -19,9 +19,10 @@ import asyncio
 import importlib
 import inspect
 import math
-import multiprocessing
 import numbers
 import os
+import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -37,7 +38,7 @@ REWARD_ERROR, REWARD_TIMEOUT, REWARD_INVALID = "reward_error", "reward_timeout",
 # in heavy libraries, and the config already proved the module imports.
 _START_TIMEOUT_S = 120.0
 _DETAIL_CHARS = 2000
-_EXIT_WAIT_S = 5.0
+_EXIT_WAIT_S = 5.0  # a child that died by itself is reaped a moment after its pipe closes
 
 
 class RewardFailure(Exception):
@@ -111,80 +112,109 @@ def reward_call(kwargs: dict[str, Any]) -> str:
 
 class IsolatedReward:
     """`fn(response, answer, **kwargs)` of a user module, run in a child process; a
-    `RewardFn`. Thread-safe: calls are serialised (the scheduler scores one at a time)."""
+    `RewardFn`. Thread-safe: calls are serialised (the scheduler scores one at a time).
+
+    The child is a fresh interpreter (`python -m asyncrl.tasks.plugins`), not a
+    multiprocessing spawn, which would re-run the parent's main script in it; it talks msgpack
+    over two pipes and ends when the parent closes them or dies.
+    """
 
     def __init__(
         self, path: str, python_path: Sequence[str], kwargs: dict[str, Any], timeout_s: float
     ) -> None:
-        self._args = (path, list(python_path), dict(kwargs))
+        self._setup = msgpack.packb([path, list(python_path), dict(kwargs)])
+        self._path = path
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._send: Connection | None = None
+        self._recv: Connection | None = None
         self._start()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id; None between a failed call and the next."""
+        return None if self._proc is None else self._proc.pid
 
     def __call__(self, response: str, answer: Any) -> float:
         with self._lock:
-            if self._conn is None:
+            if self._proc is None:
                 self._start()
-            assert self._conn is not None
+            assert self._send is not None and self._recv is not None
             try:
-                self._conn.send_bytes(msgpack.packb([response, answer]))
-                if not self._conn.poll(self._timeout_s):
+                self._send.send_bytes(msgpack.packb([response, answer]))
+                if not self._recv.poll(self._timeout_s):
                     self._stop()
                     raise RewardFailure(REWARD_TIMEOUT, f"no result in {self._timeout_s}s")
-                status, value = msgpack.unpackb(self._conn.recv_bytes())
+                status, value = msgpack.unpackb(self._recv.recv_bytes())
             except (EOFError, OSError):
-                code = None
-                if self._proc is not None:
-                    self._proc.join(_EXIT_WAIT_S)  # its pipe closes a moment before it is reaped
-                    code = self._proc.exitcode
-                self._stop()
-                raise RewardFailure(REWARD_ERROR, f"reward process exited ({code})") from None
+                raise RewardFailure(
+                    REWARD_ERROR, f"reward process exited ({self._stop(_EXIT_WAIT_S)})"
+                ) from None
         if status != "ok":
             raise RewardFailure(status, value)
         return float(value)
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")  # fork is unsafe beside engine threads
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, *self._args), daemon=True)
-        proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
-        if not parent.poll(_START_TIMEOUT_S):
-            self._stop()
-            raise RuntimeError(f"reward {self._args[0]}: no answer in {_START_TIMEOUT_S}s")
+        to_child, from_parent = os.pipe()
+        from_child, to_parent = os.pipe()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(to_child), str(to_parent)],
+            pass_fds=(to_child, to_parent),
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": pythonpath},
+        )
+        os.close(to_child)
+        os.close(to_parent)
+        self._send = Connection(from_parent, readable=False)
+        self._recv = Connection(from_child, writable=False)
         try:
-            status, detail = msgpack.unpackb(parent.recv_bytes())
+            self._send.send_bytes(self._setup)
+            ready = self._recv.poll(_START_TIMEOUT_S)
+            status, detail = msgpack.unpackb(self._recv.recv_bytes()) if ready else ("", "")
         except (EOFError, OSError):
-            status, detail = "error", f"reward process exited ({proc.exitcode})"
+            status, detail = "error", f"reward process exited ({self._stop(_EXIT_WAIT_S)})"
         if status != "ready":
             self._stop()
-            raise RuntimeError(f"reward {self._args[0]}: {detail}")
+            raise RuntimeError(f"reward {self._path}: {detail or 'no answer'}")
 
-    def _stop(self) -> None:
+    def _stop(self, wait_s: float = 0.0) -> int | None:
+        """Kill the child unless it exits within `wait_s`, and close the pipes; its exit
+        code."""
+        code = None
         if self._proc is not None:
-            self._proc.kill()
-            self._proc.join()
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
+            try:
+                code = self._proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                code = self._proc.wait()
+        for conn in (self._send, self._recv):
+            if conn is not None:
+                conn.close()
+        self._proc = self._send = self._recv = None
+        return code
 
 
-def _serve(conn: Connection, path: str, python_path: list[str], kwargs: dict[str, Any]) -> None:
-    """The child: import the function, then answer [response, answer] messages with
-    ["ok", float] or [reason, detail] until the parent closes the pipe."""
+def _serve(recv: Connection, send: Connection) -> None:
+    """The child: read [path, python_path, kwargs], import the function, then answer
+    [response, answer] messages with ["ok", float] or [reason, detail] until the parent
+    closes the pipe."""
+    # Ctrl-C in a terminal reaches the whole process group: the worker drains on it and still
+    # scores, so the child leaves it to the worker, which ends it by closing the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    path, python_path, kwargs = msgpack.unpackb(recv.recv_bytes())
     try:
         fn = load_object(path, python_path)
     except ValueError as exc:
-        conn.send_bytes(msgpack.packb(["error", str(exc)]))
+        send.send_bytes(msgpack.packb(["error", str(exc)]))
         return
-    conn.send_bytes(msgpack.packb(["ready", ""]))
+    send.send_bytes(msgpack.packb(["ready", ""]))
     loop = asyncio.new_event_loop()
     while True:
         try:
-            response, answer = msgpack.unpackb(conn.recv_bytes())
+            response, answer = msgpack.unpackb(recv.recv_bytes())
         except EOFError:  # the parent is gone or done
             return
         try:
@@ -195,7 +225,7 @@ def _serve(conn: Connection, path: str, python_path: list[str], kwargs: dict[str
             reply = [REWARD_ERROR, traceback.format_exc()[-_DETAIL_CHARS:]]
         else:
             reply = _checked(value)
-        conn.send_bytes(msgpack.packb(reply))
+        send.send_bytes(msgpack.packb(reply))
 
 
 def _checked(value: Any) -> list[Any]:
@@ -205,3 +235,9 @@ def _checked(value: Any) -> list[Any]:
     if not math.isfinite(value):
         return [REWARD_INVALID, f"returned {value!r}, not finite"]
     return ["ok", float(value)]
+
+
+if __name__ == "__main__":
+    _serve(
+        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+    )
