@@ -66,11 +66,11 @@ class PythonRewardConfig(_PluginConfig):
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: str, info: ValidationInfo) -> str:
-        from asyncrl.tasks.plugins import check_signature, load_object, reward_call
+        from asyncrl.tasks.plugins import call_shape, check_signature, load_object
 
         kwargs = info.data.get("kwargs", {})
         fn = load_object(path, info.data.get("python_path", []))
-        check_signature(fn, reward_call(kwargs), "", None, **kwargs)
+        check_signature(fn, call_shape("fn", ["response", "answer"], kwargs), "", None, **kwargs)
         return path
 
 
@@ -162,11 +162,11 @@ class PythonTaskConfig(_PluginConfig, _RecordsConfig):
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: str, info: ValidationInfo) -> str:
-        from asyncrl.tasks.plugins import check_signature, factory_kwargs, load_object
+        from asyncrl.tasks.plugins import call_shape, check_signature, factory_kwargs, load_object
 
         factory = load_object(path, info.data.get("python_path", []))
         kwargs = factory_kwargs(factory, info.data.get("kwargs", {}), tokenizer=None)
-        check_signature(factory, f"factory({', '.join(f'{k}=...' for k in kwargs)})", **kwargs)
+        check_signature(factory, call_shape("factory", [], kwargs), **kwargs)
         return path
 
 

@@ -106,8 +106,9 @@ def factory_kwargs(
     return {**kwargs, "tokenizer": tokenizer} if wants else dict(kwargs)
 
 
-def reward_call(kwargs: dict[str, Any]) -> str:
-    return f"fn(response, answer{''.join(f', {k}=...' for k in kwargs)})"
+def call_shape(name: str, args: Sequence[str], kwargs: dict[str, Any]) -> str:
+    """How a plugin is called, for errors: `fn(response, answer, bonus=...)`."""
+    return f"{name}({', '.join([*args, *(f'{k}=...' for k in kwargs)])})"
 
 
 class IsolatedReward:
