@@ -89,22 +89,23 @@ def test_own_task_and_async_reward_learn(
         warm_model,
         "plugin-learns",
         _python_task(user, "my_task:make", "my_task:score", timeout_s=10),
-        "task.kwargs={eval_size: 200}",
-        "trainer.max_steps=30",
+        "task.kwargs={eval_size: 400}",
+        "trainer.max_steps=32",
         "trainer.groups_per_step=32",
-        "trainer.lr_decay=none",
-        "trainer.eval_every=5",
-        "trainer.eval_size=200",
+        "trainer.eval_every=4",
+        "trainer.eval_size=400",
         "trainer.eval_temperature=1.0",
     )
     assert run.rc == 0, run.output[-5000:]
     rewards = [s["reward_mean"] for s in run.steps]
-    assert len(rewards) == 30
+    assert len(rewards) == 32
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
     evals = _evals(run)
-    assert len(evals) == 6
-    # Held out: the warmed model samples about a third right; training sharpens it.
-    assert max(evals[-2:]) > evals[0] + 0.1, evals
+    assert len(evals) == 8
+    # Held out: the warmed model samples about 0.3 right at step 4 and about 0.5 by the end
+    # (400 prompts: a standard error near 0.025 per evaluation; the quickstart's cosine decay
+    # steadies the last steps).
+    assert sum(evals[-3:]) / 3 > evals[0] + 0.1, evals
     assert run.status["balanced"] is True
     assert run.status["counters"]["groups_dead_lettered"] == 0
 
