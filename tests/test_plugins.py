@@ -306,3 +306,44 @@ def test_example_reward_scores_through_its_config(monkeypatch: pytest.MonkeyPatc
     assert reward(" 46", "46") == 1.0
     assert reward("45", "46") == 0.1  # partial_credit from the config's kwargs
     assert reward("4", "46") == 0.0
+
+
+@pytest.mark.parametrize("task_type", ["arithmetic", "agentic"])
+@pytest.mark.parametrize(("name", "reason"), [("boom", "reward_error"), ("nan", "reward_invalid")])
+def test_scheduler_fails_the_group_with_the_rewards_reason(
+    plugin_dir: Path, task_type: str, name: str, reason: str
+) -> None:
+    """Scored inline (one-turn tasks) or inside an environment step (agentic): the group's
+    reason is the reward's, not `task_error` or `env_error`."""
+    from test_agentic import PARAMS, ScriptedEngine, digit
+
+    from asyncrl.engines.tiny_model import EOS_ID
+    from asyncrl.rollout.episodes import EpisodeScheduler
+
+    tok = build_tokenizer()
+    cfg = load_config(
+        None,
+        [
+            f"task.type={task_type}",
+            "task.eval_size=1",
+            "task.train_size=1",
+            *(["task.turns=2", "task.tool_latency_median_s=0"] if task_type == "agentic" else []),
+            "task.reward.type=python",
+            f"task.reward.python_path=[{plugin_dir}]",
+            f"task.reward.path=userpkg.funcs:{name}",
+        ],
+    )
+    task = build_task(cfg.task, tok)
+    sched: EpisodeScheduler[str] = EpisodeScheduler(
+        ScriptedEngine([digit(1), EOS_ID]), task, tok, PARAMS
+    )
+    sched.start("g", task.train_items(0, 0)[0], 2, "g")
+    failed = []
+    deadline = time.monotonic() + 30
+    while not failed:
+        assert time.monotonic() < deadline
+        finished, failed = sched.advance(0.05)
+        assert finished == []
+    sched.close()
+    assert [(f.tag, f.reason) for f in failed] == [("g", reason)]
+    assert sched.inflight == 0
