@@ -17,9 +17,10 @@ without loading torch.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import msgpack
@@ -184,8 +185,10 @@ class PromptGroup:
     prompt: str
     # Prompt token ids, int32; empty means the worker tokenizes `prompt` itself.
     prompt_ids: np.ndarray
-    # Reference answer handed to the verifier; empty when the task has none.
-    answer: str
+    # Reference answer handed to the verifier; empty when the task has none. Any other plain
+    # value (number, bool, list, string-keyed map: see `plain_value_problem`) travels as JSON
+    # text in the `answer_json` field, beside an empty `answer`.
+    answer: Any
     # Task name, selecting the verifier/environment.
     task: str
     # Number of samples to generate, 1..max_samples.
@@ -222,12 +225,19 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
     return out
 
 
-def _pack(message: TrajectoryGroup | PromptGroup, casts: dict[str, Callable[[Any], Any]]) -> bytes:
+def _pack(
+    message: TrajectoryGroup | PromptGroup,
+    casts: dict[str, Callable[[Any], Any]],
+    extra: dict[str, Any] | None = None,
+) -> bytes:
     """A message as its wire map: `schema` first (readers check it before anything else), then
     the fields in the order the dataclass declares them — that order is the wire's, and
-    `asyncrl.provenance` finds `group_id` near the top — each through its cast if it has one."""
+    `asyncrl.provenance` finds `group_id` near the top — each through its cast if it has one,
+    then `extra` wire-only fields."""
     names = ["schema", *(f.name for f in fields(message) if f.name != "schema")]
-    return msgpack.packb({n: casts.get(n, _same)(getattr(message, n)) for n in names})
+    return msgpack.packb(
+        {**{n: casts.get(n, _same)(getattr(message, n)) for n in names}, **(extra or {})}
+    )
 
 
 def _same(value: Any) -> Any:
@@ -268,9 +278,25 @@ def stream_fields(g: TrajectoryGroup) -> dict[bytes | str, bytes]:
     }
 
 
+def plain_value_problem(value: Any) -> str | None:
+    """Why `value` cannot be an answer on the wire, or None: it must come back from JSON as
+    it went in (no tuples, non-string keys, NaN, or objects)."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return f"{type(value).__name__} is not plain data ({exc})"
+    if json.loads(text) != value:
+        return f"{type(value).__name__} does not survive JSON unchanged"
+    return None
+
+
 def encode_prompt(p: PromptGroup) -> bytes:
     """Pack a prompt group (the `data` field of a `prompts` entry). Does not validate."""
-    return _pack(p, _PROMPT_CASTS)
+    if isinstance(p.answer, str):
+        return _pack(p, _PROMPT_CASTS)
+    # Any other plain answer goes as JSON text beside an empty `answer`, which stays a string.
+    answer_json = json.dumps(p.answer, allow_nan=False)
+    return _pack(replace(p, answer=""), _PROMPT_CASTS, {"answer_json": answer_json})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +373,16 @@ def _array(d: dict[str, Any], key: str, dtype: np.dtype, where: str) -> np.ndarr
     return np.frombuffer(raw, dtype=dtype)
 
 
+def _answer(d: dict[str, Any]) -> Any:
+    answer = _take(d, "answer", (str,), "")
+    if "answer_json" not in d:
+        return answer
+    try:  # JSON, never pickle: the text is data only
+        return json.loads(_take(d, "answer_json", (str,), ""))
+    except (ValueError, RecursionError) as exc:
+        raise ValidationError("malformed", f"answer_json: {type(exc).__name__}: {exc}") from None
+
+
 def _decode_sample(d: Any, where: str) -> Sample:
     if type(d) is not dict:
         raise ValidationError(
@@ -404,7 +440,7 @@ def decode_prompt(
         prompt_id=_take(d, "prompt_id", (str,), ""),
         prompt=_take(d, "prompt", (str,), ""),
         prompt_ids=_array(d, "prompt_ids", _I32, ""),
-        answer=_take(d, "answer", (str,), ""),
+        answer=_answer(d),
         task=_take(d, "task", (str,), ""),
         n=_take(d, "n", (int,), ""),
         release_version=_take(d, "release_version", (int,), ""),

@@ -20,11 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shipped_run_configs() -> list[Path]:
-    return sorted((ROOT / "configs").glob("*.yaml"))
+    return sorted([*(ROOT / "configs").glob("*.yaml"), *(ROOT / "examples").rglob("*.yaml")])
 
 
-@pytest.mark.parametrize("path", _shipped_run_configs(), ids=lambda p: p.name)
-def test_every_shipped_config_parses(path: Path) -> None:
+@pytest.mark.parametrize("path", _shipped_run_configs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_config_parses(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Examples name their plugins' directories relative to the repo root, where they are run.
+    monkeypatch.chdir(ROOT)
     cfg = load_config(path)
     assert cfg.run.id
 

@@ -14,7 +14,7 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-from role_procs import QUICKSTART, Run, asyncrl, check_accounting
+from role_procs import Run, asyncrl, check_accounting, launch_all
 
 # The first test pays for building the warmed model and the run (over a minute on 2 busy cores).
 pytestmark = pytest.mark.timeout(900)
@@ -22,55 +22,6 @@ pytestmark = pytest.mark.timeout(900)
 ETA = 1
 ASYNC_STEPS = 25
 ASYNC_GROUPS = 32
-
-
-def launch_all(
-    run_dir: Path, url: str, model: Path, run_id: str, *overrides: str, mode: str = "async"
-) -> Run:
-    # Everything the assertions rely on is pinned here: the quickstart file is tuned separately.
-    proc = asyncrl(
-        "launch",
-        "--role",
-        "all",
-        "--config",
-        str(QUICKSTART),
-        "--progress",
-        "quiet",
-        "--fresh",
-        "--mode",
-        mode,
-        f"run.id={run_id}",
-        f"run.dir={run_dir}",
-        f"redis.url={url}",
-        f"model.path={model}",
-        "model.build_tiny=false",
-        "metrics.port=0",
-        "rollout.workers=1",
-        "rollout.sampling.temperature=1.0",
-        "rollout.sampling.max_new_tokens=4",
-        "trainer.eval_every=0",
-        "trainer.checkpoint_every=10",
-        "trainer.keep_checkpoints=2",
-        "trainer.wait_timeout_s=120",
-        "weights.type=broadcast",
-        *overrides,
-        timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    log = run_dir / "metrics.jsonl"
-    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    status = asyncrl(
-        "status", "--json", "--config", str(run_dir / "config.yaml"), f"redis.url={url}"
-    )
-    assert status.returncode == 0, status.stderr
-    return Run(
-        dir=run_dir,
-        url=url,
-        rc=proc.returncode,
-        output=output,
-        steps=[line for line in lines if "reward_mean" in line],
-        status=json.loads(status.stdout),
-    )
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,7 @@ def test_eval_file_and_default_math_reward(tmp_path: Path) -> None:
     ("row", "message"),
     [
         ({"answer": "3"}, "line 2: missing field 'prompt'"),
-        ({"prompt": "1+2=", "answer": 3}, "line 2: field 'answer' is int, expected a string"),
+        ({"prompt": 3, "answer": "3"}, "line 2: field 'prompt' is int, expected a string or chat"),
         ({"prompt": "  ", "answer": "3"}, "line 2: field 'prompt' is empty"),
         ("{not json\n", "line 2: invalid JSON"),
         ([1, 2], "line 2: expected an object, got list"),

@@ -39,6 +39,7 @@ from asyncrl.engines.base import EngineError, Generation, RolloutEngine
 from asyncrl.engines.config import SamplingParams
 from asyncrl.protocol import Sample
 from asyncrl.tasks.base import Environment, EpisodicTask, PromptItem, Task
+from asyncrl.tasks.plugins import RewardFailure
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -86,7 +87,9 @@ class FailedGroup(Generic[T]):
     reason: str
     """Short stable code: `engine_{reason}` of an EngineError, `engine_error` for any other
     failure of a generate call, `task_error` for one of the task's own code (its environment
-    constructor, score or reward), or `env_error` for a failed environment step."""
+    constructor, score or reward), `reward_error`, `reward_timeout` or `reward_invalid` for a
+    call of a `reward.type: python` function that raised, timed out or returned no finite
+    number (wherever it was called), or `env_error` for a failed environment step."""
     detail: str
 
 
@@ -275,7 +278,9 @@ class EpisodeScheduler(Generic[T]):
         for ep, result in returned:
             if ep.group.failed:
                 continue
-            if isinstance(result, Exception):
+            if isinstance(result, RewardFailure):
+                self._fail(ep.group, result.reason, result.detail)
+            elif isinstance(result, Exception):
                 self._fail(ep.group, "env_error", _describe(result))
             elif result is None:
                 env = ep.env
@@ -346,6 +351,10 @@ class EpisodeScheduler(Generic[T]):
         """End `ep` with the reward the task's code computes; its group fails if that raises."""
         try:
             value = reward()
+        except RewardFailure as exc:  # the user's reward, isolated: its own reason, no trace here
+            log.warning("reward failed: %s", exc)
+            self._fail(ep.group, exc.reason, exc.detail)
+            return
         except Exception as exc:
             log.exception("scoring an episode failed")
             self._fail(ep.group, "task_error", _describe(exc))

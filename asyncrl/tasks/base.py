@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, assert_never, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, assert_never, overload, runtime_checkable
 
 import numpy as np
 
+from asyncrl.protocol import plain_value_problem
 from asyncrl.tasks.config import (
     AgenticTaskConfig,
     ArithmeticTaskConfig,
     DatasetTaskConfig,
+    PythonTaskConfig,
     TaskConfig,
 )
 from asyncrl.tasks.rewards import build_reward
@@ -38,8 +40,9 @@ class PromptItem:
     prompt_ids: list[int]
     """The token ids the engine conditions on (chat template and special tokens applied)."""
 
-    answer: str
-    """Reference answer handed to the reward."""
+    answer: Any
+    """Reference answer handed to the reward as the task gives it: a string, or a plain value
+    (number, bool, list, string-keyed map of those) that travels on the wire unchanged."""
 
 
 class Task(Protocol):
@@ -176,29 +179,43 @@ class DatasetError(ValueError):
     """A dataset file or row that cannot be used; the message names the file and the row."""
 
 
+Records = Iterable[tuple[int, str, object]]
+"""(number, location, record) of each record of one split: (3, "line 3", ...) in a JSONL file,
+(0, "row 0", ...) in a table; the number makes the item's id."""
+
+Messages = list[dict[str, str]]
+
+
 @dataclass(frozen=True)
 class _Row:
     prompt_id: str
-    prompt: str
-    answer: str
+    prompt: str | Messages
+    """Text, or chat messages."""
+    answer: Any
 
 
-class DatasetTask:
-    """Prompts and answers from JSONL or Parquet files.
+class RecordsTask:
+    """Prompts and answers from records: rows of a dataset, or a task factory's records.
 
-    Rows are validated when the task is built, so a bad file fails at start-up, not hours into
-    a run. `skipped` counts the rows dropped per split under `skip_bad_rows`.
+    Records are validated when the task is built, so bad data fails at start-up, not hours into
+    a run. `skipped` counts the records dropped per split under `skip_bad_rows`.
     """
 
-    def __init__(self, cfg: DatasetTaskConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        cfg: DatasetTaskConfig | PythonTaskConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        train: tuple[str, Records],
+        evals: tuple[str, Records] | None,
+    ) -> None:
         self._cfg = cfg
         self._tokenizer = tokenizer
         self._reward = build_reward(cfg.reward)
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        self._chat = has_template if cfg.chat_template is None else cfg.chat_template
+        self._has_template = getattr(tokenizer, "chat_template", None) is not None
+        self._chat = self._has_template if cfg.chat_template is None else cfg.chat_template
         self.skipped: dict[str, int] = {}
-        self._train = self._load("train", cfg.train_file)
-        self._eval = [] if cfg.eval_file is None else self._load("eval", cfg.eval_file)
+        self._train = self._load("train", *train)
+        self._eval = [] if evals is None else self._load("eval", *evals)
 
     def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
         rows = self._train
@@ -212,35 +229,55 @@ class DatasetTask:
         return self._reward(response_text, item.answer)
 
     def _item(self, row: _Row) -> PromptItem:
+        if isinstance(row.prompt, list):
+            ids = self._render(row.prompt)
+            return PromptItem(row.prompt_id, row.prompt[-1]["content"], ids, row.answer)
         if self._chat:
-            turn = [{"role": "user", "content": row.prompt}]
-            text = self._tokenizer.apply_chat_template(
-                turn, tokenize=False, add_generation_prompt=True
-            )
-            ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = self._render([{"role": "user", "content": row.prompt}])
         else:
             ids = self._tokenizer(row.prompt)["input_ids"]
         return PromptItem(row.prompt_id, row.prompt, ids, row.answer)
 
-    def _load(self, split: str, file: str) -> list[_Row]:
-        path = Path(file)
+    def _render(self, messages: Messages) -> list[int]:
+        text = self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _load(self, split: str, source: str, records: Records) -> list[_Row]:
         fields = (self._cfg.prompt_field, self._cfg.answer_field)
         rows: list[_Row] = []
         bad: list[str] = []
-        for number, where, record in _records(path, fields):
+        for number, where, record in records:
             values = _check(record, fields)
+            if isinstance(values, tuple) and isinstance(values[0], list) and not self._has_template:
+                values = "chat messages need a tokenizer with a chat template"
             if isinstance(values, str):
                 if not self._cfg.skip_bad_rows:
-                    raise DatasetError(f"{path}: {where}: {values}")
+                    raise DatasetError(f"{source}: {where}: {values}")
                 bad.append(f"{where}: {values}")
             else:
                 rows.append(_Row(f"{split}:{number}", *values))
         self.skipped[split] = len(bad)
         if bad:
-            log.warning("%s: skipped %d bad rows (first: %s)", path, len(bad), bad[0])
+            log.warning("%s: skipped %d bad rows (first: %s)", source, len(bad), bad[0])
         if not rows:
-            raise DatasetError(f"{path}: no usable rows ({len(bad)} bad)")
+            raise DatasetError(f"{source}: no usable rows ({len(bad)} bad)")
         return rows
+
+
+class DatasetTask(RecordsTask):
+    """Prompts and answers from JSONL or Parquet files, or saved Hugging Face datasets."""
+
+    def __init__(self, cfg: DatasetTaskConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        fields = (cfg.prompt_field, cfg.answer_field)
+        train = (cfg.train_file, _records(Path(cfg.train_file), fields))
+        evals = (
+            None
+            if cfg.eval_file is None
+            else (cfg.eval_file, _records(Path(cfg.eval_file), fields))
+        )
+        super().__init__(cfg, tokenizer, train, evals)
 
 
 @dataclass(frozen=True)
@@ -248,9 +285,9 @@ class _Unparsable:
     reason: str
 
 
-def _records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, str, object]]:
-    """(number, location, record) for each row: "line N" in JSONL (from 1, blank lines
-    skipped), "row N" in Parquet (from 0)."""
+def _records(path: Path, fields: tuple[str, ...]) -> Records:
+    """Each row: "line N" in JSONL (from 1, blank lines skipped), "row N" in Parquet and saved
+    datasets (from 0)."""
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
@@ -267,27 +304,94 @@ def _records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, str, ob
         table = pq.read_table(path, columns=[f for f in fields if f in present])
         for number, record in enumerate(table.to_pylist()):
             yield number, f"row {number}", record
+    elif path.is_dir():
+        for number, record in enumerate(_saved_dataset(path, fields)):
+            yield number, f"row {number}", record
     else:
-        raise DatasetError(f"{path}: unsupported file type; use .jsonl or .parquet")
+        raise DatasetError(
+            f"{path}: unsupported file type; use .jsonl, .parquet or a saved dataset's directory"
+        )
 
 
-def _check(record: object, fields: tuple[str, str]) -> tuple[str, str] | str:
-    """The (prompt, answer) strings of a record, or why it is unusable."""
+def _saved_dataset(path: Path, fields: tuple[str, ...]) -> Iterable[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(
+            f"{path}: reading a saved dataset needs the `datasets` package "
+            "(pip install 'asyncrl[data]')"
+        ) from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as exc:
+        raise DatasetError(f"{path}: not a saved dataset ({exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = ", ".join(f"{path}/{name}" for name in loaded)
+        raise DatasetError(f"{path}: holds several splits; name one: {splits}")
+    present = [f for f in fields if f in loaded.column_names]
+    return loaded.select_columns(present)
+
+
+def _check(record: object, fields: tuple[str, str]) -> tuple[str | Messages, Any] | str:
+    """The (prompt, answer) of a record, or why it is unusable."""
     if isinstance(record, _Unparsable):
         return record.reason
     if not isinstance(record, dict):
         return f"expected an object, got {type(record).__name__}"
-    values = []
-    for field in fields:
-        value = record.get(field)
+    prompt_field, answer_field = fields
+    prompt: Any = record.get(prompt_field)
+    answer: Any = record.get(answer_field)
+    for field, value in ((prompt_field, prompt), (answer_field, answer)):
         if value is None:
             return f"missing field {field!r}"
-        if not isinstance(value, str):
-            return f"field {field!r} is {type(value).__name__}, expected a string"
-        if not value.strip():
+        # An empty list or map may be a true answer ("no solutions"); an empty text is not.
+        if isinstance(value, str) and not value.strip():
             return f"field {field!r} is empty"
-        values.append(value)
-    return values[0], values[1]
+    if prompt == []:
+        return f"field {prompt_field!r} is empty"
+    if not isinstance(prompt, str) and not _is_messages(prompt):
+        return (
+            f"field {prompt_field!r} is {type(prompt).__name__}, expected a string or chat "
+            "messages (a list of {role, content} strings)"
+        )
+    problem = plain_value_problem(answer)
+    if problem is not None:
+        return f"field {answer_field!r}: {problem}"
+    return prompt, answer
+
+
+def _is_messages(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+
+
+def _python_task(cfg: PythonTaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
+    """The user's factory called once; its `Task` as it is, or its records wrapped."""
+    from asyncrl.tasks.plugins import factory_kwargs, load_object
+
+    factory = load_object(cfg.path, cfg.python_path)
+    made = factory(**factory_kwargs(factory, cfg.kwargs, tokenizer))
+    if all(callable(getattr(made, m, None)) for m in ("train_items", "eval_items", "score")):
+        return made
+    if isinstance(made, Mapping) and "train" in made and set(made) <= {"train", "eval"}:
+        evals = made.get("eval")
+        return RecordsTask(
+            cfg,
+            tokenizer,
+            (f"{cfg.path} train", _numbered(made["train"])),
+            None if evals is None else (f"{cfg.path} eval", _numbered(evals)),
+        )
+    raise DatasetError(
+        f"task.path: {cfg.path} returned {type(made).__name__}; expected a Task "
+        "(train_items, eval_items, score) or {'train': records, 'eval': records}"
+    )
+
+
+def _numbered(records: Iterable[object]) -> Records:
+    for number, record in enumerate(records):
+        yield number, f"record {number}", record
 
 
 def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
@@ -300,5 +404,7 @@ def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
             from asyncrl.tasks.agentic import AgenticTask  # it builds on this module
 
             return AgenticTask(cfg, tokenizer)
+        case PythonTaskConfig():
+            return _python_task(cfg, tokenizer)
         case _:
             assert_never(cfg)

@@ -2,9 +2,9 @@
 without it. Backends are chosen by `type` (pydantic discriminated unions).
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from asyncrl.configbase import Section
 
@@ -23,7 +23,60 @@ class MathRewardConfig(Section):
     """Reward backend."""
 
 
-RewardConfig = Annotated[ExactRewardConfig | MathRewardConfig, Field(discriminator="type")]
+class _PluginConfig(Section):
+    """User code by import path (`asyncrl.tasks.plugins`). `python_path` and `kwargs` come
+    before `path` because checking `path` needs them."""
+
+    type: str
+    """Backend; each member narrows it to its tag (declared here so that it comes first)."""
+
+    python_path: list[str] = Field(default_factory=list)
+    """Directories put first on `sys.path` before `path` is imported (relative ones against the
+    working directory); the working directory itself is always on it."""
+
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the function on every call."""
+
+    @field_validator("python_path")
+    @classmethod
+    def _absolute(cls, dirs: list[str]) -> list[str]:
+        from asyncrl.tasks.plugins import absolute_dirs
+
+        return absolute_dirs(dirs)
+
+
+class PythonRewardConfig(_PluginConfig):
+    """Your own reward: `fn(response: str, answer: Any, **kwargs) -> float` (or an `async def`
+    returning one). `response` is the decoded response (special tokens removed), `answer` the
+    item's reference answer as the task gives it (a dataset's value as stored: str, number,
+    list or map). It runs in a child process of its own. A call that raises, outlives
+    `timeout_s` or returns a non-number or a non-finite number fails the episode's group, which
+    is dead-lettered with reason `reward_error`, `reward_timeout` or `reward_invalid`."""
+
+    type: Literal["python"] = "python"
+    """Reward backend."""
+
+    path: str
+    """"package.module:function", imported from `python_path`, the working directory and
+    PYTHONPATH; checked when the config loads."""
+
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds one call may take; past that its process is killed and restarted."""
+
+    @field_validator("path")
+    @classmethod
+    def _resolve(cls, path: str, info: ValidationInfo) -> str:
+        from asyncrl.tasks.plugins import call_shape, check_signature, load_object
+
+        kwargs = info.data.get("kwargs", {})
+        fn = load_object(path, info.data.get("python_path", []))
+        check_signature(fn, call_shape("fn", ["response", "answer"], kwargs), "", None, **kwargs)
+        return path
+
+
+RewardConfig = Annotated[
+    ExactRewardConfig | MathRewardConfig | PythonRewardConfig, Field(discriminator="type")
+]
 
 
 class ArithmeticTaskConfig(Section):
@@ -48,32 +101,73 @@ class ArithmeticTaskConfig(Section):
     """How a response is scored against the sum."""
 
 
-class DatasetTaskConfig(Section):
-    """Prompts and reference answers read from JSONL or Parquet files."""
+class _RecordsConfig(Section):
+    """How records (dataset rows, a factory's records) become prompts and answers."""
+
+    type: str
+    """Backend; each member narrows it to its tag (declared here so that it comes first)."""
+
+    prompt_field: str = "prompt"
+    """Field holding the prompt: a string, or chat messages (a list of `{role, content}`),
+    which are rendered with the tokenizer's chat template."""
+
+    answer_field: str = "answer"
+    """Field holding the reference answer, handed to the reward as stored: a string, a number,
+    a list or a map."""
+
+    chat_template: bool | None = None
+    """Wrap each string prompt as a user turn of the tokenizer's chat template; None: when it
+    has one. Chat messages are always rendered with it."""
+
+    skip_bad_rows: bool = False
+    """Skip and count rows with a missing or empty field, or a prompt that is neither a string
+    nor chat messages, instead of failing."""
+
+
+class DatasetTaskConfig(_RecordsConfig):
+    """Prompts and reference answers read from JSONL or Parquet files, or from a Hugging Face
+    dataset saved with `save_to_disk` (needs the `datasets` extra)."""
 
     type: Literal["dataset"] = "dataset"
     """Task backend."""
 
     train_file: str
-    """Train split: a `.jsonl` or `.parquet` file."""
+    """Train split: a `.jsonl` or `.parquet` file, or the directory of a saved dataset (of a
+    saved `DatasetDict`: the split's directory, e.g. `data/gsm8k/train`)."""
 
     eval_file: str | None = None
     """Held-out split, same formats; None: no eval split."""
 
-    prompt_field: str = "prompt"
-    """Column holding the prompt text."""
-
-    answer_field: str = "answer"
-    """Column holding the reference answer text."""
-
-    chat_template: bool | None = None
-    """Wrap each prompt as a user turn of the tokenizer's chat template; None: when it has one."""
-
-    skip_bad_rows: bool = False
-    """Skip and count rows with a missing, non-string or empty field instead of failing."""
-
     reward: RewardConfig = Field(default_factory=MathRewardConfig)
     """How a response is scored against the answer."""
+
+
+class PythonTaskConfig(_PluginConfig, _RecordsConfig):
+    """Your own task: `factory(**kwargs)` (given `tokenizer=` too when it has a `tokenizer`
+    parameter) returns either a `Task` (`asyncrl.tasks.base.Task`: `train_items`,
+    `eval_items`, `score`; `reward` is then unused), or a map `{"train": records, "eval":
+    records}` ("eval" optional) of iterables of records (maps), read like dataset rows and
+    scored with `reward`. Called once per role at start-up."""
+
+    type: Literal["python"] = "python"
+    """Task backend."""
+
+    path: str
+    """"package.module:factory", imported from `python_path`, the working directory and
+    PYTHONPATH; checked when the config loads."""
+
+    reward: RewardConfig = Field(default_factory=ExactRewardConfig)
+    """How a response is scored against a record's answer (records only)."""
+
+    @field_validator("path")
+    @classmethod
+    def _resolve(cls, path: str, info: ValidationInfo) -> str:
+        from asyncrl.tasks.plugins import call_shape, check_signature, factory_kwargs, load_object
+
+        factory = load_object(path, info.data.get("python_path", []))
+        kwargs = factory_kwargs(factory, info.data.get("kwargs", {}), tokenizer=None)
+        check_signature(factory, call_shape("factory", [], kwargs), **kwargs)
+        return path
 
 
 class AgenticTaskConfig(Section):
@@ -115,5 +209,6 @@ class AgenticTaskConfig(Section):
 
 
 TaskConfig = Annotated[
-    ArithmeticTaskConfig | DatasetTaskConfig | AgenticTaskConfig, Field(discriminator="type")
+    ArithmeticTaskConfig | DatasetTaskConfig | AgenticTaskConfig | PythonTaskConfig,
+    Field(discriminator="type"),
 ]

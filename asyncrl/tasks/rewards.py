@@ -3,12 +3,17 @@
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from typing import assert_never
+from typing import Any, assert_never
 
-from asyncrl.tasks.config import ExactRewardConfig, MathRewardConfig, RewardConfig
+from asyncrl.tasks.config import (
+    ExactRewardConfig,
+    MathRewardConfig,
+    PythonRewardConfig,
+    RewardConfig,
+)
 
-RewardFn = Callable[[str, str], float]
-"""(response_text, reference_answer) -> reward."""
+RewardFn = Callable[[str, Any], float]
+"""(response_text, reference_answer) -> reward; the answer as the task gives it."""
 
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -16,16 +21,19 @@ _TEXT = re.compile(r"\\(?:text|mathrm)\{([^{}]*)\}")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 
 
-def exact_reward(response: str, reference: str) -> float:
-    return 1.0 if response.strip() == reference.strip() else 0.0
+def exact_reward(response: str, reference: Any) -> float:
+    """1.0 when the stripped response equals the reference (a non-string one as its `str`)."""
+    return 1.0 if response.strip() == str(reference).strip() else 0.0
 
 
-def math_reward(response: str, reference: str) -> float:
+def math_reward(response: str, reference: Any) -> float:
     """1.0 when the response's final answer equals the reference's, else 0.0.
 
     The response must mark its answer (`#### x` or `\\boxed{x}`); a reference without a marker
-    is taken whole. Equal after normalisation, or equal as numbers ("1/2" and "0.5" agree).
+    is taken whole, a non-string one as its `str` (a dataset's number, say). Equal after
+    normalisation, or equal as numbers ("1/2" and "0.5" agree).
     """
+    reference = str(reference)
     answer = extract_final_answer(response)
     if answer is None:
         return 0.0
@@ -88,5 +96,9 @@ def build_reward(cfg: RewardConfig) -> RewardFn:
             return exact_reward
         case MathRewardConfig():
             return math_reward
+        case PythonRewardConfig():
+            from asyncrl.tasks.plugins import IsolatedReward
+
+            return IsolatedReward(cfg.path, cfg.python_path, cfg.kwargs, cfg.timeout_s)
         case _:
             assert_never(cfg)

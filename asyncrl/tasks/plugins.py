@@ -1,0 +1,244 @@
+"""User code by import path: a reward function or a task factory from outside the package.
+
+`load_object("mypkg.rewards:score", python_path)` imports `mypkg.rewards` with the given
+directories and the working directory on `sys.path`, and returns its `score`. Configs call it
+when they are validated, so a path that does not import or a function that cannot take the
+call fails the config with one line naming the key, before any process starts.
+
+A reward runs in a child process of its own (`IsolatedReward`), one call at a time: a call that
+raises, outlives `timeout_s` or returns anything but a finite number raises `RewardFailure`
+with a stable reason, and the scheduler fails the episode's group with that reason (dead
+letter, counted) — the worker goes on. A thread that never returns cannot be stopped, a process
+can: a timed-out call's process is killed, and the next call starts a fresh one, so a reward
+that hangs costs `timeout_s` plus a restart per call, never a leaked thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import numbers
+import os
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+
+REWARD_ERROR, REWARD_TIMEOUT, REWARD_INVALID = "reward_error", "reward_timeout", "reward_invalid"
+
+# The child imports the user's module before it answers: generous, since that import may pull
+# in heavy libraries, and the config already proved the module imports.
+_START_TIMEOUT_S = 120.0
+_DETAIL_CHARS = 2000
+_EXIT_WAIT_S = 5.0  # a child that died by itself is reaped a moment after its pipe closes
+
+
+class RewardFailure(Exception):
+    """A reward call that produced no usable number; `reason` is one of `REWARD_ERROR`,
+    `REWARD_TIMEOUT`, `REWARD_INVALID` (the group's dead-letter reason)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def absolute_dirs(dirs: Sequence[str]) -> list[str]:
+    """`python_path` entries made absolute against the working directory, so that the resolved
+    config means the same in every role it is handed to."""
+    return [os.path.abspath(d) for d in dirs]
+
+
+def load_object(path: str, python_path: Sequence[str] = ()) -> Callable[..., Any]:
+    """The callable named by `path` ("package.module:name", name may be dotted); ValueError
+    with a one-line reason when the path is malformed, does not import, or names no callable."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{path!r}: expected 'package.module:function'")
+    for entry in reversed(python_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    # `python -m asyncrl` has the working directory on the path; the `asyncrl` script does not.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is a config error
+        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{path!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def check_signature(fn: Callable[..., Any], call: str, *args: Any, **kwargs: Any) -> None:
+    """ValueError unless `fn(*args, **kwargs)` binds; `call` shows the expected call."""
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # some builtins have none: the first call will tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"cannot be called as {call}: {exc}") from None
+
+
+def factory_kwargs(
+    factory: Callable[..., Any], kwargs: dict[str, Any], tokenizer: Any
+) -> dict[str, Any]:
+    """The keyword arguments a task factory is called with: `kwargs`, and the tokenizer when
+    it has a `tokenizer` parameter."""
+    try:
+        wants = "tokenizer" in inspect.signature(factory).parameters
+    except ValueError:
+        wants = False
+    return {**kwargs, "tokenizer": tokenizer} if wants else dict(kwargs)
+
+
+def call_shape(name: str, args: Sequence[str], kwargs: dict[str, Any]) -> str:
+    """How a plugin is called, for errors: `fn(response, answer, bonus=...)`."""
+    return f"{name}({', '.join([*args, *(f'{k}=...' for k in kwargs)])})"
+
+
+class IsolatedReward:
+    """`fn(response, answer, **kwargs)` of a user module, run in a child process; a
+    `RewardFn`. Thread-safe: calls are serialised (the scheduler scores one at a time).
+
+    The child is a fresh interpreter (`python -m asyncrl.tasks.plugins`), not a
+    multiprocessing spawn, which would re-run the parent's main script in it; it talks msgpack
+    over two pipes and ends when the parent closes them or dies.
+    """
+
+    def __init__(
+        self, path: str, python_path: Sequence[str], kwargs: dict[str, Any], timeout_s: float
+    ) -> None:
+        self._setup = msgpack.packb([path, list(python_path), dict(kwargs)])
+        self._path = path
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._send: Connection | None = None
+        self._recv: Connection | None = None
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id; None between a failed call and the next."""
+        return None if self._proc is None else self._proc.pid
+
+    def __call__(self, response: str, answer: Any) -> float:
+        with self._lock:
+            if self._proc is None:
+                self._start()
+            assert self._send is not None and self._recv is not None
+            try:
+                self._send.send_bytes(msgpack.packb([response, answer]))
+                if not self._recv.poll(self._timeout_s):
+                    self._stop()
+                    raise RewardFailure(REWARD_TIMEOUT, f"no result in {self._timeout_s}s")
+                status, value = msgpack.unpackb(self._recv.recv_bytes())
+            except (EOFError, OSError):
+                raise RewardFailure(
+                    REWARD_ERROR, f"reward process exited ({self._stop(_EXIT_WAIT_S)})"
+                ) from None
+        if status != "ok":
+            raise RewardFailure(status, value)
+        return float(value)
+
+    def _start(self) -> None:
+        to_child, from_parent = os.pipe()
+        from_child, to_parent = os.pipe()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(to_child), str(to_parent)],
+            pass_fds=(to_child, to_parent),
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": pythonpath},
+        )
+        os.close(to_child)
+        os.close(to_parent)
+        self._send = Connection(from_parent, readable=False)
+        self._recv = Connection(from_child, writable=False)
+        try:
+            self._send.send_bytes(self._setup)
+            ready = self._recv.poll(_START_TIMEOUT_S)
+            status, detail = msgpack.unpackb(self._recv.recv_bytes()) if ready else ("", "")
+        except (EOFError, OSError):
+            status, detail = "error", f"reward process exited ({self._stop(_EXIT_WAIT_S)})"
+        if status != "ready":
+            self._stop()
+            raise RuntimeError(f"reward {self._path}: {detail or 'no answer'}")
+
+    def _stop(self, wait_s: float = 0.0) -> int | None:
+        """Kill the child unless it exits within `wait_s`, and close the pipes; its exit
+        code."""
+        code = None
+        if self._proc is not None:
+            try:
+                code = self._proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                code = self._proc.wait()
+        for conn in (self._send, self._recv):
+            if conn is not None:
+                conn.close()
+        self._proc = self._send = self._recv = None
+        return code
+
+
+def _serve(recv: Connection, send: Connection) -> None:
+    """The child: read [path, python_path, kwargs], import the function, then answer
+    [response, answer] messages with ["ok", float] or [reason, detail] until the parent
+    closes the pipe."""
+    # Ctrl-C in a terminal reaches the whole process group: the worker drains on it and still
+    # scores, so the child leaves it to the worker, which ends it by closing the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    path, python_path, kwargs = msgpack.unpackb(recv.recv_bytes())
+    try:
+        fn = load_object(path, python_path)
+    except ValueError as exc:
+        send.send_bytes(msgpack.packb(["error", str(exc)]))
+        return
+    send.send_bytes(msgpack.packb(["ready", ""]))
+    loop = asyncio.new_event_loop()
+    while True:
+        try:
+            response, answer = msgpack.unpackb(recv.recv_bytes())
+        except EOFError:  # the parent is gone or done
+            return
+        try:
+            value = fn(response, answer, **kwargs)
+            if inspect.isawaitable(value):
+                value = loop.run_until_complete(value)
+        except Exception:
+            reply = [REWARD_ERROR, traceback.format_exc()[-_DETAIL_CHARS:]]
+        else:
+            reply = _checked(value)
+        send.send_bytes(msgpack.packb(reply))
+
+
+def _checked(value: Any) -> list[Any]:
+    """["ok", value] for a finite real number (bools and numpy scalars included)."""
+    if not isinstance(value, numbers.Real):
+        return [REWARD_INVALID, f"returned {type(value).__name__} {value!r:.200}, not a number"]
+    if not math.isfinite(value):
+        return [REWARD_INVALID, f"returned {value!r}, not finite"]
+    return ["ok", float(value)]
+
+
+if __name__ == "__main__":
+    _serve(
+        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+    )
