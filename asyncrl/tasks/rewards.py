@@ -1,9 +1,13 @@
 """Rewards: a response text and a reference answer in, a float out; chosen by config `type`."""
 
+from __future__ import annotations
+
 import re
+import threading
 from collections.abc import Callable
 from fractions import Fraction
-from typing import assert_never
+from functools import lru_cache
+from typing import Any, assert_never
 
 from asyncrl.tasks.config import ExactRewardConfig, MathRewardConfig, RewardConfig
 
@@ -11,9 +15,10 @@ RewardFn = Callable[[str, str], float]
 """(response_text, reference_answer) -> reward."""
 
 _HASHES = re.compile(r"####\s*([^\n]*)")
-_FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
-_TEXT = re.compile(r"\\(?:text|mathrm)\{([^{}]*)\}")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""Bound of one math-verify parse or comparison on the main thread (math-verify's own alarm)."""
 
 
 def exact_reward(response: str, reference: str) -> float:
@@ -21,65 +26,53 @@ def exact_reward(response: str, reference: str) -> float:
 
 
 def math_reward(response: str, reference: str) -> float:
-    """1.0 when the response's final answer equals the reference's, else 0.0.
+    """1.0 when the response's final answer is mathematically equal to the reference's, else 0.0.
 
-    The response must mark its answer (`#### x` or `\\boxed{x}`); a reference without a marker
-    is taken whole. Equal after normalisation, or equal as numbers ("1/2" and "0.5" agree).
+    The final answer is the text after the last `#### ` line (GSM8K) when there is one, else the
+    whole text, which math-verify searches: the last `\\boxed{}` first, then LaTeX and plain
+    expressions (the last number of a sentence). A reference without `####` is read as LaTeX
+    (`x + 1`, `\\frac{1}{2}`). Plain numbers on both sides, the common case, are compared
+    exactly without math-verify: the same verdict, a hundred times cheaper.
+
+    math-verify bounds its work with SIGALRM, which only the main thread may set; elsewhere (an
+    environment's thread) it runs unbounded, so a pathological expression can stall that thread.
     """
-    answer = extract_final_answer(response)
-    if answer is None:
+    answer = final_answer(response)
+    want = final_answer(reference)
+    got_n, want_n = _plain_number(answer), _plain_number(want)
+    if got_n is not None and want_n is not None:
+        return 1.0 if got_n == want_n else 0.0
+    from math_verify import parse, verify
+
+    timeout = (
+        MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    )
+    gold = _parse_reference(want, timeout)
+    if not gold:
         return 0.0
-    ref = extract_final_answer(reference)
-    got, want = normalize_answer(answer), normalize_answer(reference if ref is None else ref)
-    if got == want:
-        return 1.0
-    got_n, want_n = _as_number(got), _as_number(want)
-    return 1.0 if got_n is not None and got_n == want_n else 0.0
+    target = parse(answer, parsing_timeout=timeout)  # type: ignore[arg-type]
+    return 1.0 if target and verify(gold, target, timeout_seconds=timeout) else 0.0
 
 
-def extract_final_answer(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (nested braces allowed) or `#### ...` line,
-    whichever comes later; None when there is neither."""
-    boxed_at = text.rfind("\\boxed")
+def final_answer(text: str) -> str:
+    """The text after the last `####` marker (GSM8K's answer line), else the whole text."""
     hashes = list(_HASHES.finditer(text))
-    if hashes and hashes[-1].start() > boxed_at:
-        return hashes[-1].group(1)
-    if boxed_at < 0:
+    return (hashes[-1].group(1) if hashes else text).strip()
+
+
+def _plain_number(text: str) -> Fraction | None:
+    if not _PLAIN_NUMBER.fullmatch(text):
         return None
-    return _leading_group(text[boxed_at + len("\\boxed") :].lstrip())
+    return Fraction(text.replace(",", ""))
 
 
-def _leading_group(text: str) -> str | None:
-    """The inside of the brace group `text` starts with; None if none or it never closes."""
-    if not text.startswith("{"):
-        return None
-    depth = 0
-    for i, char in enumerate(text):
-        depth += {"{": 1, "}": -1}.get(char, 0)
-        if depth == 0:
-            return text[1:i]
-    return None
+@lru_cache(maxsize=4096)
+def _parse_reference(reference: str, timeout: int | None) -> list[Any]:
+    """Parsed once per reference: a group's n responses are all scored against the same one."""
+    from math_verify import parse
 
-
-def normalize_answer(answer: str) -> str:
-    """Canonical text of an answer: no spaces, `$`, thousands commas, `\\text{}` or trailing
-    zeros after a decimal point; `\\frac{a}{b}` becomes `a/b`."""
-    s = _TEXT.sub(r"\1", answer)
-    s = _FRAC.sub(r"\1/\2", s)
-    s = s.replace("$", "").replace("\\!", "").replace("\\,", "")
-    s = "".join(s.split()).rstrip(".")
-    s = _THOUSANDS.sub("", s)
-    s = s.removeprefix("+")
-    if re.fullmatch(r"-?\d+\.\d*", s):
-        s = s.rstrip("0").rstrip(".")
-    return s
-
-
-def _as_number(s: str) -> Fraction | None:
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
+    latex = reference if "$" in reference or "\\boxed" in reference else f"${reference}$"
+    return list(parse(latex, parsing_timeout=timeout))  # type: ignore[arg-type]
 
 
 def build_reward(cfg: RewardConfig) -> RewardFn:
