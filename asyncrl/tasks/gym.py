@@ -50,21 +50,37 @@ def check_task(cfg: TaskConfig) -> str | None:
     return f"task.name: unknown reasoning-gym dataset {cfg.name!r} ({hint})"
 
 
+def characters(cfg: ReasoningGymTaskConfig) -> str:
+    """Every character of the task's questions and answers, in first-seen order: the vocabulary
+    of a char-level model for it (`tools/make_tiny_model.py --random-for`)."""
+    chars: dict[str, None] = {}
+    for dataset in _datasets(cfg):
+        for entry in dataset:
+            chars.update(dict.fromkeys(f"{entry['question']}{entry['answer']}"))
+    return "".join(chars)
+
+
+def _datasets(cfg: ReasoningGymTaskConfig) -> tuple[Any, Any]:
+    """The train and held-out generators."""
+    import reasoning_gym
+
+    eval_seed = cfg.seed + cfg.size if cfg.eval_seed is None else cfg.eval_seed
+    train = reasoning_gym.create_dataset(
+        cfg.name, **{**cfg.config, "seed": cfg.seed, "size": cfg.size}
+    )
+    held_out = reasoning_gym.create_dataset(
+        cfg.name, **{**cfg.config, "seed": eval_seed, "size": cfg.eval_size}
+    )
+    return train, held_out
+
+
 class ReasoningGymTask:
     """A reasoning-gym dataset's train and held-out splits (see the module docstring)."""
 
     def __init__(self, cfg: ReasoningGymTaskConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        import reasoning_gym
-
         self._tokenizer = tokenizer
         self._chat = use_chat(tokenizer, cfg.chat_template)
-        eval_seed = cfg.seed + cfg.size if cfg.eval_seed is None else cfg.eval_seed
-        self._dataset = reasoning_gym.create_dataset(
-            cfg.name, **{**cfg.config, "seed": cfg.seed, "size": cfg.size}
-        )
-        held_out = reasoning_gym.create_dataset(
-            cfg.name, **{**cfg.config, "seed": eval_seed, "size": cfg.eval_size}
-        )
+        self._dataset, held_out = _datasets(cfg)
         self._eval = [(f"eval:{i}", entry) for i, entry in enumerate(held_out)]
         questions = {entry["question"] for _, entry in self._eval}
         train = [(f"train:{i}", e) for i, e in enumerate(self._dataset)]

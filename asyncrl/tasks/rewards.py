@@ -14,7 +14,6 @@ from asyncrl.tasks.config import ExactRewardConfig, MathRewardConfig, RewardConf
 RewardFn = Callable[[str, str], float]
 """(response_text, reference_answer) -> reward."""
 
-_HASHES = re.compile(r"####\s*([^\n]*)")
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 MATH_VERIFY_TIMEOUT_S = 5
@@ -55,15 +54,19 @@ def math_reward(response: str, reference: str) -> float:
 
 
 def final_answer(text: str) -> str:
-    """The text after the last `####` marker (GSM8K's answer line), else the whole text."""
-    hashes = list(_HASHES.finditer(text))
-    return (hashes[-1].group(1) if hashes else text).strip()
+    """The rest of the line after the last `####` marker (GSM8K's answer line), else the whole
+    text; stripped."""
+    at = text.rfind("####")
+    if at < 0:
+        return text.strip()
+    return text[at + 4 :].lstrip().partition("\n")[0].strip()
 
 
-def _plain_number(text: str) -> Fraction | None:
+def _plain_number(text: str) -> int | Fraction | None:
     if not _PLAIN_NUMBER.fullmatch(text):
         return None
-    return Fraction(text.replace(",", ""))
+    digits = text.replace(",", "")
+    return Fraction(digits) if "." in digits else int(digits)
 
 
 @lru_cache(maxsize=4096)
