@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shipped_run_configs() -> list[Path]:
-    return sorted((ROOT / "configs").glob("*.yaml"))
+    return sorted([*(ROOT / "configs").glob("*.yaml"), *(ROOT / "examples").glob("*.yaml")])
 
 
 @pytest.mark.parametrize("path", _shipped_run_configs(), ids=lambda p: p.name)

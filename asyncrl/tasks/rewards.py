@@ -49,7 +49,7 @@ def math_reward(response: str, reference: str) -> float:
     gold = _parse_reference(want, timeout)
     if not gold:
         return 0.0
-    target = parse(answer, parsing_timeout=timeout)  # type: ignore[arg-type]
+    target = parse(answer, parsing_timeout=timeout)
     return 1.0 if target and verify(gold, target, timeout_seconds=timeout) else 0.0
 
 
@@ -75,7 +75,7 @@ def _parse_reference(reference: str, timeout: int | None) -> list[Any]:
     from math_verify import parse
 
     latex = reference if "$" in reference or "\\boxed" in reference else f"${reference}$"
-    return list(parse(latex, parsing_timeout=timeout))  # type: ignore[arg-type]
+    return list(parse(latex, parsing_timeout=timeout))
 
 
 def build_reward(cfg: RewardConfig) -> RewardFn:
