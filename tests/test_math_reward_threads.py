@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncrl.tasks import rewards
+from asyncrl.tasks import deadline, rewards
+from asyncrl.tasks.deadline import call_with_deadline
 from asyncrl.tasks.rewards import math_reward
 
 # sympy takes ~25 s on 2 busy cores to tell these apart: an answer a policy could emit.
@@ -70,7 +71,7 @@ def test_a_deadline_lands_inside_the_call_or_never() -> None:
         scores = []
         for i in range(200):
             try:
-                score = rewards._DEADLINES.call(0.008, busy, str(2 + 3 * (i % 12)), "")
+                score = call_with_deadline(0.008, busy, str(2 + 3 * (i % 12)), "")
             except TimeoutError:
                 score = -1.0  # interrupted in the call, caught as math_reward catches it
             scores.append(score)
@@ -80,9 +81,11 @@ def test_a_deadline_lands_inside_the_call_or_never() -> None:
     scores = on_a_thread(many)
     assert isinstance(scores, list), scores
     assert scores.count(1.0) > 10 and scores.count(-1.0) > 10, scores
+    time.sleep(0.2)
+    assert not deadline._WATCHDOG._calls  # none left behind for the watchdog to wake for
 
     def swallowing() -> float:
-        return rewards._DEADLINES.call(0.01, busy, "60000", "swallow")
+        return call_with_deadline(0.01, busy, "60000", "swallow")
 
     start = time.monotonic()
     assert isinstance(on_a_thread(swallowing), TimeoutError)  # a later one landed outside `try`
