@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 
-from asyncrl.config import load_config
+from asyncrl.config import ConfigError, load_config
 from asyncrl.engines.tiny_model import SPECIAL_TOKENS, build_tokenizer, save_random_tiny_model
 from asyncrl.tasks.base import build_task
 from asyncrl.tasks.config import ReasoningGymTaskConfig
@@ -125,6 +125,24 @@ def test_unknown_dataset_names_close_matches() -> None:
     assert problem is not None and problem.startswith("task.name: ")
     assert "basic_arithmetic" in problem
     assert check_task(ReasoningGymTaskConfig(name="gcd")) is None
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"min_valu": 1}, "unexpected keyword argument 'min_valu'"),
+        ({"min_value": 50, "max_value": 10}, "max_value must be > min_value"),
+    ],
+)
+def test_the_datasets_own_config_is_checked(config: dict[str, object], says: str) -> None:
+    problem = check_task(ReasoningGymTaskConfig(name="gcd", config=config))
+    assert problem is not None and problem.startswith("task.config: ") and says in problem
+    assert problem.endswith("(gcd takes min_numbers, max_numbers, min_value, max_value)")
+
+
+def test_split_keys_belong_to_the_task_not_the_dataset_config() -> None:
+    with pytest.raises(ConfigError, match=r"task\.config: seed: set task\.seed"):
+        load_config(EXAMPLE, ["task.config.seed=3"])
 
 
 @pytest.mark.parametrize("role", ["trainer", "all"])

@@ -4,7 +4,7 @@ without it. Backends are chosen by `type` (pydantic discriminated unions).
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from asyncrl.configbase import Section
 
@@ -127,7 +127,16 @@ class ReasoningGymTaskConfig(Section):
     ...); checked when a role starts."""
 
     config: dict[str, Any] = Field(default_factory=dict)
-    """The dataset's own config keys (e.g. `min_digits`), passed to `create_dataset`."""
+    """The dataset's own config keys (e.g. `min_digits`), passed to `create_dataset`; checked
+    against the dataset's config class when a role starts. Its seed and size are `seed`/`size`
+    (train) and `eval_seed`/`eval_size` (held out)."""
+
+    @field_validator("config")
+    @classmethod
+    def _no_split_keys(cls, config: dict[str, Any]) -> dict[str, Any]:
+        if clash := sorted({"seed", "size"} & config.keys()):
+            raise ValueError(f"{', '.join(clash)}: set task.seed / task.size instead")
+        return config
 
     seed: int = 0
     """Seed of the train split's generator."""

@@ -17,6 +17,7 @@ positions index the kept train items, so the data cursor contract of `Task` hold
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 from collections.abc import Sequence
@@ -34,20 +35,29 @@ log = logging.getLogger(__name__)
 
 
 def check_task(cfg: TaskConfig) -> str | None:
-    """A config error for a reasoning-gym task whose dataset name is unknown, with close
-    matches; None otherwise. Imports reasoning-gym (seconds), so roles call it at start-up,
-    not the config loader."""
+    """A config error for a reasoning-gym task whose dataset name is unknown (with close
+    matches) or whose dataset config its config class rejects; None otherwise. Imports
+    reasoning-gym (seconds), so roles call it at start-up, not the config loader."""
     if not isinstance(cfg, ReasoningGymTaskConfig):
         return None
     try:
         from reasoning_gym.factory import DATASETS
     except ImportError:
         return "task.type: reasoning_gym needs reasoning-gym: pip install 'asyncrl[gym]'"
-    if cfg.name in DATASETS:
-        return None
-    close = difflib.get_close_matches(cfg.name, DATASETS, n=3)
-    hint = f"did you mean {', '.join(close)}?" if close else f"one of {len(DATASETS)} names"
-    return f"task.name: unknown reasoning-gym dataset {cfg.name!r} ({hint})"
+    if cfg.name not in DATASETS:
+        close = difflib.get_close_matches(cfg.name, DATASETS, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"one of {len(DATASETS)} names"
+        return f"task.name: unknown reasoning-gym dataset {cfg.name!r} ({hint})"
+    config_cls = DATASETS[cfg.name][1]
+    try:
+        config = config_cls(**{**cfg.config, "seed": cfg.seed, "size": cfg.size})
+        if hasattr(config, "validate"):
+            config.validate()
+    except (TypeError, ValueError, AssertionError) as exc:
+        fields = dataclasses.fields(config_cls) if dataclasses.is_dataclass(config_cls) else ()
+        keys = ", ".join(f.name for f in fields if f.name not in ("seed", "size"))
+        return f"task.config: {exc or type(exc).__name__} ({cfg.name} takes {keys or '?'})"
+    return None
 
 
 def characters(cfg: ReasoningGymTaskConfig) -> str:
