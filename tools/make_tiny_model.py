@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def main() -> None:
@@ -33,8 +34,6 @@ def main() -> None:
         if not isinstance(task, ReasoningGymTaskConfig):
             parser.error(f"--random-for: {args.random_for} has task.type={task.type}")
         chars = characters(task)
-        from pathlib import Path
-
         if not is_complete(Path(args.out)):
             save_random_tiny_model(args.out, seed=args.seed, chars=chars)
         print(json.dumps({"out": args.out, "chars": len(chars)}))
