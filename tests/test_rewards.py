@@ -1,13 +1,7 @@
 import pytest
 
 from asyncrl.tasks.config import ExactRewardConfig, MathRewardConfig
-from asyncrl.tasks.rewards import (
-    build_reward,
-    exact_reward,
-    extract_final_answer,
-    math_reward,
-    normalize_answer,
-)
+from asyncrl.tasks.rewards import build_reward, exact_reward, final_answer, math_reward
 
 
 @pytest.mark.parametrize(
@@ -15,53 +9,49 @@ from asyncrl.tasks.rewards import (
     [
         ("so 6 * 7 = 42\n#### 42", "42"),
         ("#### 1\nwait, no\n#### 2\n", "2"),
-        ("the answer is \\boxed{17}.", "17"),
-        ("\\boxed{\\frac{1}{2}} is it", "\\frac{1}{2}"),
-        ("first \\boxed{1}, finally \\boxed {\\text{x}^{2}}", "\\text{x}^{2}"),
-        ("#### 5 then \\boxed{6}", "6"),
         ("\\boxed{6} then\n#### 5", "5"),
-        ("no marker: 42", None),
-        ("\\boxed{unclosed", None),
-        ("\\boxed 7", None),
+        ("no marker: 42", "no marker: 42"),
     ],
 )
-def test_extract_final_answer(text: str, answer: str | None) -> None:
-    assert extract_final_answer(text) == answer
-
-
-@pytest.mark.parametrize(
-    ("raw", "normal"),
-    [
-        ("1,234,567", "1234567"),
-        (" 42 ", "42"),
-        ("3.0", "3"),
-        ("2.50", "2.5"),
-        ("$12$", "12"),
-        ("+7.", "7"),
-        ("\\frac{3}{4}", "3/4"),
-        ("\\dfrac{3}{4}", "3/4"),
-        ("3 / 4", "3/4"),
-        ("5\\text{ apples}", "5apples"),
-        ("1,2", "1,2"),
-    ],
-)
-def test_normalize_answer(raw: str, normal: str) -> None:
-    assert normalize_answer(raw) == normal
+def test_final_answer_is_after_the_last_hashes(text: str, answer: str) -> None:
+    assert final_answer(text) == answer
 
 
 @pytest.mark.parametrize(
     ("response", "reference", "reward"),
     [
+        # GSM8K answer lines, on either side
         ("#### 1,000", "1000", 1.0),
+        ("#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
+        ("#### 71", "72", 0.0),
+        ("\\boxed{6} then\n#### 5", "5", 1.0),
+        ("#### 5 then \\boxed{6}", "6", 1.0),
+        # \boxed{}, nested braces and LaTeX
+        ("the answer is \\boxed{17}.", "17", 1.0),
         ("\\boxed{1000.00}", "1000", 1.0),
         ("\\boxed{0.5}", "1/2", 1.0),
         ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+        ("$\\frac{3}{4}$", "3 / 4", 1.0),
         ("\\boxed{-3}", "-3", 1.0),
-        ("#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
-        ("#### 71", "72", 0.0),
-        ("72", "72", 0.0),
         ("\\boxed{x+1}", "x + 1", 1.0),
+        ("\\boxed{x+1}", "x + 2", 0.0),
         ("\\boxed{1/0}", "2", 0.0),
+        ("\\boxed{unclosed", "5", 0.0),
+        # equal as numbers, whatever the spelling
+        ("#### 1,234,567", "1234567", 1.0),
+        ("#### 3.0", "3", 1.0),
+        ("#### 2.50", "2.5", 1.0),
+        ("#### +7", "7", 1.0),
+        ("#### $12$", "12", 1.0),
+        ("#### 1,2", "12", 0.0),  # not a thousands separator
+        # math-verify reads an unmarked response too: its last number
+        ("72", "72", 1.0),
+        ("so 6 * 7 = 42", "42", 1.0),
+        ("no answer here", "5", 0.0),
+        ("", "5", 0.0),
+        # math-verify's rule: several boxed answers are one set
+        ("first \\boxed{1}, finally \\boxed{2}", "2", 0.0),
     ],
 )
 def test_math_reward(response: str, reference: str, reward: float) -> None:

@@ -103,7 +103,8 @@ def test_eval_file_and_default_math_reward(tmp_path: Path) -> None:
     (item,) = task.eval_items()
     assert item.prompt_id == "eval:1" and item.prompt_ids == TOKENIZER("5+5=")["input_ids"]
     assert task.score(item, "so the answer is \\boxed{10}") == 1.0
-    assert task.score(item, "10") == 0.0  # math reward needs a marked answer
+    assert task.score(item, "10") == 1.0  # math-verify reads an unmarked answer too
+    assert task.score(item, "\\boxed{11}") == 0.0
     assert list(_dataset(train).eval_items()) == []
 
 

@@ -54,9 +54,10 @@ class TinyModelInfo(TypedDict):
     build_seconds: float
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; encoding prepends <bos>, decoding joins characters."""
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token=None))
+def build_tokenizer(vocab: Sequence[str] = VOCAB) -> PreTrainedTokenizerFast:
+    """One token per character of `vocab` (the special tokens first); encoding prepends <bos>,
+    decoding joins characters."""
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(
@@ -68,10 +69,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def new_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
+def new_tiny_model(seed: int = 0, vocab_size: int = len(VOCAB)) -> Qwen2ForCausalLM:
     """A randomly initialised 124k-parameter Qwen2: hidden 64, 2 layers, 4 heads / 2 kv heads."""
     config = Qwen2Config(
-        vocab_size=len(VOCAB),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -88,11 +89,13 @@ def new_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
         return Qwen2ForCausalLM(config)
 
 
-def save_random_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """An untrained tiny model and its tokenizer in `out_dir` (for tests and benchmarks)."""
+def save_random_tiny_model(out_dir: str | Path, seed: int = 0, chars: str | None = None) -> Path:
+    """An untrained tiny model and its tokenizer in `out_dir` (for tests and benchmarks); `chars`
+    replaces the arithmetic characters of the vocabulary (a task with other text)."""
     out = Path(out_dir)
-    new_tiny_model(seed).save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
+    vocab = VOCAB if chars is None else (*SPECIAL_TOKENS, *dict.fromkeys(chars))
+    new_tiny_model(seed, len(vocab)).save_pretrained(out)
+    build_tokenizer(vocab).save_pretrained(out)
     return out
 
 

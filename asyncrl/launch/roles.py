@@ -19,9 +19,11 @@ def setup_logging(name: str) -> None:
 
 def launch(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.model import missing_model
+    from asyncrl.tasks.gym import check_task
 
-    # Before any Redis is reached or started: a wrong path is a config error, not an outage.
-    if (problem := missing_model(cfg)) is not None:
+    # Before any Redis is reached or started: a wrong path or dataset name is a config error,
+    # not an outage.
+    if (problem := missing_model(cfg) or check_task(cfg.task)) is not None:
         print(f"asyncrl: config error: {problem}", file=sys.stderr)
         return 2
     if args.role == "all":

@@ -17,6 +17,7 @@ from asyncrl.tasks.config import (
     ArithmeticTaskConfig,
     DatasetTaskConfig,
     PythonTaskConfig,
+    ReasoningGymTaskConfig,
     TaskConfig,
 )
 from asyncrl.tasks.rewards import build_reward
@@ -119,8 +120,26 @@ class LazyItems(Sequence[PromptItem]):
         return self._make(int(self._order[index]))
 
 
-def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Positions of epoch `epoch` of an n-item split: a permutation fixed by (seed, epoch)."""
     return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def use_chat(tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> bool:
+    """Whether prompts become chat turns: as configured, else when the tokenizer has a template."""
+    if chat_template is None:
+        return getattr(tokenizer, "chat_template", None) is not None
+    return chat_template
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a prompt, as a user turn of the chat template (generation prompt added) when
+    `chat`, else plainly (with the tokenizer's special tokens)."""
+    if not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    turn = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class ArithmeticTask:
@@ -155,7 +174,7 @@ class ArithmeticTask:
 
     def train_pairs(self, seed: int, epoch: int) -> np.ndarray:
         """The train split's pairs in the order of `epoch`."""
-        return self._train[_epoch_order(len(self._train), seed, epoch)]
+        return self._train[epoch_order(len(self._train), seed, epoch)]
 
     def eval_pairs(self) -> np.ndarray:
         return self._eval
@@ -212,14 +231,14 @@ class RecordsTask:
         self._tokenizer = tokenizer
         self._reward = build_reward(cfg.reward)
         self._has_template = getattr(tokenizer, "chat_template", None) is not None
-        self._chat = self._has_template if cfg.chat_template is None else cfg.chat_template
+        self._chat = use_chat(tokenizer, cfg.chat_template)
         self.skipped: dict[str, int] = {}
         self._train = self._load("train", *train)
         self._eval = [] if evals is None else self._load("eval", *evals)
 
     def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
         rows = self._train
-        return LazyItems(lambda i: self._item(rows[i]), _epoch_order(len(rows), seed, epoch))
+        return LazyItems(lambda i: self._item(rows[i]), epoch_order(len(rows), seed, epoch))
 
     def eval_items(self) -> Sequence[PromptItem]:
         rows = self._eval
@@ -232,10 +251,7 @@ class RecordsTask:
         if isinstance(row.prompt, list):
             ids = self._render(row.prompt)
             return PromptItem(row.prompt_id, row.prompt[-1]["content"], ids, row.answer)
-        if self._chat:
-            ids = self._render([{"role": "user", "content": row.prompt}])
-        else:
-            ids = self._tokenizer(row.prompt)["input_ids"]
+        ids = encode_prompt(self._tokenizer, row.prompt, self._chat)
         return PromptItem(row.prompt_id, row.prompt, ids, row.answer)
 
     def _render(self, messages: Messages) -> list[int]:
@@ -406,5 +422,9 @@ def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
             return AgenticTask(cfg, tokenizer)
         case PythonTaskConfig():
             return _python_task(cfg, tokenizer)
+        case ReasoningGymTaskConfig():
+            from asyncrl.tasks.gym import ReasoningGymTask  # it builds on this module
+
+            return ReasoningGymTask(cfg, tokenizer)
         case _:
             assert_never(cfg)

@@ -17,7 +17,8 @@ class ExactRewardConfig(Section):
 
 
 class MathRewardConfig(Section):
-    """Reward 1.0 when the final answer (`#### x` or `\\boxed{x}`) matches after normalisation."""
+    """Reward 1.0 when the final answer (after `####`, else math-verify's pick: the last
+    `\\boxed{x}`, else the last expression) equals the reference mathematically (math-verify)."""
 
     type: Literal["math"] = "math"
     """Reward backend."""
@@ -208,7 +209,51 @@ class AgenticTaskConfig(Section):
     """How each answer is scored against its sum; the episode's reward is the mean over turns."""
 
 
+class ReasoningGymTaskConfig(Section):
+    """Any reasoning-gym dataset by name (`pip install 'asyncrl[gym]'`), scored by the dataset's
+    own `score_answer`; see `asyncrl.tasks.gym`."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    """Task backend."""
+
+    name: str
+    """Dataset name as `reasoning_gym.create_dataset` knows it (`basic_arithmetic`, `chain_sum`,
+    ...); checked when a role starts."""
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The dataset's own config keys (e.g. `min_digits`), passed to `create_dataset`; checked
+    against the dataset's config class when a role starts. Its seed and size are `seed`/`size`
+    (train) and `eval_seed`/`eval_size` (held out)."""
+
+    @field_validator("config")
+    @classmethod
+    def _no_split_keys(cls, config: dict[str, Any]) -> dict[str, Any]:
+        if clash := sorted({"seed", "size"} & config.keys()):
+            raise ValueError(f"{', '.join(clash)}: set task.seed / task.size instead")
+        return config
+
+    seed: int = 0
+    """Seed of the train split's generator."""
+
+    eval_seed: int | None = None
+    """Seed of the held-out split's generator; None: `seed + size`, so that generators that
+    seed item i with `seed + i` do not replay train items."""
+
+    size: int = Field(default=10_000, ge=1)
+    """Train items generated (before held-out questions are removed from them)."""
+
+    eval_size: int = Field(default=500, ge=1)
+    """Held-out items."""
+
+    chat_template: bool | None = None
+    """Wrap each prompt as a user turn of the tokenizer's chat template; None: when it has one."""
+
+
 TaskConfig = Annotated[
-    ArithmeticTaskConfig | DatasetTaskConfig | AgenticTaskConfig | PythonTaskConfig,
+    ArithmeticTaskConfig
+    | DatasetTaskConfig
+    | AgenticTaskConfig
+    | PythonTaskConfig
+    | ReasoningGymTaskConfig,
     Field(discriminator="type"),
 ]

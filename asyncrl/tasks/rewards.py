@@ -1,8 +1,11 @@
 """Rewards: a response text and a reference answer in, a float out; chosen by config `type`."""
 
+from __future__ import annotations
+
 import re
 from collections.abc import Callable
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any, assert_never
 
 from asyncrl.tasks.config import (
@@ -11,14 +14,15 @@ from asyncrl.tasks.config import (
     PythonRewardConfig,
     RewardConfig,
 )
+from asyncrl.tasks.deadline import call_with_deadline
 
 RewardFn = Callable[[str, Any], float]
 """(response_text, reference_answer) -> reward; the answer as the task gives it."""
 
-_HASHES = re.compile(r"####\s*([^\n]*)")
-_FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
-_TEXT = re.compile(r"\\(?:text|mathrm)\{([^{}]*)\}")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""Bound of one math reward call that needs math-verify."""
 
 
 def exact_reward(response: str, reference: Any) -> float:
@@ -27,67 +31,65 @@ def exact_reward(response: str, reference: Any) -> float:
 
 
 def math_reward(response: str, reference: Any) -> float:
-    """1.0 when the response's final answer equals the reference's, else 0.0.
+    """1.0 when the response's final answer is mathematically equal to the reference's, else 0.0.
 
-    The response must mark its answer (`#### x` or `\\boxed{x}`); a reference without a marker
-    is taken whole, a non-string one as its `str` (a dataset's number, say). Equal after
-    normalisation, or equal as numbers ("1/2" and "0.5" agree).
+    The final answer is the text after the last `#### ` line (GSM8K) when there is one, else the
+    whole text, which math-verify searches: the last `\\boxed{}` first, then LaTeX and plain
+    expressions (the last number of a sentence). A reference without `####` is read as LaTeX
+    (`x + 1`, `\\frac{1}{2}`). Plain numbers on both sides, the common case, are compared
+    exactly without math-verify: the same verdict, some fifty times cheaper.
+
+    Each call is bounded by `MATH_VERIFY_TIMEOUT_S` (over it: 0.0, math-verify's own rule) by
+    `call_with_deadline`, on any thread. math-verify's own bound, SIGALRM, works on the main
+    thread only (elsewhere it refuses to run with a timeout: an environment's event loop scores
+    there), and fires once, which sympy can swallow in its broad `except`s and compute on for
+    minutes (`tests/test_math_reward_threads.py`). A non-string reference (a dataset's number,
+    say) is read as its `str`.
     """
-    reference = str(reference)
-    answer = extract_final_answer(response)
-    if answer is None:
-        return 0.0
-    ref = extract_final_answer(reference)
-    got, want = normalize_answer(answer), normalize_answer(reference if ref is None else ref)
-    if got == want:
-        return 1.0
-    got_n, want_n = _as_number(got), _as_number(want)
-    return 1.0 if got_n is not None and got_n == want_n else 0.0
-
-
-def extract_final_answer(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (nested braces allowed) or `#### ...` line,
-    whichever comes later; None when there is neither."""
-    boxed_at = text.rfind("\\boxed")
-    hashes = list(_HASHES.finditer(text))
-    if hashes and hashes[-1].start() > boxed_at:
-        return hashes[-1].group(1)
-    if boxed_at < 0:
-        return None
-    return _leading_group(text[boxed_at + len("\\boxed") :].lstrip())
-
-
-def _leading_group(text: str) -> str | None:
-    """The inside of the brace group `text` starts with; None if none or it never closes."""
-    if not text.startswith("{"):
-        return None
-    depth = 0
-    for i, char in enumerate(text):
-        depth += {"{": 1, "}": -1}.get(char, 0)
-        if depth == 0:
-            return text[1:i]
-    return None
-
-
-def normalize_answer(answer: str) -> str:
-    """Canonical text of an answer: no spaces, `$`, thousands commas, `\\text{}` or trailing
-    zeros after a decimal point; `\\frac{a}{b}` becomes `a/b`."""
-    s = _TEXT.sub(r"\1", answer)
-    s = _FRAC.sub(r"\1/\2", s)
-    s = s.replace("$", "").replace("\\!", "").replace("\\,", "")
-    s = "".join(s.split()).rstrip(".")
-    s = _THOUSANDS.sub("", s)
-    s = s.removeprefix("+")
-    if re.fullmatch(r"-?\d+\.\d*", s):
-        s = s.rstrip("0").rstrip(".")
-    return s
-
-
-def _as_number(s: str) -> Fraction | None:
+    answer = final_answer(response)
+    want = final_answer(str(reference))
+    got_n, want_n = _plain_number(answer), _plain_number(want)
+    if got_n is not None and want_n is not None:
+        return 1.0 if got_n == want_n else 0.0
     try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
+        return call_with_deadline(MATH_VERIFY_TIMEOUT_S, _verify, answer, want)
+    except TimeoutError:
+        return 0.0
+
+
+def _verify(answer: str, reference: str) -> float:
+    from math_verify import parse, verify
+
+    gold = _parse_reference(reference)
+    if not gold:
+        return 0.0
+    target = parse(answer, parsing_timeout=None)
+    return 1.0 if target and verify(gold, target, timeout_seconds=None) else 0.0
+
+
+def final_answer(text: str) -> str:
+    """The rest of the line after the last `####` marker (GSM8K's answer line), else the whole
+    text; stripped."""
+    at = text.rfind("####")
+    if at < 0:
+        return text.strip()
+    return text[at + 4 :].lstrip().partition("\n")[0].strip()
+
+
+def _plain_number(text: str) -> int | Fraction | None:
+    if not _PLAIN_NUMBER.fullmatch(text):
         return None
+    digits = text.replace(",", "")
+    return Fraction(digits) if "." in digits else int(digits)
+
+
+@lru_cache(maxsize=4096)
+def _parse_reference(reference: str) -> list[Any]:
+    """Parsed once per reference: a group's n responses are all scored against the same one."""
+    from math_verify import parse
+
+    latex = reference if "$" in reference or "\\boxed" in reference else f"${reference}$"
+    return list(parse(latex, parsing_timeout=None))
 
 
 def build_reward(cfg: RewardConfig) -> RewardFn:
