@@ -19,6 +19,8 @@ Where it differs from SGLang, by design of the builtin engine:
 - Weight versions must be integers (asyncrl's versions), so an update without one is refused.
 - Log-probs of prompt tokens and top alternatives come from one extra forward pass over
   prompt + response after generating (so they use the weights at the end of the request).
+- `stream` sends the finished generation as SSE chunks (one per token): the engine does not
+  hand tokens out while it decodes.
 - One request is generated at a time (the engine serialises `generate`); concurrent requests
   queue. It serves tests and small models, not throughput.
 
