@@ -330,7 +330,11 @@ def parse_generate(body: Body, model: Model) -> GenerateRequest:
         top = typed(body, "top_logprobs_num", int, 0, "top_logprobs_num")
         if start < -1 or top < 0:
             raise ApiError("logprob_start_len >= -1 and top_logprobs_num >= 0", "logprob_start_len")
-        logprobs = Logprobs(start, top, typed(body, "return_text_in_logprobs", bool, False, "x"))
+        logprobs = Logprobs(
+            start,
+            top,
+            typed(body, "return_text_in_logprobs", bool, False, "return_text_in_logprobs"),
+        )
     rids = body.get("rid")
     rid_list = [rids] * len(prompts) if not isinstance(rids, list) else rids
     if len(rid_list) != len(prompts):

@@ -398,10 +398,11 @@ def _error(message: str, code: int, param: str | None, openai: bool) -> dict[str
 
 
 class Stream:
-    """A reply sent as server-sent events, one `data:` line per chunk."""
+    """A reply sent as server-sent events, one `data:` line per chunk; made in full before the
+    headers go out, so that a failure still answers with an error status."""
 
     def __init__(self, chunks: Iterator[dict[str, Any]]) -> None:
-        self.chunks = chunks
+        self.chunks = list(chunks)
 
 
 Route = Callable[[ServeApp, Body], Any]
