@@ -82,6 +82,27 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_tiny_model(tmp_path_factory.mktemp("random") / "tiny", seed=0)
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny model whose tokenizer spells lower-case text and has a chat template."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.engines.tiny_model import save_random_tiny_model
+
+    chars = " abcdefghijklmnopqrstuvwxyz:.,?!\n0123456789+="
+    out = save_random_tiny_model(tmp_path_factory.mktemp("chat") / "tiny", seed=0, chars=chars)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(random_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`asyncrl serve` on the random tiny model, one per test module (tests change its weights)."""

@@ -133,7 +133,7 @@ def _status(url: str, path: str) -> int:
 
 def test_info_health_and_errors(served: str) -> None:
     info = http_json(served, "/get_server_info", timeout_s=5)
-    assert info["api_version"] == "0.5.6" and info["tp_size"] == 1
+    assert info["api_version"] == "0.5.23" and info["tp_size"] == 1
     assert "weight_version" in http_json(served, "/get_model_info", timeout_s=5)
     assert [_status(served, p) for p in ("/health", "/health_generate", "/flush_cache")] == [
         200

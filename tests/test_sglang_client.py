@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.engines.base import EngineError, build_engine
 from asyncrl.engines.config import SamplingParams
-from asyncrl.sglang.client import http_json
+from asyncrl.sglang.client import http_info, http_json
 from asyncrl.sglang.config import SglangEngineConfig
 from asyncrl.sglang.engine import SglangEngine
 
@@ -59,13 +59,18 @@ class FakeServer:
     def __init__(self) -> None:
         self.script: list[str] = []
         self.healthy = True
+        self.legacy = False  # an older SGLang: no /model_info, /server_info
+        self.gets: list[str] = []
         self.generates = 0
         self.lock = threading.Lock()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path == "/health":
+                fake.gets.append(self.path)
+                if fake.legacy and self.path in ("/model_info", "/server_info"):
+                    self._send(404, b'{"detail": "Not Found"}')
+                elif self.path == "/health":
                     self._send(200 if fake.healthy else 503, b"")
                 else:
                     self._send(200, json.dumps({"weight_version": "3"}).encode())
@@ -153,7 +158,7 @@ def test_replies_become_generations(servers: list[FakeServer], how: str, version
         assert g.logprobs.dtype == np.float32 and (g.logprobs == -0.5).all()
         assert g.versions.tolist() == versions and g.finish == "stop"
     assert [g.cached_tokens for g in gens] == ([0, 0] if how == "default" else [1, 2])
-    assert engine.version == 3  # /get_model_info
+    assert engine.version == 3  # /model_info
     engine.close()
 
 
@@ -300,3 +305,15 @@ def test_connections_are_kept_alive_and_renewed() -> None:
         httpd.shutdown()
         httpd.server_close()
         thread.join()
+
+
+def test_info_uses_current_names_with_a_fallback_found_once(servers: list[FakeServer]) -> None:
+    current, legacy = servers
+    legacy.legacy = True
+    for _ in range(3):
+        assert http_info(current.url, "model_info", timeout_s=1)["weight_version"] == "3"
+        assert http_info(legacy.url, "model_info", timeout_s=1)["weight_version"] == "3"
+    assert current.gets == ["/model_info"] * 3
+    assert legacy.gets == ["/model_info"] + ["/get_model_info"] * 3
+    assert http_info(legacy.url + "/", "server_info", timeout_s=1) == {"weight_version": "3"}
+    assert legacy.gets[-1] == "/get_server_info"  # the server is known: no second probe

@@ -116,7 +116,11 @@ class TorchEngine:
             if not self._busy:
                 self._apply_pending()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, min_new_tokens: int = 0
+    ) -> list[Generation]:
+        """`min_new_tokens` (SGLang's, for `asyncrl serve`): the stop tokens' logits are -inf
+        for the first that many steps, so their log-probs are of the masked distribution."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
@@ -132,12 +136,31 @@ class TorchEngine:
                 for start in range(0, len(order), self.max_batch_size):
                     chunk = order[start : start + self.max_batch_size]
                     batch = [prompts[i] for i in chunk]
-                    generations = self._generate_batch(batch, params, stop_ids)
+                    generations = self._generate_batch(batch, params, stop_ids, min_new_tokens)
                     results.update(zip(chunk, generations, strict=True))
             finally:
                 self.model.train(training)
                 self._set_busy(False)
         return [results[i] for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def score(self, seqs: list[list[int]], params: SamplingParams) -> list[torch.Tensor]:
+        """Per sequence, the `sampling_logprobs` of the next token after each of positions
+        0..n-2 ([n-1, V], one unpadded forward each), under the current weights."""
+        with self._generate_lock:
+            self._set_busy(True)
+            training = self.model.training
+            self.model.eval()
+            try:
+                device = self._generator.device
+                out = []
+                for seq in seqs:
+                    logits = self.model(input_ids=torch.tensor([seq], device=device)).logits
+                    out.append(sampling_logprobs(logits[0, :-1], params).cpu())
+                return out
+            finally:
+                self.model.train(training)
+                self._set_busy(False)
 
     def _set_busy(self, busy: bool) -> None:
         with self._lock:
@@ -167,7 +190,11 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, stop_ids: torch.Tensor
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_ids: torch.Tensor,
+        min_new_tokens: int,
     ) -> list[Generation]:
         device = self._generator.device
         version = self._step_version(0)
@@ -227,7 +254,10 @@ class TorchEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            logp = sampling_logprobs(out.logits[:, -1], params)
+            logits = out.logits[:, -1]
+            if t < min_new_tokens:
+                logits = logits.index_fill(-1, stop_ids, float("-inf"))
+            logp = sampling_logprobs(logits, params)
             token = torch.multinomial(logp.exp(), 1, generator=self._generator)
             tokens[active, t] = token[:, 0]
             logprobs[active, t] = logp.gather(-1, token)[:, 0]

@@ -159,6 +159,26 @@ def http_json(url: str, path: str, body: Any = None, *, timeout_s: float) -> Any
         raise malformed(f"{url}{path}: reply is not JSON: {payload[:100]!r}") from None
 
 
+_LEGACY_INFO: set[str] = set()
+"""Servers found to answer only the older names (/get_model_info, /get_server_info)."""
+
+
+def http_info(url: str, name: str, *, timeout_s: float) -> Any:
+    """GET `/{name}` (`model_info` or `server_info`, the names SGLang 0.5.23 documents) of
+    the server at `url`. A server that answers 404 (an older SGLang) is asked `/get_{name}`
+    instead, from then on: detected once per server."""
+    url = url.rstrip("/")
+    if url not in _LEGACY_INFO:
+        try:
+            return http_json(url, f"/{name}", timeout_s=timeout_s)
+        except RequestFailure as exc:
+            if exc.status != 404:
+                raise
+            _LEGACY_INFO.add(url)
+            log.info("%s has no /%s: using the older /get_%s", url, name, name)
+    return http_json(url, f"/get_{name}", timeout_s=timeout_s)
+
+
 def parse_version(value: Any) -> int:
     """A weight version name as asyncrl uses it: an integer; SGLang's initial "default" is 0."""
     if value == "default":

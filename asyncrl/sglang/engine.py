@@ -50,6 +50,7 @@ from asyncrl.sglang.client import (
     RequestFailure,
     Server,
     ServerPool,
+    http_info,
     http_json,
     launch_servers,
     malformed,
@@ -186,7 +187,7 @@ class SglangEngine:
             seen = []
             for url in self.pool.alive():
                 try:
-                    info = http_json(url, "/get_model_info", timeout_s=self.cfg.health_timeout_s)
+                    info = http_info(url, "model_info", timeout_s=self.cfg.health_timeout_s)
                     seen.append(parse_version(info["weight_version"]))
                 except (RequestFailure, TypeError, KeyError):
                     continue

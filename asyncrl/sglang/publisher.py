@@ -51,7 +51,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from asyncrl.device import synchronize
-from asyncrl.sglang.client import RequestFailure, http_json, parse_version
+from asyncrl.sglang.client import RequestFailure, http_info, http_json, parse_version
 from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce, read_hash
 from asyncrl.weights.broadcast import Lease, lease_key
 from asyncrl.weights.buckets import FlatBuffer
@@ -137,7 +137,7 @@ def version_dir(store_dir: Path, version: int) -> Path:
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """What the publisher needs to know of one server (`/get_server_info`)."""
+    """What the publisher needs to know of one server (`/server_info`)."""
 
     url: str
     version: tuple[int, ...]
@@ -151,9 +151,9 @@ class ServerInfo:
     @classmethod
     def probe(cls, url: str, timeout_s: float) -> ServerInfo:
         """Raises RequestFailure when unreachable, ValueError when unusable."""
-        info = http_json(url, "/get_server_info", timeout_s=timeout_s)
+        info = http_info(url, "server_info", timeout_s=timeout_s)
         if not isinstance(info, dict):
-            raise ValueError(f"{url}/get_server_info: not an object")
+            raise ValueError(f"{url}/server_info: not an object")
         # `api_version`: the SGLang release whose API a non-SGLang server (`asyncrl serve`)
         # implements; SGLang itself reports its own release as `version`.
         raw = str(info.get("api_version") or info.get("version") or "")
@@ -518,9 +518,7 @@ class SglangSubscriber:
         try:
             return min(
                 parse_version(
-                    http_json(url, "/get_model_info", timeout_s=self._http_timeout_s)[
-                        "weight_version"
-                    ]
+                    http_info(url, "model_info", timeout_s=self._http_timeout_s)["weight_version"]
                 )
                 for url in self._urls
             )

@@ -1,11 +1,13 @@
 """`asyncrl serve`: the builtin torch engine behind SGLang's HTTP API, for machines without SGLang.
 
-Same endpoints and JSON shapes as an SGLang server (see `asyncrl.sglang.engine` for the
-release they follow), so the SGLang engine client and the SGLang weight publisher can be run and
-tested on a CPU: /generate (one prompt or a batch), /health, /health_generate, /get_model_info,
-/get_server_info, /pause_generation, /continue_generation, /flush_cache,
-/init_weights_update_group, /update_weights_from_distributed, /update_weights_from_disk and
-/destroy_weights_update_group.
+Same endpoints and JSON shapes as an SGLang 0.5.23 server, so the SGLang engine client, the
+SGLang weight publisher, SGLang's own client code (`RuntimeEndpoint`, the `sgl.function`
+frontend) and the `openai` package can be run against it on a CPU. The endpoints are the
+`ROUTES` table: /generate (`asyncrl.sglang.native`: text or ids, batches, `n`, stop strings and
+ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.sglang.openai_api`),
+/health, /health_generate, /model_info and /server_info (and their deprecated names /get_*),
+/flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
+/update_weights_from_distributed, /update_weights_from_disk, /destroy_weights_update_group.
 
 Where it differs from SGLang, by design of the builtin engine:
 - Weight updates are staged with `TorchEngine.stage_weights` and swapped in between two decode
@@ -15,6 +17,10 @@ Where it differs from SGLang, by design of the builtin engine:
   let them go on with their KV cache (there is no radix cache to flush or recompute); `abort`
   ends them with finish reason "abort". New requests wait while paused.
 - Weight versions must be integers (asyncrl's versions), so an update without one is refused.
+- Log-probs of prompt tokens and top alternatives come from one extra forward pass over
+  prompt + response after generating (so they use the weights at the end of the request).
+- `stream` sends the finished generation as SSE chunks (one per token): the engine does not
+  hand tokens out while it decodes.
 - One request is generated at a time (the engine serialises `generate`); concurrent requests
   queue. It serves tests and small models, not throughput.
 
@@ -29,7 +35,7 @@ import json
 import logging
 import socket
 import threading
-import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,40 +48,22 @@ from safetensors.torch import load_file
 
 from asyncrl import __version__
 from asyncrl.engines.base import Generation
-from asyncrl.engines.config import SamplingParams, TorchEngineConfig
+from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.sglang import native, openai_api
+from asyncrl.sglang.native import ApiError, Body, Job, Output, Spec
 from asyncrl.sglang.publisher import broadcast_tensors, join_update_group
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "0.5.6"
+API_VERSION = "0.5.23"
 """The SGLang release whose HTTP API this server implements (pause modes included)."""
 PAUSE_MODES = ("abort", "retract", "in_place")
 GROUP_TIMEOUT = timedelta(seconds=60)
 
 
-class ApiError(Exception):
-    """A request the server refuses: HTTP 400 with SGLang's error body."""
-
-
 class _Aborted(Exception):
     """Raised inside a running generate when a pause with mode abort ends it."""
-
-
-def _sampling(raw: Any) -> SamplingParams:
-    """SGLang sampling params → ours (only what the torch engine honours)."""
-    raw = dict(raw or {})
-    top_k = int(raw.get("top_k", -1))
-    try:
-        return SamplingParams(
-            temperature=float(raw.get("temperature", 1.0)),
-            top_p=float(raw.get("top_p", 1.0)),
-            top_k=0 if top_k < 0 or top_k >= 1 << 30 else top_k,
-            max_new_tokens=int(raw.get("max_new_tokens", 128)),
-            stop_token_ids=tuple(raw["stop_token_ids"]) if raw.get("stop_token_ids") else None,
-        )
-    except ValueError as exc:
-        raise ApiError(f"bad sampling_params: {exc}") from None
 
 
 def _version(raw: Any) -> int:
@@ -91,7 +79,13 @@ class ServeApp:
     def __init__(self, engine: TorchEngine, model_path: str, tokenizer: Any | None) -> None:
         self.engine = engine
         self.model_path = model_path
-        self.tokenizer = tokenizer
+        config = engine.model.config
+        self.model = native.Model(
+            tokenizer,
+            engine.eos_token_ids,
+            int(config.vocab_size),
+            getattr(config, "max_position_embeddings", None),
+        )
         self._cond = threading.Condition()
         self._paused = False
         self._aborts = 0  # bumped by each pause with mode abort
@@ -110,82 +104,87 @@ class ServeApp:
 
     # -- generation ----------------------------------------------------------------------------
 
-    def generate(self, body: dict[str, Any]) -> Any:
-        ids = body.get("input_ids")
-        if not isinstance(ids, list) or not ids:
-            raise ApiError("input_ids is required (a list of token ids or a list of such lists)")
-        single = not isinstance(ids[0], list)
-        prompts: list[list[int]] = [ids] if single else ids
-        if any(not p or not all(isinstance(t, int) for t in p) for p in prompts):
-            raise ApiError("every prompt must be a non-empty list of token ids")
-        raw = body.get("sampling_params")
-        if isinstance(raw, list):
-            if len(raw) != len(prompts) or any(r != raw[0] for r in raw):
-                raise ApiError("per-prompt sampling_params must all be equal here")
-            raw = raw[0]
-        params = _sampling(raw)
+    def generate(self, body: Body) -> Any:
+        """SGLang's /generate: a reply object, a list for a batch (or `n` > 1), or a stream."""
+        req = native.parse_generate(body, self.model)
+        outs = self.run(req.jobs)
+        version = self.engine.version
+        if req.stream:
+            return Stream(native.stream_chunks(req, outs, self.model, version))
+        items = [
+            native.item(job, out, self.model, version)
+            for job, out in zip(req.jobs, outs, strict=True)
+        ]
+        return items[0] if req.single else items
+
+    def run(self, jobs: list[Job]) -> list[Output]:
+        """Generate every job (jobs of equal sampling share engine calls), then score those that
+        ask for prompt log-probs or alternatives. A pause with mode abort ends the request."""
+        outs: dict[int, Output] = {}
+        by_spec: dict[Spec, list[int]] = {}
+        for i, job in enumerate(jobs):
+            by_spec.setdefault(job.spec, []).append(i)
         with self._cond:
             self._local.aborts = self._aborts
-        try:
-            gens: list[Generation] | None = self.engine.generate(prompts, params)
-        except _Aborted:
-            gens = None
-        logprobs = bool(body.get("return_logprob"))
-        items = [
-            self._item(p, None if gens is None else gens[i], logprobs)
-            for i, p in enumerate(prompts)
-        ]
-        return items[0] if single else items
-
-    def _item(self, prompt: list[int], gen: Generation | None, logprobs: bool) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": uuid.uuid4().hex,
-            "prompt_tokens": len(prompt),
-            "cached_tokens": 0,
-            "weight_version": str(self.engine.version),
-        }
-        if gen is None:
-            meta |= {
-                "finish_reason": {"type": "abort", "message": "aborted by pause_generation"},
-                "completion_tokens": 0,
-            }
-            if logprobs:
-                meta["output_token_logprobs"] = []
-            return {"text": "", "output_ids": [], "meta_info": meta}
-        tokens = gen.token_ids.tolist()
-        if gen.finish == "stop":
-            finish = {"type": "stop", "matched": tokens[-1]}
-        else:
-            finish = {"type": "length", "length": len(tokens)}
-        versions = gen.versions.tolist()
-        spans: list[dict[str, Any]] = []
-        for t, v in enumerate(versions):
-            if spans and spans[-1]["version"] == str(v):
-                spans[-1]["end"] = t + 1
+        for spec, rows in by_spec.items():
+            gens: list[Generation | None]
+            if spec.max_new_tokens == 0:
+                gens = [native.empty_generation(self.engine.version)] * len(rows)
             else:
-                spans.append({"version": str(v), "start": t, "end": t + 1})
-        meta |= {
-            "finish_reason": finish,
-            "completion_tokens": len(tokens),
-            "weight_version": spans[-1]["version"],
-            "weight_versions": spans,
-        }
-        if logprobs:
-            meta["output_token_logprobs"] = [
-                [lp, tok, None] for lp, tok in zip(gen.logprobs.tolist(), tokens, strict=True)
+                params = spec.engine_params()
+                try:
+                    gens = list(
+                        self.engine.generate(
+                            [jobs[i].prompt for i in rows],
+                            params,
+                            min_new_tokens=spec.min_new_tokens,
+                        )
+                    )
+                except _Aborted:
+                    gens = [None] * len(rows)
+            for i, gen in zip(rows, gens, strict=True):
+                outs[i] = native.finish(jobs[i], gen, self.model)
+            scored = [
+                i for i, gen in zip(rows, gens, strict=True) if gen is not None and jobs[i].scores
             ]
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        return {"text": text, "output_ids": tokens, "meta_info": meta}
+            if scored:
+                seqs = [jobs[i].prompt + outs[i].tokens for i in scored]
+                logps = self.engine.score(seqs, spec.score_params())
+                for i, logp in zip(scored, logps, strict=True):
+                    outs[i].logp = logp
+        return [outs[i] for i in range(len(jobs))]
 
-    def health_generate(self) -> None:
+    def health_generate(self, body: Body) -> None:
         with self._cond:
             if self._paused:
                 return  # like SGLang: a busy or paused server is not probed with a request
         self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
 
+    # -- OpenAI ----------------------------------------------------------------------------------
+
+    def v1_models(self, body: Body) -> Any:
+        return openai_api.models(self.model_path)
+
+    def v1_completions(self, body: Body) -> Any:
+        return self._openai(openai_api.parse_completion(body, self.model))
+
+    def v1_chat_completions(self, body: Body) -> Any:
+        return self._openai(openai_api.parse_chat(body, self.model))
+
+    def _openai(self, req: openai_api.OpenAIRequest) -> Any:
+        out = openai_api.reply(req, self.run(req.jobs), self.model, self.model_path)
+        return Stream(out) if req.stream else out
+
+    def flush_cache(self, body: Body) -> str:
+        # No radix cache here: nothing to flush, always a success (SGLang's text reply).
+        return "Cache flushed.\n"
+
+    def health(self, body: Body) -> None:
+        return None
+
     # -- pause ---------------------------------------------------------------------------------
 
-    def pause(self, body: dict[str, Any]) -> dict[str, Any]:
+    def pause(self, body: Body) -> dict[str, Any]:
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise ApiError(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
@@ -196,7 +195,7 @@ class ServeApp:
             self._cond.notify_all()
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    def resume(self) -> dict[str, Any]:
+    def resume(self, body: Body) -> dict[str, Any]:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
@@ -204,7 +203,7 @@ class ServeApp:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
+    def init_group(self, body: Body) -> dict[str, Any]:
         try:
             name = str(body.get("group_name", "weight_update_group"))
             if name in self._groups:
@@ -235,7 +234,7 @@ class ServeApp:
             raise ApiError(f"could not join {name!r}: {exc}") from None
         return {"success": True, "message": f"joined {name} as rank {rank} of {world}"}
 
-    def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
+    def destroy_group(self, body: Body) -> dict[str, Any]:
         name = str(body.get("group_name", "weight_update_group"))
         group = self._groups.pop(name, None)
         if group is None:
@@ -243,7 +242,7 @@ class ServeApp:
         dist.destroy_process_group(group)
         return {"success": True, "message": f"destroyed {name}"}
 
-    def update_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+    def update_distributed(self, body: Body) -> dict[str, Any]:
         name = str(body.get("group_name", "weight_update_group"))
         group = self._groups.get(name)
         if group is None:
@@ -266,7 +265,7 @@ class ServeApp:
         self._stage(tensors, version)
         return {"success": True, "message": f"Weight version updated to {version}."}
 
-    def update_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+    def update_disk(self, body: Body) -> dict[str, Any]:
         version = _version(body.get("weight_version"))
         path = Path(str(body.get("model_path", "")))
         files = sorted(path.glob("*.safetensors"))
@@ -290,16 +289,20 @@ class ServeApp:
 
     # -- info ----------------------------------------------------------------------------------
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self, body: Body) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": str(self.engine.version),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.engine.model.config, "model_type", None),
+            "architectures": getattr(self.engine.model.config, "architectures", None),
         }
 
-    def server_info(self) -> dict[str, Any]:
+    def server_info(self, body: Body) -> dict[str, Any]:
         return {
             "version": f"asyncrl-serve {__version__}",
             "api_version": API_VERSION,
@@ -323,42 +326,30 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
+        openai = path.startswith("/v1/")
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         try:
             body = json.loads(raw) if raw.strip() else {}
             if not isinstance(body, dict):
                 raise ApiError("the request body must be a JSON object")
-            routes = {
-                "/generate": lambda: app.generate(body),
-                "/get_model_info": app.model_info,
-                "/get_server_info": app.server_info,
-                "/pause_generation": lambda: app.pause(body),
-                "/continue_generation": app.resume,
-                "/init_weights_update_group": lambda: app.init_group(body),
-                "/destroy_weights_update_group": lambda: app.destroy_group(body),
-                "/update_weights_from_distributed": lambda: app.update_distributed(body),
-                "/update_weights_from_disk": lambda: app.update_disk(body),
-            }
-            if path == "/health":
-                self._reply(HTTPStatus.OK, None)
-            elif path == "/health_generate":
-                app.health_generate()
-                self._reply(HTTPStatus.OK, None)
-            elif path == "/flush_cache":
-                # No radix cache here: nothing to flush, always a success (SGLang's text reply).
-                self._reply(HTTPStatus.OK, "Cache flushed.\n")
-            elif path in routes:
-                self._reply(HTTPStatus.OK, routes[path]())
+            route = ROUTES.get(path)
+            if route is None:
+                self._reply(HTTPStatus.NOT_FOUND, _error("Not Found", 404, None, openai))
             else:
-                self._reply(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
-        except (ApiError, ValueError) as exc:
-            self._reply(HTTPStatus.BAD_REQUEST, _error(str(exc), HTTPStatus.BAD_REQUEST))
+                self._reply(HTTPStatus.OK, route(app, body))
+        except ApiError as exc:
+            self._reply(HTTPStatus.BAD_REQUEST, _error(str(exc), 400, exc.param, openai))
+        except ValueError as exc:  # JSON that does not parse, a value the engine refuses
+            self._reply(HTTPStatus.BAD_REQUEST, _error(str(exc), 400, None, openai))
         except Exception as exc:  # a bug must answer 500, never take the server down
             log.exception("%s failed", path)
-            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, _error(repr(exc), 500))
+            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, _error(repr(exc), 500, None, openai))
 
     def _reply(self, status: HTTPStatus, obj: Any) -> None:
+        if isinstance(obj, Stream):
+            self._stream(obj)
+            return
         if obj is None:
             data, kind = b"", "text/plain"
         elif isinstance(obj, str):
@@ -371,19 +362,73 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _stream(self, stream: Stream) -> None:
+        """Server-sent events as SGLang writes them; the body ends when the connection closes
+        (HTTP/1.0), after `data: [DONE]`."""
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        for chunk in stream.chunks:
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
 
-def _error(message: str, code: int) -> dict[str, Any]:
-    """SGLang's error body (its `ErrorResponse`)."""
+def _error(message: str, code: int, param: str | None, openai: bool) -> dict[str, Any]:
+    """OpenAI's error body under /v1, else SGLang's (its `ErrorResponse`)."""
+    kind = (
+        "invalid_request_error"
+        if code == 400
+        else "not_found_error"
+        if code == 404
+        else "server_error"
+    )
+    if openai:
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return {
         "object": "error",
         "message": message,
-        "type": "BadRequest",
-        "param": None,
+        "type": "BadRequest" if code == 400 else HTTPStatus(code).phrase.replace(" ", ""),
+        "param": param,
         "code": code,
     }
+
+
+class Stream:
+    """A reply sent as server-sent events, one `data:` line per chunk; made in full before the
+    headers go out, so that a failure still answers with an error status."""
+
+    def __init__(self, chunks: Iterator[dict[str, Any]]) -> None:
+        self.chunks = list(chunks)
+
+
+Route = Callable[[ServeApp, Body], Any]
+ROUTES: dict[str, Route] = {
+    "/generate": ServeApp.generate,
+    "/health": ServeApp.health,
+    "/health_generate": ServeApp.health_generate,
+    "/model_info": ServeApp.model_info,
+    "/server_info": ServeApp.server_info,
+    # The older names, deprecated but still served by SGLang 0.5.23.
+    "/get_model_info": ServeApp.model_info,
+    "/get_server_info": ServeApp.server_info,
+    "/flush_cache": ServeApp.flush_cache,
+    "/pause_generation": ServeApp.pause,
+    "/continue_generation": ServeApp.resume,
+    "/init_weights_update_group": ServeApp.init_group,
+    "/destroy_weights_update_group": ServeApp.destroy_group,
+    "/update_weights_from_distributed": ServeApp.update_distributed,
+    "/update_weights_from_disk": ServeApp.update_disk,
+    "/v1/models": ServeApp.v1_models,
+    "/v1/completions": ServeApp.v1_completions,
+    "/v1/chat/completions": ServeApp.v1_chat_completions,
+}
+"""Path → handler: an endpoint is one `ServeApp` method taking the JSON body (`{}` for a GET)
+and returning the reply (an object as JSON, a str as text, None as an empty 200, a `Stream`
+as SSE; raise `ApiError` for a 400), plus one line here."""
 
 
 class _Server(ThreadingHTTPServer):
