@@ -52,9 +52,34 @@ def feed(configs: list[TrackerConfig], tmp_path: Path, records: list[Record] = R
 
 
 def wandb_history(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], Any]:
-    """The history rows and the run record of the one offline W&B run under `run_dir`, parsed
-    from its transaction log (`run-*.wandb`: LevelDB log framing — 32 KiB blocks of chunks with a
-    7-byte header: crc, length, type — around W&B's protobuf `Record`s)."""
+    """The history rows and the run record of the one offline W&B run under `run_dir`, once its
+    transaction log holds the run's exit (wandb's own process may still be writing it when
+    `finish` returns)."""
+    records: list[Any] = []
+
+    def finished() -> bool:
+        records[:] = wandb_records(run_dir)
+        return any(r.WhichOneof("record_type") == "exit" for r in records)
+
+    wait_until(finished, 60, "the W&B run's exit record")
+    history: dict[str, list[tuple[int, float]]] = {}
+    run = None
+    for record in records:
+        if record.WhichOneof("record_type") == "run":
+            run = record.run
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+            for key, value in row.items():
+                if not key.startswith("_"):
+                    history.setdefault(key, []).append((row["_step"], value))
+    return history, run
+
+
+def wandb_records(run_dir: Path) -> list[Any]:
+    """The records of the one offline W&B run under `run_dir`, parsed from its transaction log
+    (`run-*.wandb`: LevelDB log framing — 32 KiB blocks of chunks with a 7-byte header: crc,
+    length, type — around W&B's protobuf `Record`s)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
@@ -66,26 +91,19 @@ def wandb_history(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], An
             pos += block - pos % block
             continue
         _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if n == 0 and kind == 0:
+        if (n == 0 and kind == 0) or pos + 7 + n > len(data):  # the end, or still being written
             break
         buf += data[pos + 7 : pos + 7 + n]
         pos += 7 + n
         if kind in (1, 4):  # a full record, or the last chunk of one
             chunks.append(buf)
             buf = b""
-    history: dict[str, list[tuple[int, float]]] = {}
-    run = None
+    records = []
     for chunk in chunks:
         record = pb.Record()
         record.ParseFromString(chunk)
-        if record.WhichOneof("record_type") == "run":
-            run = record.run
-        if record.WhichOneof("record_type") == "history":
-            row = {i.key: json.loads(i.value_json) for i in record.history.item}
-            for key, value in row.items():
-                if not key.startswith("_"):
-                    history.setdefault(key, []).append((row["_step"], value))
-    return history, run
+        records.append(record)
+    return records
 
 
 def test_wandb_offline_run_holds_every_figure(tmp_path: Path) -> None:
