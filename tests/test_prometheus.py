@@ -1,9 +1,11 @@
 """A real Prometheus scrapes a short quickstart run: every series the Grafana dashboard and the
 alert rules use must hold data, and the shipped config and rules, and a scrape of every family,
-must pass promtool. Also the run-wide gauges (`asyncrl.metrics.poller.RunGauges`) against a real Redis.
+must pass promtool. Also the run-wide gauges (`asyncrl.metrics.poller.RunGauges`) against a
+real Redis.
 
 Needs the `prometheus` and `promtool` binaries (Debian: `apt-get install -y prometheus`, as
-.ci/run does); skipped with that hint without them, failed under CI. Everything listens on loopback and is stopped by its handle.
+.ci/run does); skipped with that hint without them, failed under CI. Everything listens on
+loopback and is stopped by its handle.
 """
 
 from __future__ import annotations
