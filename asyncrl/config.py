@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.configbase import Section
+from asyncrl.metrics.config import MetricsConfig
 from asyncrl.model import ModelConfig
 from asyncrl.queue import QueueConfig
 from asyncrl.redis_conn import RedisConfig, redact_url
@@ -42,15 +43,6 @@ class RunConfig(Section):
     @property
     def path(self) -> Path:
         return Path(self.dir.replace("{run.id}", self.id))
-
-
-class MetricsConfig(Section):
-    host: str = "127.0.0.1"
-    """Bind address of /metrics and /healthz (loopback by default; 0.0.0.0 in containers)."""
-    port: int = Field(default=9400, ge=0, le=65535)
-    """Port of this process' /metrics; local mode gives child i the port + i. 0 disables."""
-    jsonl: bool = True
-    """Write {run.dir}/metrics.jsonl (trainer)."""
 
 
 class Config(Section):

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -319,3 +320,26 @@ def launch_all(
         steps=[line for line in lines if "reward_mean" in line],
         status=json.loads(status.stdout),
     )
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free loopback ports (local mode gives child i port + i)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + n):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise RuntimeError("no run of free loopback ports")

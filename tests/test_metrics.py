@@ -29,7 +29,9 @@ EXPECTED = {
     "asyncrl_queue_pending": "gauge",
     "asyncrl_queue_dead_letter": "gauge",
     "asyncrl_staleness": "histogram",
-    "asyncrl_behaviour_weight": "gauge",
+    "asyncrl_behaviour_weight_p50": "gauge",
+    "asyncrl_behaviour_weight_p90": "gauge",
+    "asyncrl_behaviour_weight_p99": "gauge",
     "asyncrl_behaviour_weight_mean": "gauge",
     "asyncrl_behaviour_weight_capped_fraction": "gauge",
     "asyncrl_clip_fraction": "gauge",
@@ -84,7 +86,7 @@ def exercise(m: RoleMetrics) -> None:
     m.queue_lag["prompts"].set(4)
     m.queue_pending["trajectories"].set(1)
     m.queue_dead_letter.set(0)
-    m.behaviour_weight["0.9"].set(1.3)
+    m.behaviour_weight_p90.set(1.3)
     m.eval_accuracy.set(0.5)
     m.generated(100, 0.5, prompt_tokens=40, cached_tokens=30)
     m.trainer_mfu.set(0.3)
@@ -150,7 +152,7 @@ def test_metrics_endpoint_exposes_the_dashboard_names(server: MetricsServer) -> 
     assert value("asyncrl_trajectories_consumed_total", **t0) == 2 + 4
     assert value("asyncrl_trajectories_dropped_total", reason="stale", **t0) == 1
     assert value("asyncrl_queue_lag", stream="prompts", **t0) == 4
-    assert value("asyncrl_behaviour_weight", quantile="0.5", **t0) == 1.0
+    assert value("asyncrl_behaviour_weight_p50", **t0) == 1.0
     assert value("asyncrl_staleness_bucket", le="1.0", **t0) == 3
     assert value("asyncrl_staleness_count", **t0) == 4
     assert value("asyncrl_train_step_seconds_sum", **t0) == pytest.approx(0.7)

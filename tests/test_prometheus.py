@@ -1,17 +1,20 @@
 """A real Prometheus scrapes a short quickstart run: every series the Grafana dashboard and the
-alert rules use must hold data, and the shipped config and rules must pass promtool. Also the
-run-wide gauges (`asyncrl.metrics.poller.RunGauges`) against a real Redis.
+alert rules use must hold data, and the shipped config and rules, and a scrape of every family,
+must pass promtool. Also the run-wide gauges (`asyncrl.metrics.poller.RunGauges`) against a
+real Redis.
 
-Needs the `prometheus` and `promtool` binaries (Debian: `apt-get install -y prometheus`); skipped
-with that hint without them. Everything listens on loopback and is stopped by its handle.
+Needs the `prometheus` and `promtool` binaries (Debian: `apt-get install -y prometheus`, as
+.ci/run does); skipped with that hint without them, failed under CI. Everything listens on
+loopback and is stopped by its handle.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -23,15 +26,18 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics.poller import RunGauges, refresh_run_gauges
 from asyncrl.metrics.roles import REGISTRY, RoleMetrics
+from asyncrl.metrics.server import serve
+from asyncrl.metrics.table import METRICS
 from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
 
 from gen_dashboard import referenced_names
-from role_procs import QUICKSTART, asyncrl
+from role_procs import QUICKSTART, asyncrl, free_ports, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -43,6 +49,9 @@ RATE_INTERVAL = "10s"
 def _binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
+        # CI installs them (.ci/run): there a missing one is a failure, not a skip.
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} not found: {APT_HINT}")
         pytest.skip(f"{name} not found: {APT_HINT}")
     return path
 
@@ -64,6 +73,26 @@ def test_promtool_check_rules() -> None:
 
 def test_promtool_rule_unit_tests() -> None:
     _promtool("test", "rules", "alerts_test.yml")
+
+
+def test_promtool_check_metrics_on_a_scrape() -> None:
+    """Every family, with every label value bound, as `/metrics` serves it passes promtool's
+    parser and lint (a gauge with a `quantile` label, a counter without `_total`, ... fail)."""
+    metrics = RoleMetrics("trainer", "promtool-test")
+    for m in METRICS:
+        getattr(metrics, m.attr)
+    server = serve(port=0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+            scrape = r.read()
+    finally:
+        server.close()
+    families = {m.name.removesuffix("_total") for m in METRICS}
+    assert families <= {f.name for f in text_string_to_metric_families(scrape.decode())}
+    result = subprocess.run(
+        [_binary("promtool"), "check", "metrics"], input=scrape, capture_output=True
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
 
 
 def test_run_gauges_mirror_redis(redis_server: RedisServer) -> None:
@@ -112,27 +141,45 @@ def test_run_gauges_mirror_redis(redis_server: RedisServer) -> None:
         client.close()
 
 
-def _free_ports(n: int) -> int:
-    """The first of `n` consecutive free loopback ports (local mode gives child i port + i)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+def test_run_gauges_warn_while_no_rollout_worker_is_live(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No live rollout worker for `starved_after_s`: a WARNING naming what the trainer waits
+    for, at most once per `starved_every_s` (not once per pass); none while one beats; again
+    once its heartbeat has lapsed."""
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys("starved")
+    metrics = RoleMetrics("trainer", "starved-test")
+    gauges = RunGauges(
+        metrics, client, keys, period_s=0.02, starved_after_s=0.2, starved_every_s=1.0
+    )
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "no live rollout worker" in r.message]
+
+    with caplog.at_level(logging.WARNING, logger="asyncrl.metrics.poller"):
+        started = time.monotonic()
+        gauges.start()
         try:
-            held = []
-            for port in range(base, base + n):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
+            wait_until(lambda: bool(warnings()), 30, "the first warning")
+            assert time.monotonic() - started >= 0.2
+            assert keys.trajectories in warnings()[0]
+            time.sleep(1.5)
+            elapsed = time.monotonic() - started
+            # Dozens of passes, one warning per second at most.
+            assert 1 <= len(warnings()) <= 1 + elapsed / 1.0, warnings()
+            Heartbeat(client, keys.worker("rollout", "w1"), ttl_s=1.0).beat()
+            live = {"role": "trainer", "worker": "starved-test", "pool": "rollout"}
+            wait_until(
+                lambda: REGISTRY.get_sample_value("asyncrl_workers_live", live) == 1, 30, "a worker"
+            )
+            seen = len(warnings())
+            time.sleep(0.5)  # the heartbeat is still live: nothing is logged
+            assert len(warnings()) == seen
+            wait_until(lambda: len(warnings()) > seen, 30, "the warning after the lapse")
         finally:
-            for sock in held:
-                sock.close()
-        return base
-    raise RuntimeError("no run of free loopback ports")
+            gauges.stop()
+            client.close()
 
 
 def _get(url: str) -> Any:
@@ -145,8 +192,8 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, int]]:
     """A Prometheus on loopback that scrapes the trainer at the metrics port it yields and the
     rollout worker one above, every second, with the shipped alert rules loaded."""
     binary = _binary("prometheus")
-    metrics_port = _free_ports(2)
-    web_port = _free_ports(1)
+    metrics_port = free_ports(2)
+    web_port = free_ports(1)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(PROMETHEUS_DIR / "alerts.yml")],

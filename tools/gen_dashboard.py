@@ -208,7 +208,9 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "Behaviour weights",
                 "Truncated importance weights π_prox / π_behaviour over response tokens.",
                 [
-                    ("asyncrl_behaviour_weight", "p{{quantile}}"),
+                    ("asyncrl_behaviour_weight_p50", "p50"),
+                    ("asyncrl_behaviour_weight_p90", "p90"),
+                    ("asyncrl_behaviour_weight_p99", "p99"),
                     ("asyncrl_behaviour_weight_mean", "mean"),
                 ],
             ),

@@ -154,11 +154,27 @@ class Child:
             process.wait_or_kill(self.proc, timeout_s)
 
 
+def check_metrics_ports(cfg: Config) -> None:
+    """Before anything starts: the ports `run_local` hands its children (trainer `metrics.port`,
+    rollout worker i `metrics.port + 1 + i`) are free, else a ConfigError naming the key."""
+    from asyncrl.config import ConfigError
+    from asyncrl.metrics.server import first_taken, port_in_use
+
+    first, n = cfg.metrics.port, cfg.rollout.workers
+    if not first:
+        return
+    taken = first_taken(cfg.metrics.host, range(first, first + 1 + n))
+    if taken is not None:
+        uses = f" (local mode serves the trainer and {n} rollout worker(s) on {first}..{first + n})"
+        raise ConfigError(port_in_use(cfg.metrics.host, taken, uses))
+
+
 def run_local(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.launch.progress import Progress
     from asyncrl.model import ensure_model
     from asyncrl.redis_conn import connect
 
+    check_metrics_ports(cfg)
     run_dir = cfg.run.path
     mode, say = prepare_run_dir(run_dir, args)
     process.stop_signals_interrupt()

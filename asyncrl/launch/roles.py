@@ -18,12 +18,14 @@ def setup_logging(name: str) -> None:
 
 
 def launch(cfg: Config, args: argparse.Namespace) -> int:
+    from asyncrl.metrics.trackers import missing_package
     from asyncrl.model import missing_model
     from asyncrl.tasks.gym import check_task
 
     # Before any Redis is reached or started: a wrong path or dataset name is a config error,
     # not an outage.
-    if (problem := missing_model(cfg) or check_task(cfg.task)) is not None:
+    problem = missing_model(cfg) or check_task(cfg.task) or missing_package(cfg.metrics.trackers)
+    if problem is not None:
         print(f"asyncrl: config error: {problem}", file=sys.stderr)
         return 2
     if args.role == "all":

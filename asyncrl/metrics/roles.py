@@ -59,7 +59,9 @@ class RoleMetrics:
     queue_pending: dict[str, Gauge]
     queue_dead_letter: Gauge
     staleness: Histogram
-    behaviour_weight: dict[str, Gauge]
+    behaviour_weight_p50: Gauge
+    behaviour_weight_p90: Gauge
+    behaviour_weight_p99: Gauge
     behaviour_weight_mean: Gauge
     behaviour_weight_capped_fraction: Gauge
     clip_fraction: Gauge
@@ -121,19 +123,17 @@ class RoleMetrics:
         of the groups trained in the step. The record's figures are run-wide (`groups` counts all
         ranks' groups), so call this where the record is written, once per step."""
         self.train_steps.inc()
-        for m in _STEP_METRICS:
+        for m, field in _STEP_METRICS:
+            value = getattr(record, field)
+            if value is None:
+                continue
             bound = getattr(self, m.attr)
-            for label, name in m.step_sources:
-                value = getattr(record, name)
-                if value is None:
-                    continue
-                child = bound if label is None else bound[label]
-                if m.kind == "gauge":
-                    child.set(value)
-                elif m.kind == "histogram":
-                    child.observe(value)
-                else:
-                    child.inc(float(value))
+            if m.kind == "gauge":
+                bound.set(value)
+            elif m.kind == "histogram":
+                bound.observe(value)
+            else:
+                bound.inc(float(value))
         for value in staleness:
             self.staleness.observe(value)
 
@@ -160,5 +160,5 @@ class RoleMetrics:
             self.run_groups[c.outcome].set(counters.get(c, 0))
 
 
-_STEP_METRICS = tuple(m for m in METRICS if m.step_sources)
+_STEP_METRICS = tuple((m, m.step_field) for m in METRICS if m.step_field is not None)
 assert set(RoleMetrics.__annotations__) == set(_BY_ATTR), "RoleMetrics types ≠ table.METRICS"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -38,7 +40,9 @@ def serve(
     """Serves `/metrics` (Prometheus text format) and `/healthz` from a daemon thread.
 
     `/healthz` answers 200 `ok` while `health()` returns (True, _) — for the roles: connected to
-    Redis and holding weights — else 503 with the reason. Port 0 picks a free port.
+    Redis and holding weights — else 503 with the reason. Port 0 picks a free port. A port
+    another process holds is a `ConfigError` naming `metrics.port` (so the command exits 2 with
+    one line, like any config error).
     """
 
     class Handler(BaseHTTPRequestHandler):
@@ -66,6 +70,40 @@ def serve(
         def log_message(self, format: str, *args: Any) -> None:
             """Silent: a scrape every few seconds would flood the process log."""
 
-    server = MetricsServer((host, port), Handler)
+    try:
+        server = MetricsServer((host, port), Handler)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        from asyncrl.config import ConfigError
+
+        raise ConfigError(port_in_use(host, port)) from None
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
+
+
+def port_in_use(host: str, port: int, uses: str = "") -> str:
+    """The one-line error for a metrics port that another process holds; `uses` says how the
+    port follows from `metrics.port` where it is not that value itself."""
+    return (
+        f"metrics.port: {host}:{port} is already in use{uses} (another asyncrl process on this "
+        "host with the same config?): set metrics.port to a free port, or to 0 to serve no "
+        "/metrics"
+    )
+
+
+def first_taken(host: str, ports: Iterable[int]) -> int | None:
+    """The first of `ports` that another process holds on `host`, None if all are free. A probe
+    for launchers that hand out ports before starting anything; `serve` still reports a port
+    taken in between."""
+    for port in ports:
+        with socket.socket() as probe:
+            # As `MetricsServer` binds (SO_REUSEADDR): a port left in TIME_WAIT is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return port
+                raise
+    return None

@@ -21,7 +21,6 @@ from asyncrl.runstate import Counter as RunCounter
 
 DROP_REASONS = ("stale", "zero_variance", "invalid")
 STREAMS = ("prompts", "trajectories")
-QUANTILES = ("0.5", "0.9", "0.99")
 PHASES = (
     "generate",
     "score",
@@ -61,19 +60,9 @@ class Metric:
     step_field: str | None = None
     """The `StepRecord` field that `observe_step` sets it from (gauge: set; histogram: observe;
     counter: add), if any."""
-    step_fields: tuple[tuple[str, str], ...] = ()
-    """For a labelled gauge set from a step line: (label value, StepRecord field) pairs."""
     roles: tuple[str, ...] = ()
     """Roles that bind it at construction, so that it starts at zero; others bind it at first
     use, and a series exists only in the processes that use it."""
-
-    @property
-    def step_sources(self) -> tuple[tuple[str | None, str], ...]:
-        """(label value, StepRecord field) pairs a step record sets it from; the label value is
-        None for a metric without a label of its own."""
-        if self.step_field is not None:
-            return ((None, self.step_field),)
-        return self.step_fields
 
 
 _BOTH = ("rollout", "trainer")
@@ -147,18 +136,32 @@ METRICS: tuple[Metric, ...] = (
         buckets=tuple(float(v) for v in range(17)),
         roles=_TRAINER,
     ),
+    # The quantiles as one gauge each: a gauge with a `quantile` label fails `promtool check
+    # metrics` (that label is a summary's), and they are the last step's figures, not the
+    # running ones a summary would hold.
     Metric(
-        "behaviour_weight",
-        "asyncrl_behaviour_weight",
+        "behaviour_weight_p50",
+        "asyncrl_behaviour_weight_p50",
         "gauge",
-        "Quantiles of the truncated behaviour weights.",
+        "Median of the truncated behaviour weights of the last step.",
         "trainer",
-        label=("quantile", QUANTILES),
-        step_fields=(
-            ("0.5", "behaviour_weight_p50"),
-            ("0.9", "behaviour_weight_p90"),
-            ("0.99", "behaviour_weight_p99"),
-        ),
+        step_field="behaviour_weight_p50",
+    ),
+    Metric(
+        "behaviour_weight_p90",
+        "asyncrl_behaviour_weight_p90",
+        "gauge",
+        "90th percentile of the truncated behaviour weights of the last step.",
+        "trainer",
+        step_field="behaviour_weight_p90",
+    ),
+    Metric(
+        "behaviour_weight_p99",
+        "asyncrl_behaviour_weight_p99",
+        "gauge",
+        "99th percentile of the truncated behaviour weights of the last step.",
+        "trainer",
+        step_field="behaviour_weight_p99",
     ),
     Metric(
         "behaviour_weight_mean",
@@ -376,7 +379,7 @@ def metrics_doc() -> str:
     ]
     for m in METRICS:
         labels = f"{m.label[0]}: {', '.join(m.label[1])}" if m.label else ""
-        field = m.step_field or ", ".join(f for _, f in m.step_fields)
+        field = m.step_field or ""
         kind = f"{m.kind}, buckets {m.buckets[0]:g}…{m.buckets[-1]:g}" if m.buckets else m.kind
         lines.append(f"| `{m.name}` | {kind} | {labels} | {m.set_by} | {field} | {m.help} |")
     return _DOC_HEAD + "\n".join(lines) + "\n"

@@ -77,6 +77,10 @@ class RolloutWorker:
         self.keys = Keys(cfg.run.id)
         self.client = connect(cfg.redis)
         self.metrics = RoleMetrics("rollout", self.id)
+        if cfg.metrics.port:
+            # Before the model loads and the weight group is joined: a port another process
+            # holds ends the worker at once.
+            serve(cfg.metrics.host, cfg.metrics.port, self._health)
         self.stopping = False
         # The worker's own Redis calls wait out outages like the queue's do, until SIGTERM.
         self.redis = RedisGuard(
@@ -148,8 +152,6 @@ class RolloutWorker:
         # Generation-side staleness bound: see `_admit`.
         self.max_lag = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
         self.max_hold_s = 2 * cfg.weights.sync_timeout_s
-        if cfg.metrics.port:
-            serve(cfg.metrics.host, cfg.metrics.port, self._health)
 
     def _decode(self, fields: dict[bytes, bytes]) -> PromptGroup:
         from asyncrl.protocol import ValidationError
@@ -174,6 +176,8 @@ class RolloutWorker:
             self.client.ping()
         except Exception as exc:  # any failure to reach Redis means not ready
             return False, f"redis: {type(exc).__name__}"
+        if not hasattr(self, "subscriber"):  # probed while __init__ still builds the worker
+            return False, "starting"
         if self.subscriber.version is None and self.engine.version == 0:
             return False, "no weights yet"
         return True, "ok"

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from asyncrl.metrics.jsonl import JsonlWriter
     from asyncrl.metrics.poller import RunGauges
     from asyncrl.metrics.roles import RoleMetrics
+    from asyncrl.metrics.trackers import TrackerFeed
     from asyncrl.queue import Consumer, RedisGuard
     from asyncrl.tasks.base import Task
     from asyncrl.weights import SyncRecord, WeightPublisher
@@ -81,6 +82,8 @@ class RankZero:
     run_gauges: RunGauges
     jsonl: JsonlWriter | None
     """The metrics.jsonl writer; None with `metrics.jsonl: false`."""
+    trackers: TrackerFeed | None
+    """The experiment trackers fed the same records; None without `metrics.trackers`."""
 
 
 @dataclass(frozen=True)
@@ -310,7 +313,7 @@ def build_rank_zero(
     """The weight publisher and the metrics outputs of rank 0."""
     from asyncrl.metrics.jsonl import JsonlWriter
     from asyncrl.metrics.poller import RunGauges
-    from asyncrl.metrics.server import serve
+    from asyncrl.metrics.trackers import RunInfo, TrackerFeed
     from asyncrl.weights import build_publisher
 
     def on_sync(record: SyncRecord) -> None:
@@ -321,11 +324,11 @@ def build_rank_zero(
 
     publisher = build_publisher(cfg.weights, client, keys, device=device, on_record=on_sync)
     jsonl = JsonlWriter(cfg.run.path / "metrics.jsonl") if cfg.metrics.jsonl else None
-    if cfg.metrics.port:
-        serve(cfg.metrics.host, cfg.metrics.port, partial(redis_health, client))
+    run = RunInfo(cfg.run.id, cfg.run.path, cfg.redacted())
+    trackers = TrackerFeed(cfg.metrics.trackers, run) if cfg.metrics.trackers else None
     metrics.staleness_bound.set(max_staleness)
     run_gauges = RunGauges(metrics, client, keys).start()
-    return RankZero(admission, publisher, run_gauges, jsonl)
+    return RankZero(admission, publisher, run_gauges, jsonl, trackers)
 
 
 def redis_health(client: redis.Redis) -> tuple[bool, str]:
@@ -341,6 +344,7 @@ def build(cfg: Config) -> TrainerParts:
 
     from asyncrl.heartbeat import Heartbeat
     from asyncrl.metrics.roles import RoleMetrics
+    from asyncrl.metrics.server import serve
     from asyncrl.model import ensure_model, vocab_size
     from asyncrl.queue import RedisGuard
     from asyncrl.redis_conn import connect
@@ -356,6 +360,9 @@ def build(cfg: Config) -> TrainerParts:
     client = connect(cfg.redis)
     name = consumer_name(ranks.rank)
     metrics = RoleMetrics("trainer", name)
+    if ranks.rank == 0 and cfg.metrics.port:
+        # Before the model loads: a port another process holds ends the run at once.
+        serve(cfg.metrics.host, cfg.metrics.port, partial(redis_health, client))
     # The trainer's own Redis calls wait out outages like the queue's do, until SIGTERM.
     redis_guard = RedisGuard(
         reconnect_max_s=cfg.redis.reconnect_max_s,

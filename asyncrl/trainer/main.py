@@ -145,6 +145,8 @@ class Trainer:
             if self.rank0 is not None:
                 self.rank0.publisher.close()
                 self.rank0.run_gauges.stop()
+                if self.rank0.trackers is not None:
+                    self.rank0.trackers.close()
         return 0
 
     def _on_sigterm(self, *_: object) -> None:
@@ -271,6 +273,8 @@ class Trainer:
         line = record.to_json()
         if self.rank0.jsonl is not None:
             self.rank0.jsonl.write(line)
+        if self.rank0.trackers is not None:
+            self.rank0.trackers.log(record)
         # Only `asyncrl status` reads it: SIGTERM in an outage skips it, the step is complete.
         with contextlib.suppress(Stopped):
             self.parts.redis.call(
@@ -387,6 +391,8 @@ class Trainer:
         self.metrics.eval_accuracy.set(acc)
         if self.rank0.jsonl is not None:
             self.rank0.jsonl.write(record.to_json())
+        if self.rank0.trackers is not None:
+            self.rank0.trackers.log(record)
         log.info("step %d eval accuracy %.3f", self.step, acc)
 
 
