@@ -82,6 +82,9 @@ class RoleMetrics:
     workers_live: dict[str, Gauge]
     run_groups: dict[str, Gauge]
     staleness_bound: Gauge
+    logprob_mismatch: dict[str, Gauge]
+    importance_ratio_mean: Gauge
+    audit_logprob_abs_diff: Histogram
 
     def __init__(self, role: str, worker: str) -> None:
         self.role = role

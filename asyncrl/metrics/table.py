@@ -34,6 +34,7 @@ PHASES = (
 )
 POOLS = ROLES
 PROMPT_SOURCES = ("prefilled", "cached")
+MISMATCH_SCOPES = ("trained", "audit", "audit_low_prob", "audit_high_prob")
 OUTCOMES = tuple(c.outcome for c in RunCounter)
 """`asyncrl_run_groups` mirrors the run-accounting hash in Redis: field `prompts_released` →
 outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`."""
@@ -342,6 +343,40 @@ METRICS: tuple[Metric, ...] = (
         "Staleness bound in force (algo.max_staleness; 0 in sync mode), for the at-the-bound "
         "alert.",
         "trainer r0",
+    ),
+    Metric(
+        "logprob_mismatch",
+        "asyncrl_logprob_mismatch_abs_diff",
+        "gauge",
+        "Mean |trainer - behaviour| log-prob of the step: over every trained token (trained), "
+        "and at lag 0 over the rollout audit's tokens (audit), those of behaviour probability "
+        "< 0.1 (audit_low_prob) and >= 0.1 (audit_high_prob).",
+        "trainer r0",
+        label=("scope", MISMATCH_SCOPES),
+        step_fields=(
+            ("trained", "mismatch_logprob_abs_diff"),
+            ("audit", "audit_logprob_abs_diff"),
+            ("audit_low_prob", "audit_logprob_abs_diff_low_prob"),
+            ("audit_high_prob", "audit_logprob_abs_diff_high_prob"),
+        ),
+    ),
+    Metric(
+        "importance_ratio_mean",
+        "asyncrl_importance_ratio_mean",
+        "gauge",
+        "Mean importance ratio trainer / behaviour probability over the step's trained tokens.",
+        "trainer r0",
+        step_field="mismatch_ratio_mean",
+    ),
+    Metric(
+        "audit_logprob_abs_diff",
+        "asyncrl_audit_logprob_abs_diff",
+        "histogram",
+        "Per step, the mean |trainer - behaviour| log-prob of the rollout audit (pure engine "
+        "mismatch at lag 0).",
+        "trainer r0",
+        buckets=(1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0),
+        step_field="audit_logprob_abs_diff",
     ),
 )
 
