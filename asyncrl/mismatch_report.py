@@ -117,6 +117,10 @@ def main(run_dir: str | Path, out: str | Path | None = None, steps: int = 0) -> 
     if not lines:
         print(f"asyncrl mismatch: {path} holds no step yet", file=sys.stderr)
         return 2
+    # A trainer resumed from an older checkpoint writes the steps after it again: the later
+    # lines are the surviving lineage.
+    by_step = {line["step"]: line for line in lines if isinstance(line.get("step"), int)}
+    lines = [by_step[s] for s in sorted(by_step)]
     lines = lines[-steps:] if steps > 0 else lines
     print(render(lines))
     out_dir = Path(out) if out is not None else Path(run_dir) / "plots"

@@ -333,7 +333,13 @@ class RolloutWorker:
         if not picked:
             return
         sequences = [([*p, *s.response_ids.tolist()], len(p)) for p, s in picked]
-        used, scores = engine.rescore(sequences, self.cfg.rollout.sampling, self.cfg.trainer.dtype)
+        try:
+            used, scores = engine.rescore(
+                sequences, self.cfg.rollout.sampling, self.cfg.trainer.dtype
+            )
+        except RuntimeError as exc:  # e.g. out of memory: the groups go out unaudited
+            log.warning("rollout %s: mismatch audit failed: %s", self.id, exc)
+            return
         if used != version:
             return  # new weights landed in between: these are not the sampling weights any more
         for (_, s), logp in zip(picked, scores, strict=True):
