@@ -93,6 +93,8 @@ def test_two_ranks_equal_one_rank(name: str, two_rank_results: dict[str, list[di
     # The groups mix tokens of the current version and of the one before: lags 0 and 1 only.
     per_lag = single["mismatch_by_prob"][..., 0].sum(-1)
     assert per_lag[0] > 0 and per_lag[1] > 0 and per_lag[2:].sum() == 0
+    # Lag is a whole response's: lag 0 holds exactly the tokens of the lag-0 figure.
+    assert per_lag[0] == single["lag0_tokens"]
 
     micro_batch_tokens = proc.CASES[name][1]
     counts = micro_batches_per_rank(micro_batch_tokens)

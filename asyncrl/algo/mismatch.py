@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 LAG_EDGES = (1, 2, 3, 4)
-"""Lag buckets 0, 1, 2, 3, ≥ 4: trainer version − the version that produced the token."""
+"""Lag buckets 0, 1, 2, 3, ≥ 4 of a token: trainer version − the oldest version in its response
+(the response's staleness; the audit's tokens are at lag 0)."""
 POSITION_EDGES = (8, 16, 32, 64)
 """Position buckets of the token in its response (0 = first generated token)."""
 PROB_EDGES = (0.01, 0.1, 0.5, 0.9)

@@ -196,7 +196,11 @@ def train_step(
         sums["capped"] += float(((w >= algo.weight_cap) & (mb.mask > 0)).sum())
         sums["diff"] += float(((prox - mb.behav_logp).abs() * lag0).sum())
         sums["lag0"] += float(lag0.sum())
-        lag = current_version - mb.versions
+        # A response's lag is its staleness (trainer version − its oldest token's), so lag 0
+        # holds exactly the responses of `logprob_abs_diff_lag0`: tokens after an in-flight swap
+        # attended to keys of older weights and are not pure engine mismatch.
+        oldest = on_response.min(-1, keepdim=True).values
+        lag = (current_version - oldest).expand_as(mb.versions)
         positions = response_positions(mb.versions >= 0)
         mismatch.add(mismatch_table(prox, mb.behav_logp, mb.mask, lag, positions))
     sums["processed"] = float(sum(r.length for r in rows))
