@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+
+    mismatch = sub.add_parser(
+        "mismatch", help="print a run's train/inference mismatch table and plot it"
+    )
+    mismatch.add_argument("run_dir")
+    mismatch.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+    mismatch.add_argument("--steps", type=int, default=0, help="only the last N steps (0: all)")
     return parser
 
 
@@ -110,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncrl.plot import main as plot_main
 
             return plot_main(args.run_dir, args.out)
+        if args.command == "mismatch":
+            from asyncrl.mismatch_report import main as mismatch_main
+
+            return mismatch_main(args.run_dir, args.out, args.steps)
     except ConfigError as exc:
         print(f"asyncrl: config error: {exc}", file=sys.stderr)
         return 2

@@ -129,6 +129,11 @@ class Sample:
     # environment inserted in multi-turn episodes (those carry logprob 0 and still a version).
     # None means every response token is trained on; it is then absent from the wire.
     loss_mask: np.ndarray | None = None
+    # float32, the log-prob of each response token recomputed by the worker's mismatch audit
+    # (`rollout.audit_fraction`): the same weights as `logprobs`, through the trainer's forward
+    # path, finite and <= 0 (0 on observation tokens). None means not audited; absent from the
+    # wire then (and in entries of writers that predate it).
+    audit_logprobs: np.ndarray | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -222,6 +227,8 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
     }
     if s.loss_mask is not None:
         out["loss_mask"] = _bin(s.loss_mask, _U8)
+    if s.audit_logprobs is not None:
+        out["audit_logprobs"] = _bin(s.audit_logprobs, _F32)
     return out
 
 
@@ -397,6 +404,9 @@ def _decode_sample(d: Any, where: str) -> Sample:
         finish=_take(d, "finish", (str,), where),
         meta=_take(d, "meta", (dict,), where) if "meta" in d else {},
         loss_mask=loss_mask,
+        audit_logprobs=(
+            _array(d, "audit_logprobs", _F32, where) if "audit_logprobs" in d else None
+        ),
     )
 
 
@@ -499,10 +509,11 @@ def validate_group(
 
     Checks: known schema; sample, prompt and response sizes within `limits`; prompt and response
     token ids >= 0 and below `limits.vocab_size`; response_ids, logprobs, versions (and
-    loss_mask) of equal length; logprobs finite and <= 0; versions >= 0, non-decreasing within
-    each sample and, when `current_version` is given, not ahead of it; loss_mask 0/1; reward
-    finite; finish known; meta flat and small. Token checks run once over all samples
-    concatenated, so the cost does not grow with the number of samples in Python.
+    loss_mask, audit_logprobs) of equal length; logprobs and audit_logprobs finite and <= 0;
+    versions >= 0, non-decreasing within each sample and, when `current_version` is given, not
+    ahead of it; loss_mask 0/1; reward finite; finish known; meta flat and small. Token checks
+    run once over all samples concatenated, so the cost does not grow with the number of
+    samples in Python.
     """
     limits = limits or DEFAULT_LIMITS
     if g.schema != SCHEMA_VERSION:
@@ -531,12 +542,14 @@ def validate_group(
             len(s.logprobs) != n
             or len(s.versions) != n
             or (s.loss_mask is not None and len(s.loss_mask) != n)
+            or (s.audit_logprobs is not None and len(s.audit_logprobs) != n)
         ):
             mask = "no" if s.loss_mask is None else len(s.loss_mask)
+            audit = "no" if s.audit_logprobs is None else len(s.audit_logprobs)
             raise ValidationError(
                 "length_mismatch",
                 f"samples[{i}]: {n} response_ids, {len(s.logprobs)} logprobs, "
-                f"{len(s.versions)} versions, {mask} loss_mask",
+                f"{len(s.versions)} versions, {mask} loss_mask, {audit} audit_logprobs",
             )
         if not math.isfinite(s.reward):
             raise ValidationError("reward_not_finite", f"{where}reward is {s.reward}")
@@ -559,6 +572,13 @@ def validate_group(
     response_ids = np.concatenate([s.response_ids for s in g.samples])
     _check_ids(response_ids, limits, "response_ids", sample_of)
 
+    # Audited log-probs run the same checks as the behaviour ones, under the same reason codes.
+    audited = [s.audit_logprobs for s in g.samples if s.audit_logprobs is not None]
+    for a in audited:
+        if not np.isfinite(a).all():
+            raise ValidationError("logprob_not_finite", "audit_logprobs has NaN or inf")
+        if len(a) and a.max() > 0:
+            raise ValidationError("logprob_positive", "audit_logprobs has a value > 0")
     logprobs = np.concatenate([s.logprobs for s in g.samples])
     finite = np.isfinite(logprobs)
     if not finite.all():

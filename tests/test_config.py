@@ -205,3 +205,12 @@ def test_engine_owns_its_device() -> None:
     cfg = load_config(None, ["trainer.device=cpu", "rollout.engine.device=npu"])
     assert cfg.rollout.engine.type == "torch" and cfg.rollout.engine.device == "npu"
     assert load_config(None, []).rollout.engine == TorchEngineConfig(device="auto")
+
+
+def test_the_mismatch_audit_needs_the_builtin_engine() -> None:
+    sglang = ["rollout.engine.type=sglang", 'rollout.engine.urls=["http://127.0.0.1:1"]']
+    with pytest.raises(ConfigError, match=r"rollout\.audit_fraction needs rollout\.engine\.type"):
+        load_config(None, [*sglang, "weights.type=sglang", "rollout.audit_fraction=0.1"])
+    with pytest.raises(ConfigError, match=r"rollout\.audit_fraction"):
+        load_config(None, ["rollout.audit_fraction=1.5"])
+    assert load_config(None, []).rollout.audit_fraction == 0.0

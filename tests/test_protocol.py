@@ -276,7 +276,34 @@ BAD_GROUPS: list[tuple[str, TrajectoryGroup, dict[str, Any], str]] = [
         {},
         "token_out_of_range",
     ),
+    ("audit_short", _with_sample(audit_logprobs=np.zeros(4, np.float32)), {}, "length_mismatch"),
+    (
+        "audit_nan",
+        _with_sample(audit_logprobs=np.array([-1, np.nan, -1, -1, -1], np.float32)),
+        {},
+        "logprob_not_finite",
+    ),
+    (
+        "audit_positive",
+        _with_sample(audit_logprobs=np.array([-1, -1, 0.5, -1, 0], np.float32)),
+        {},
+        "logprob_positive",
+    ),
 ]
+
+
+def test_audit_logprobs_round_trip_and_are_absent_when_not_audited() -> None:
+    audit = -np.linspace(0.0, 2.5, 5, dtype=np.float32)
+    group = make_group([make_sample(audit_logprobs=audit), make_sample()])
+    back = decode_group(encode_group(group))
+    assert back.samples[0].audit_logprobs is not None
+    assert back.samples[0].audit_logprobs.dtype == np.float32
+    np.testing.assert_array_equal(back.samples[0].audit_logprobs, audit)
+    assert back.samples[1].audit_logprobs is None
+    # An entry written before the field existed has no such key: it decodes unaudited.
+    raw = msgpack.unpackb(encode_group(make_group()))
+    assert all("audit_logprobs" not in s for s in raw["samples"])
+    assert all(s.audit_logprobs is None for s in decode_group(encode_group(make_group())).samples)
 
 
 @pytest.mark.parametrize(

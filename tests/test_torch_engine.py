@@ -167,3 +167,38 @@ def test_generate_restores_model_mode_and_checks_prompts(model_dir: Path) -> Non
     assert engine.generate([], SamplingParams()) == []
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[1], []], SamplingParams())
+
+
+def test_rescore_is_the_trainer_path_on_the_engines_weights(model_dir: Path) -> None:
+    params = SamplingParams(max_new_tokens=10)
+    engine = make_engine(model_dir)
+    reference_model = load_model(model_dir)
+    gens = engine.generate(PROMPTS, params)
+    version, scores = engine.rescore(
+        [(p + g.token_ids.tolist(), len(p)) for p, g in zip(PROMPTS, gens, strict=True)],
+        params,
+        "float32",
+    )
+    assert version == 0
+    for prompt, gen, score in zip(PROMPTS, gens, scores, strict=True):
+        assert score.dtype == np.float32 and len(score) == len(gen.token_ids)
+        expected = reference_logprobs(reference_model, prompt, gen.token_ids, params)
+        np.testing.assert_allclose(score, expected, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(score, gen.logprobs, rtol=0, atol=1e-5)
+    # New weights: the version the scores were computed with moves with them.
+    engine.stage_weights(perturbed(reference_model, seed=1), 1)
+    assert engine.rescore([(PROMPTS[0] + [5], len(PROMPTS[0]))], params, "float32")[0] == 1
+
+
+def test_rescore_in_float32_of_a_bfloat16_engine_differs_from_its_behaviour(
+    model_dir: Path,
+) -> None:
+    params = SamplingParams(max_new_tokens=10)
+    engine = make_engine(model_dir, dtype="bfloat16")
+    gens = engine.generate(PROMPTS, params)
+    seqs = [(p + g.token_ids.tolist(), len(p)) for p, g in zip(PROMPTS, gens, strict=True)]
+    _, scores = engine.rescore(seqs, params, "float32")
+    diff = np.concatenate([abs(s - g.logprobs) for s, g in zip(scores, gens, strict=True)])
+    assert diff.mean() > 1e-4, diff  # 10 × the float32 engine's bound above
+    # The float32 copy holds the engine's own (rounded) weights; the engine keeps bfloat16.
+    assert next(engine.model.parameters()).dtype == torch.bfloat16

@@ -86,6 +86,15 @@ def test_two_ranks_equal_one_rank(name: str, two_rank_results: dict[str, list[di
         assert rank["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5)
         assert rank["loss"] == pytest.approx(single["loss"], abs=1e-6)
         assert rank["diff"] == pytest.approx(single["diff"], rel=1e-5)
+        # The mismatch table covers every trained token at its lag, summed over the ranks.
+        for table in ("mismatch_by_prob", "mismatch_by_position"):
+            torch.testing.assert_close(rank[table], single[table], rtol=1e-5, atol=1e-6)
+            assert rank[table][..., 0].sum() == single["tokens"]
+    # The groups mix tokens of the current version and of the one before: lags 0 and 1 only.
+    per_lag = single["mismatch_by_prob"][..., 0].sum(-1)
+    assert per_lag[0] > 0 and per_lag[1] > 0 and per_lag[2:].sum() == 0
+    # Lag is a whole response's: lag 0 holds exactly the tokens of the lag-0 figure.
+    assert per_lag[0] == single["lag0_tokens"]
 
     micro_batch_tokens = proc.CASES[name][1]
     counts = micro_batches_per_rank(micro_batch_tokens)

@@ -137,6 +137,8 @@ def run_case(
         "lag0_tokens": stats.lag0_tokens,
         "diff": stats.logprob_abs_diff_lag0,
         "weight_mean": stats.behaviour_weight_mean,
+        "mismatch_by_prob": stats.mismatch.by_prob,
+        "mismatch_by_position": stats.mismatch.by_position,
     }
 
 

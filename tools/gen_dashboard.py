@@ -224,6 +224,14 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
                 unit="percentunit",
             ),
+            _one(
+                "Train/inference mismatch",
+                "asyncrl_logprob_mismatch_abs_diff",
+                "{{scope}}",
+                "Mean |trainer − behaviour| log-prob: every trained token (engine mismatch plus "
+                "policy change), and the rollout audit at lag 0 (pure engine mismatch), split at "
+                "behaviour probability 0.1. `asyncrl mismatch RUN_DIR` has the full table.",
+            ),
         ],
     ),
     (

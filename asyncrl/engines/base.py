@@ -114,6 +114,20 @@ class InProcessWeights(Protocol):
         ...
 
 
+@runtime_checkable
+class Rescoring(Protocol):
+    """The capability of an engine that can score finished sequences with the weights it holds
+    through the trainer's forward path (`sampling.sequence_logprobs`): the mismatch audit
+    (`rollout.audit_fraction`) compares that with the behaviour log-probs it recorded."""
+
+    def rescore(
+        self, sequences: list[tuple[list[int], int]], params: SamplingParams, dtype: str
+    ) -> tuple[int, list[np.ndarray]]:
+        """(version of the weights used, float32 log-probs of each sequence's tokens after its
+        first `n_prompt`) for `(token ids, n_prompt)` pairs, computed in `dtype` parameters."""
+        ...
+
+
 def build_engine(cfg: EngineConfig, *, model_path: str) -> RolloutEngine:
     """The engine `cfg.type` names, serving the Hugging Face model in the local directory
     `model_path` on the device its config names; heavy imports happen here."""

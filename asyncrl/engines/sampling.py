@@ -9,7 +9,7 @@ import torch
 
 from asyncrl.engines.config import SamplingParams
 
-__all__ = ["SamplingParams", "sampling_logprobs"]
+__all__ = ["SamplingParams", "sampling_logprobs", "sequence_logprobs"]
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -47,3 +47,14 @@ def _nucleus(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
     drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return scaled.masked_fill(drop, float("-inf"))
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """The trainer's forward path: one full forward of the right-padded `input_ids` [B, L]
+    without an attention mask (causal attention keeps padding out of the real tokens' logits)
+    and the log-prob of each next token under the sampling distribution, [B, L-1]."""
+    logits = model(input_ids=input_ids).logits[:, :-1]
+    logp = sampling_logprobs(logits, params)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

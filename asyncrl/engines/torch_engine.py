@@ -16,6 +16,7 @@ Batch layout, with prefix KV (rows right-aligned, `.` padding, `c` cached, `f` f
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ from asyncrl.device import resolve_device
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
-from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
+from asyncrl.engines.sampling import SamplingParams, sampling_logprobs, sequence_logprobs
 
 
 class TorchEngine:
@@ -68,6 +69,8 @@ class TorchEngine:
         self._busy = False
         self._prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._prefix_stale = prefix_cache_stale
+        self._scorer: tuple[int, torch.nn.Module] | None = None
+        """(version, copy of the model in another dtype) for `rescore`."""
 
     @classmethod
     def from_config(cls, cfg: TorchEngineConfig, *, model_path: str) -> TorchEngine:
@@ -161,6 +164,38 @@ class TorchEngine:
             finally:
                 self.model.train(training)
                 self._set_busy(False)
+
+    def rescore(
+        self, sequences: list[tuple[list[int], int]], params: SamplingParams, dtype: str
+    ) -> tuple[int, list[np.ndarray]]:
+        """`Rescoring`: one full forward per sequence, as the trainer computes. With `dtype`
+        other than the engine's, the weights are a copy cast to it (made once per version):
+        the engine's own rounded weights, so the audit measures the compute path alone."""
+        with self._generate_lock:
+            self._set_busy(True)  # no weight swap under the forward
+            training = self.model.training
+            try:
+                version = self._version
+                model = self._scoring_model(getattr(torch, dtype))
+                model.eval()
+                device = self._generator.device
+                out = []
+                with torch.inference_mode():
+                    for ids, n_prompt in sequences:
+                        logp = sequence_logprobs(model, torch.tensor([ids], device=device), params)
+                        out.append(logp[0, n_prompt - 1 :].float().cpu().numpy())
+            finally:
+                self.model.train(training)
+                self._set_busy(False)
+        return version, out
+
+    def _scoring_model(self, dtype: torch.dtype) -> torch.nn.Module:
+        if next(self.model.parameters()).dtype == dtype:
+            return self.model
+        if self._scorer is None or self._scorer[0] != self._version:
+            scorer: torch.nn.Module = copy.deepcopy(self.model)
+            self._scorer = (self._version, scorer.to(dtype))
+        return self._scorer[1]
 
     def _set_busy(self, busy: bool) -> None:
         with self._lock:

@@ -15,6 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+MISMATCH_LOG = "mismatch.jsonl"
+"""Beside `metrics.jsonl`: per step, the full train/inference mismatch tables (lag × bucket,
+`asyncrl.algo.mismatch.summarise`) whose summary the step line carries."""
+
 _OMIT_NONE = {"omit_none": True}
 """Field metadata: the key is left out of the line rather than written as null."""
 
@@ -79,6 +83,22 @@ class StepRecord:
     tokens_per_second: float | None = field(default=None, metadata=_OMIT_NONE)
     """Trainer throughput as measured by a bench tool; the trainer leaves it out (see
     `throughput`)."""
+    mismatch_logprob_abs_diff: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Mean |trainer − behaviour| log-prob over every trained token, at every lag (engine
+    mismatch plus policy change); None (key absent): no token, or an older line."""
+    mismatch_ratio_mean: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Mean importance ratio π_trainer / π_behaviour over the same tokens; None: as above."""
+    audit_tokens: int | None = field(default=None, metadata=_OMIT_NONE)
+    """Response tokens the rollout workers' audit rescored (`rollout.audit_fraction`), all
+    ranks; None (key absent): none."""
+    audit_logprob_abs_diff: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Mean |audit − behaviour| log-prob: the same weights through the trainer's forward path,
+    pure engine mismatch at lag 0; None (key absent): no audited token."""
+    audit_logprob_abs_diff_low_prob: float | None = field(default=None, metadata=_OMIT_NONE)
+    """The same over audited tokens of behaviour probability < 0.1 (`mismatch.LOW_PROB`);
+    None (key absent): none."""
+    audit_logprob_abs_diff_high_prob: float | None = field(default=None, metadata=_OMIT_NONE)
+    """The same over audited tokens of behaviour probability ≥ 0.1; None (key absent): none."""
 
     @property
     def throughput(self) -> float | None:
@@ -92,7 +112,7 @@ class StepRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The line's JSON object: every figure, None as null, but for the keys that are left
-        out when unknown (the weight quantiles, mfu, tokens_per_second)."""
+        out when unknown (the weight quantiles, mfu, tokens_per_second, the mismatch figures)."""
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)

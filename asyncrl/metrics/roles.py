@@ -84,6 +84,9 @@ class RoleMetrics:
     workers_live: dict[str, Gauge]
     run_groups: dict[str, Gauge]
     staleness_bound: Gauge
+    logprob_mismatch: dict[str, Gauge]
+    importance_ratio_mean: Gauge
+    audit_logprob_abs_diff: Histogram
 
     def __init__(self, role: str, worker: str) -> None:
         self.role = role
@@ -123,17 +126,19 @@ class RoleMetrics:
         of the groups trained in the step. The record's figures are run-wide (`groups` counts all
         ranks' groups), so call this where the record is written, once per step."""
         self.train_steps.inc()
-        for m, field in _STEP_METRICS:
-            value = getattr(record, field)
-            if value is None:
-                continue
+        for m in _STEP_METRICS:
             bound = getattr(self, m.attr)
-            if m.kind == "gauge":
-                bound.set(value)
-            elif m.kind == "histogram":
-                bound.observe(value)
-            else:
-                bound.inc(float(value))
+            for label, name in m.step_sources:
+                value = getattr(record, name)
+                if value is None:
+                    continue
+                child = bound if label is None else bound[label]
+                if m.kind == "gauge":
+                    child.set(value)
+                elif m.kind == "histogram":
+                    child.observe(value)
+                else:
+                    child.inc(float(value))
         for value in staleness:
             self.staleness.observe(value)
 
@@ -160,5 +165,5 @@ class RoleMetrics:
             self.run_groups[c.outcome].set(counters.get(c, 0))
 
 
-_STEP_METRICS = tuple((m, m.step_field) for m in METRICS if m.step_field is not None)
+_STEP_METRICS = tuple(m for m in METRICS if m.step_sources)
 assert set(RoleMetrics.__annotations__) == set(_BY_ATTR), "RoleMetrics types ≠ table.METRICS"

@@ -33,6 +33,7 @@ PHASES = (
 )
 POOLS = ROLES
 PROMPT_SOURCES = ("prefilled", "cached")
+MISMATCH_SCOPES = ("trained", "audit", "audit_low_prob", "audit_high_prob")
 OUTCOMES = tuple(c.outcome for c in RunCounter)
 """`asyncrl_run_groups` mirrors the run-accounting hash in Redis: field `prompts_released` →
 outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`."""
@@ -60,9 +61,19 @@ class Metric:
     step_field: str | None = None
     """The `StepRecord` field that `observe_step` sets it from (gauge: set; histogram: observe;
     counter: add), if any."""
+    step_fields: tuple[tuple[str, str], ...] = ()
+    """For a labelled gauge set from a step line: (label value, StepRecord field) pairs."""
     roles: tuple[str, ...] = ()
     """Roles that bind it at construction, so that it starts at zero; others bind it at first
     use, and a series exists only in the processes that use it."""
+
+    @property
+    def step_sources(self) -> tuple[tuple[str | None, str], ...]:
+        """(label value, StepRecord field) pairs a step record sets it from; the label value is
+        None for a metric without a label of its own."""
+        if self.step_field is not None:
+            return ((None, self.step_field),)
+        return self.step_fields
 
 
 _BOTH = ("rollout", "trainer")
@@ -346,6 +357,40 @@ METRICS: tuple[Metric, ...] = (
         "alert.",
         "trainer r0",
     ),
+    Metric(
+        "logprob_mismatch",
+        "asyncrl_logprob_mismatch_abs_diff",
+        "gauge",
+        "Mean |trainer - behaviour| log-prob of the step: over every trained token (trained), "
+        "and at lag 0 over the rollout audit's tokens (audit), those of behaviour probability "
+        "< 0.1 (audit_low_prob) and >= 0.1 (audit_high_prob).",
+        "trainer r0",
+        label=("scope", MISMATCH_SCOPES),
+        step_fields=(
+            ("trained", "mismatch_logprob_abs_diff"),
+            ("audit", "audit_logprob_abs_diff"),
+            ("audit_low_prob", "audit_logprob_abs_diff_low_prob"),
+            ("audit_high_prob", "audit_logprob_abs_diff_high_prob"),
+        ),
+    ),
+    Metric(
+        "importance_ratio_mean",
+        "asyncrl_importance_ratio_mean",
+        "gauge",
+        "Mean importance ratio trainer / behaviour probability over the step's trained tokens.",
+        "trainer r0",
+        step_field="mismatch_ratio_mean",
+    ),
+    Metric(
+        "audit_logprob_abs_diff",
+        "asyncrl_audit_logprob_abs_diff",
+        "histogram",
+        "Per step, the mean |trainer - behaviour| log-prob of the rollout audit (pure engine "
+        "mismatch at lag 0).",
+        "trainer r0",
+        buckets=(1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0),
+        step_field="audit_logprob_abs_diff",
+    ),
 )
 
 
@@ -379,7 +424,7 @@ def metrics_doc() -> str:
     ]
     for m in METRICS:
         labels = f"{m.label[0]}: {', '.join(m.label[1])}" if m.label else ""
-        field = m.step_field or ""
+        field = m.step_field or ", ".join(f for _, f in m.step_fields)
         kind = f"{m.kind}, buckets {m.buckets[0]:g}…{m.buckets[-1]:g}" if m.buckets else m.kind
         lines.append(f"| `{m.name}` | {kind} | {labels} | {m.set_by} | {field} | {m.help} |")
     return _DOC_HEAD + "\n".join(lines) + "\n"

@@ -1,6 +1,8 @@
 """Config of the rollout pool: how many workers, what each reads and runs at once."""
 
-from pydantic import Field
+from __future__ import annotations
+
+from pydantic import Field, model_validator
 
 from asyncrl.configbase import Section
 from asyncrl.engines.config import EngineConfig, SamplingParams, TorchEngineConfig
@@ -27,3 +29,17 @@ class RolloutConfig(Section):
     """Sampling parameters; the trainer recomputes log-probs under the same processing."""
     heartbeat_ttl_s: float = Field(default=10.0, gt=0)
     """A worker whose heartbeat is older than this is dead; its prompts are re-claimed."""
+    audit_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of finished samples the worker rescores through the trainer's forward path
+    (`trainer.dtype`, one full forward) with the weights that generated them, shipped as
+    `audit_logprobs` for the trainer's lag-0 mismatch figures (`asyncrl mismatch`). A sample
+    whose weights were swapped since is not audited. 0: no audit, no cost. Builtin engine only."""
+
+    @model_validator(mode="after")
+    def _audit_engine(self) -> RolloutConfig:
+        if self.audit_fraction > 0 and self.engine.type != "torch":
+            raise ValueError(
+                "rollout.audit_fraction needs rollout.engine.type torch (the audit scores "
+                f"with the weights in the worker's process), got {self.engine.type!r}"
+            )
+        return self

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import threading
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.engines.base import InProcessWeights
+from asyncrl.engines.base import InProcessWeights, Rescoring
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -152,6 +153,8 @@ class RolloutWorker:
         # Generation-side staleness bound: see `_admit`.
         self.max_lag = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
         self.max_hold_s = 2 * cfg.weights.sync_timeout_s
+        self.audit_rng = random.Random(self.id)
+        """Picks the samples `rollout.audit_fraction` rescores."""
 
     def _decode(self, fields: dict[bytes, bytes]) -> PromptGroup:
         from asyncrl.protocol import ValidationError
@@ -293,6 +296,8 @@ class RolloutWorker:
             self.consumer.dead_letter(f.tag.id, f.tag.fields, f.reason, f.detail)
         if not finished:
             return
+        if self.cfg.rollout.audit_fraction and isinstance(self.engine, Rescoring):
+            self._audit(finished, self.engine)
         now = time.time()
         groups = [
             TrajectoryGroup(
@@ -315,6 +320,40 @@ class RolloutWorker:
                 counters={Counter.GROUPS_PUBLISHED: len(groups)},
             )
         self.metrics.trajectories_produced.inc(len(groups))
+
+    def _audit(self, finished: list[FinishedGroup[Prompt]], engine: Rescoring) -> None:
+        """Rescore a sample of `finished` through the trainer's forward path with the weights
+        that generated them (`Sample.audit_logprobs`): samples whose tokens all come from the
+        weights loaded now, since older ones are gone."""
+        version, fraction = self.engine.version, self.cfg.rollout.audit_fraction
+        picked = [
+            (f.item.prompt_ids, s)
+            for f in finished
+            for s in f.samples
+            if len(s.versions)
+            and bool((s.versions == version).all())
+            and self.audit_rng.random() < fraction
+        ]
+        if not picked:
+            return
+        sequences = [([*p, *s.response_ids.tolist()], len(p)) for p, s in picked]
+        try:
+            used, scores = engine.rescore(
+                sequences, self.cfg.rollout.sampling, self.cfg.trainer.dtype
+            )
+        except RuntimeError as exc:  # e.g. out of memory: the groups go out unaudited
+            log.warning("rollout %s: mismatch audit failed: %s", self.id, exc)
+            return
+        if used != version:
+            return  # new weights landed in between: these are not the sampling weights any more
+        for (_, s), logp in zip(picked, scores, strict=True):
+            # Under top-k/top-p the recomputation may put a sampled token outside the kept set
+            # (-inf): the wire has no place for it, and the trainer's table sees it anyway.
+            if not np.isfinite(logp).all():
+                continue
+            if s.loss_mask is not None:
+                logp = np.where(s.loss_mask > 0, logp, 0.0)
+            s.audit_logprobs = np.minimum(logp, 0.0).astype(np.float32)
 
 
 def run_worker(cfg: Config, worker_id: str | None = None) -> int:

@@ -20,7 +20,9 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-from asyncrl.metrics.record import EvalRecord, StepRecord
+from asyncrl.algo.mismatch import LOW_PROB, audit_table, summarise
+from asyncrl.metrics.jsonl import JsonlWriter
+from asyncrl.metrics.record import MISMATCH_LOG, EvalRecord, StepRecord
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.queue import Stopped
 from asyncrl.runstate import Counter
@@ -59,6 +61,12 @@ class Trainer:
         )
         self.evaluator: Evaluator | None = None
         self.t0 = time.monotonic()
+        self.mismatch_log = (
+            JsonlWriter(cfg.run.path / MISMATCH_LOG)
+            if self.rank0 is not None and cfg.metrics.jsonl
+            else None
+        )
+        """The step's full mismatch tables (`asyncrl mismatch RUN_DIR`); rank 0 only."""
 
     # -- what callers and tests read -----------------------------------------------------------
 
@@ -147,6 +155,8 @@ class Trainer:
                 self.rank0.run_gauges.stop()
                 if self.rank0.trackers is not None:
                     self.rank0.trackers.close()
+            if self.mismatch_log is not None:
+                self.mismatch_log.close()
         return 0
 
     def _on_sigterm(self, *_: object) -> None:
@@ -252,6 +262,12 @@ class Trainer:
                 ref_model=parts.ref_model,
                 world=self.ranks.world,
                 device=parts.device,
+                audited=audit_table(
+                    (s.audit_logprobs, s.logprobs, s.loss_mask)
+                    for g in groups
+                    for s in g.samples
+                    if s.audit_logprobs is not None
+                ),
             )
         if stats.skipped:
             log.warning("step %d: loss or grad norm not finite, update skipped", self.step + 1)
@@ -275,6 +291,8 @@ class Trainer:
             self.rank0.jsonl.write(line)
         if self.rank0.trackers is not None:
             self.rank0.trackers.log(record)
+        if self.mismatch_log is not None:
+            self.mismatch_log.write(self._mismatch_line(stats))
         # Only `asyncrl status` reads it: SIGTERM in an outage skips it, the step is complete.
         with contextlib.suppress(Stopped):
             self.parts.redis.call(
@@ -325,7 +343,28 @@ class Trainer:
             behaviour_weight_p90=p90,
             behaviour_weight_p99=p99,
             mfu=mfu,
+            mismatch_logprob_abs_diff=stats.mismatch.abs_diff_mean(),
+            mismatch_ratio_mean=stats.mismatch.ratio_mean(),
+            audit_tokens=stats.audit.tokens or None,
+            audit_logprob_abs_diff=stats.audit.abs_diff_mean(),
+            audit_logprob_abs_diff_low_prob=stats.audit.abs_diff_mean(low_prob=True),
+            audit_logprob_abs_diff_high_prob=stats.audit.abs_diff_mean(low_prob=False),
         )
+
+    def _mismatch_line(self, stats: StepStats) -> dict[str, object]:
+        """One line of `mismatch.jsonl`: the step's tables, labelled with the engine and the
+        dtypes on both sides."""
+        engine = self.cfg.rollout.engine
+        return {
+            "step": self.step,
+            "version": self.version,
+            "engine": engine.type,
+            "engine_dtype": getattr(engine, "dtype", None),
+            "trainer_dtype": self.cfg.trainer.dtype,
+            "low_prob": LOW_PROB,
+            "trained": summarise(stats.mismatch),
+            "audit": summarise(stats.audit),
+        }
 
     def _publish(self) -> float:
         """Hand the current weights to rank 0's publisher; returns the seconds it blocked. A

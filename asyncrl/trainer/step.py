@@ -36,7 +36,8 @@ import torch.distributed as dist
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.correction import behaviour_mask_weights, behaviour_weights
 from asyncrl.algo.losses import aggregate, gspo_loss, kl_penalty, ppo_loss
-from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
+from asyncrl.algo.mismatch import MismatchTable, mismatch_table, response_positions
+from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
 from asyncrl.trainer.batch import MicroBatch, Row, collate
 from asyncrl.trainer.packing import pack_microbatches
 from asyncrl.trainer.parallel import global_value, is_sharded
@@ -56,6 +57,10 @@ class StepStats:
     """p50/p90/p99 of the behaviour weights of this rank's trained tokens; None without any."""
     processed_tokens: int
     """Prompt and response tokens through forward and backward, all ranks (for MFU)."""
+    mismatch: MismatchTable
+    """Trainer (π_prox) against behaviour log-probs of the trained tokens, every lag, all ranks."""
+    audit: MismatchTable
+    """The workers' audit (`audited`) against behaviour log-probs: lag 0 only, all ranks."""
     skipped: bool = False
     """The loss or the gradient norm was not finite: the optimizer did not step."""
 
@@ -64,9 +69,7 @@ def token_logprobs(
     model: torch.nn.Module, mb: MicroBatch, sampling: SamplingParams
 ) -> torch.Tensor:
     """Log-prob of each target token under the sampling distribution, [B, L-1]."""
-    logits = model(input_ids=mb.input_ids).logits[:, :-1]
-    logp = sampling_logprobs(logits, sampling)
-    out = logp.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+    out = sequence_logprobs(model, mb.input_ids, sampling)
     # Off-response positions may hold -inf under top-k/top-p; they are masked, keep them finite.
     return torch.where(mb.mask > 0, out, torch.zeros_like(out))
 
@@ -105,8 +108,10 @@ def train_step(
     ref_model: torch.nn.Module | None = None,
     world: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
+    audited: MismatchTable | None = None,
 ) -> StepStats:
-    """Forward/backward over packed micro-batches of `rows`, all-reduce, clip, step."""
+    """Forward/backward over packed micro-batches of `rows`, all-reduce, clip, step.
+    `audited`: this rank's table of the workers' audit (`audit_table`), summed over ranks."""
     model.train()
     horizon_local = max((r.length - r.n_prompt for r in rows), default=1)
     # Rows without a trained token (zero-variance groups once most answers are right) change
@@ -126,6 +131,7 @@ def train_step(
     masking = algo.correction == "mask"
     sums = dict(loss=0.0, clip=0.0, w=0.0, capped=0.0, diff=0.0, lag0=0.0, kept=0.0, kept_seqs=0.0)
     trained_weights: list[torch.Tensor] = []
+    mismatch = MismatchTable.empty()
     for i in range(n_bins):
         idx = bins[i] if i < len(bins) else []
         mb_rows = [rows[j] for j in idx] or [_DUMMY_ROW]
@@ -190,6 +196,13 @@ def train_step(
         sums["capped"] += float(((w >= algo.weight_cap) & (mb.mask > 0)).sum())
         sums["diff"] += float(((prox - mb.behav_logp).abs() * lag0).sum())
         sums["lag0"] += float(lag0.sum())
+        # A response's lag is its staleness (trainer version − its oldest token's), so lag 0
+        # holds exactly the responses of `logprob_abs_diff_lag0`: tokens after an in-flight swap
+        # attended to keys of older weights and are not pure engine mismatch.
+        oldest = on_response.min(-1, keepdim=True).values
+        lag = (current_version - oldest).expand_as(mb.versions)
+        positions = response_positions(mb.versions >= 0)
+        mismatch.add(mismatch_table(prox, mb.behav_logp, mb.mask, lag, positions))
     sums["processed"] = float(sum(r.length for r in rows))
     keys = list(sums)
     totals = dict(zip(keys, _all_reduce([sums[k] for k in keys], world), strict=True))
@@ -220,8 +233,19 @@ def train_step(
         lag0_tokens=int(totals["lag0"]),
         weight_quantiles=_quantiles(torch.cat(trained_weights) if trained_weights else None),
         processed_tokens=int(totals["processed"]),
+        mismatch=_all_reduce_table(mismatch, world),
+        audit=_all_reduce_table(audited or MismatchTable.empty(), world),
         skipped=skipped,
     )
+
+
+def _all_reduce_table(table: MismatchTable, world: dist.ProcessGroup | None) -> MismatchTable:
+    if world is None:
+        return table
+    sums, maxes = table.parts()
+    dist.all_reduce(sums, group=world)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=world)
+    return MismatchTable.from_parts(sums, maxes)
 
 
 def weights_finite(model: torch.nn.Module, world: dist.ProcessGroup | None = None) -> bool:
