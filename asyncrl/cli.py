@@ -63,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+
+    export = sub.add_parser(
+        "export",
+        help="write a run's trained model: a LoRA adapter (peft) or a Hugging Face model",
+    )
+    export.add_argument("run_dir")
+    export.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base")
+    export.add_argument("--out", help="output folder (default RUN_DIR/export)")
     return parser
 
 
@@ -110,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncrl.plot import main as plot_main
 
             return plot_main(args.run_dir, args.out)
+        if args.command == "export":
+            from asyncrl.export import main as export_main
+
+            return export_main(args.run_dir, args.out, args.merge)
     except ConfigError as exc:
         print(f"asyncrl: config error: {exc}", file=sys.stderr)
         return 2

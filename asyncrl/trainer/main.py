@@ -20,6 +20,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+from asyncrl.lora import synced
 from asyncrl.metrics.record import EvalRecord, StepRecord
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.queue import Stopped
@@ -328,7 +329,7 @@ class Trainer:
         sharded model's full tensors are gathered first, with every rank taking part."""
         start = time.perf_counter()
         model = self.parts.model
-        params = full_parameters(model) if self.parts.sharded else model
+        params = full_parameters(model) if self.parts.sharded else synced(model)
         if self.rank0 is None:
             return 0.0
         gathered = time.perf_counter() - start
