@@ -12,11 +12,11 @@ from start to completion. The first round (group forming, first-touch allocation
 the figures are medians of the others. The last line is JSON:
 {"mb", "asyncrl_mb_s", "raw_mb_s", "ratio", "send_s", "blocking_s"}.
 
-    .venv/bin/python tools/bench_weights.py --lora [--hidden 768] [--layers 4] [--rank 8]
+    .venv/bin/python tools/bench_weights.py --lora [--hidden 768] [--layers 4] [--lora-rank 8]
 
 instead syncs a random Qwen2 model (≥ 50 M parameters, fp32, from a config) through asyncrl's
 broadcast twice, side by side in one run: every parameter (a full fine-tune), then only the
-adapter of `model.lora` (rank `--rank` on every projection). The JSON line holds, for each,
+adapter of `model.lora` (rank `--lora-rank` on every projection). The JSON line holds, for each,
 the bytes per sync, the median sync seconds and trainer blocking, and the bytes' ratio.
 """
 
@@ -170,7 +170,7 @@ def lora_models(args: argparse.Namespace) -> dict[str, list[tuple[str, torch.Ten
     )
     model = AutoModelForCausalLM.from_config(config)
     full = [(n, p.detach()) for n, p in model.named_parameters()]
-    adapted = wrap(model, LoraConfig(rank=args.rank))
+    adapted = wrap(model, LoraConfig(rank=args.lora_rank))
     return {"full": full, "lora": [(n, p.detach()) for n, p in synced(adapted)]}
 
 
@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="full weights vs a LoRA adapter")
     parser.add_argument("--hidden", type=int, default=768, help="--lora: the model's width")
     parser.add_argument("--layers", type=int, default=4, help="--lora: decoder layers")
-    parser.add_argument("--rank", type=int, default=8, help="--lora: the adapter's rank")
+    parser.add_argument("--lora-rank", type=int, default=8, help="--lora: the adapter's rank")
     parser.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--redis", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
