@@ -179,6 +179,10 @@ def test_checkpoint_holds_the_adapter_resumes_and_exports(
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(restored["state"][name][k], optimizer_state["state"][name][k])
 
+    # The same run without model.lora cannot resume from it (one line, before anything starts).
+    with pytest.raises(SystemExit, match=r"holds a LoRA adapter, but model\.lora is unset"):
+        build_models(load_config(None, []), ckpt, random_model, lambda m: None)
+
     prompt = PROMPTS[2]
     response = np.array([3, 4, 5, 6, 7], dtype=np.int64)
     expected = logprobs(model, prompt, response)

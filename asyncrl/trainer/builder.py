@@ -158,6 +158,15 @@ def build_models(
     torch.manual_seed(cfg.trainer.seed)
     dtype = getattr(torch, cfg.trainer.dtype)
     lora_cfg = cfg.model.lora
+    from asyncrl.lora import is_adapter_dir
+
+    if load_from != model_dir and is_adapter_dir(load_from) != (lora_cfg is not None):
+        # A run cannot switch between a LoRA and a full fine-tune across a restart.
+        held = "a LoRA adapter" if is_adapter_dir(load_from) else "a full model"
+        raise SystemExit(
+            f"checkpoint {load_from} holds {held}, but model.lora is "
+            f"{'unset' if lora_cfg is None else 'set'}: resume with the run's own model.lora"
+        )
     model = AutoModelForCausalLM.from_pretrained(
         load_from if lora_cfg is None else model_dir, dtype=dtype
     )
