@@ -70,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     mismatch.add_argument("run_dir")
     mismatch.add_argument("--out", help="output folder (default RUN_DIR/plots)")
     mismatch.add_argument("--steps", type=int, default=0, help="only the last N steps (0: all)")
+
+    export = sub.add_parser(
+        "export",
+        help="write a run's trained model: a LoRA adapter (peft) or a Hugging Face model",
+    )
+    export.add_argument("run_dir")
+    export.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base")
+    export.add_argument("--out", help="output folder (default RUN_DIR/export)")
     return parser
 
 
@@ -121,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncrl.mismatch_report import main as mismatch_main
 
             return mismatch_main(args.run_dir, args.out, args.steps)
+
+        if args.command == "export":
+            from asyncrl.export import main as export_main
+
+            return export_main(args.run_dir, args.out, args.merge)
     except ConfigError as exc:
         print(f"asyncrl: config error: {exc}", file=sys.stderr)
         return 2

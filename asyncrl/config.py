@@ -89,6 +89,11 @@ class Config(Section):
                 "servers take weights only from the trainer's SGLang publisher "
                 "(choose its transport with weights.transport: broadcast or store)"
             )
+        if self.model.lora is not None and sglang_engine:
+            raise ValueError(
+                "model.lora needs rollout.engine.type=torch: SGLang's adapter API is not wired "
+                "to the weight publisher yet"
+            )
         if self.weights.type != "broadcast" and self.weights.store_dir is None:
             self.weights.store_dir = self.run.path / "weights"
         if self.model.build_tiny and self.task.type not in ("arithmetic", "agentic"):

@@ -5,7 +5,7 @@ the trajectories stream. A SIGTERM to one rank while both wait for data — the 
 that left on its own stranded the other — stops both: both exit 0, the final checkpoint holds
 every trained step and both ranks' entry ids, the half-collected step stays pending, and a
 restart trains it. With `trainer.parallel=fsdp` the same run publishes, checkpoints and restores
-a sharded model.
+a sharded model, and with `model.lora` (and gradient checkpointing) a sharded adapter.
 """
 
 from __future__ import annotations
@@ -64,17 +64,21 @@ def covered(run_dir: Path) -> tuple[int, dict[str, list[str]]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("parallel", "signalled"), [("ddp", (1,)), ("fsdp", (1, 0))])
+@pytest.mark.parametrize(
+    ("parallel", "signalled", "lora"),
+    [("ddp", (1,), False), ("fsdp", (1, 0), False), ("fsdp", (1,), True)],
+)
 def test_sigterm_to_one_rank_stops_all_ranks(
     parallel: str,
     signalled: tuple[int, ...],
+    lora: bool,
     redis_client: redis.Redis,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     role_config: RoleConfig,
 ) -> None:
     run_dir = tmp_path / "run"
-    keys = Keys(f"ranks-{parallel}")
+    keys = Keys(f"ranks-{parallel}{'-lora' if lora else ''}")
     settings = {
         "redis.block_ms": 200,
         "weights.type": "store",
@@ -89,6 +93,8 @@ def test_sigterm_to_one_rank_stops_all_ranks(
         "trainer.wait_timeout_s": 300,
         "algo.max_staleness": 100,
     }
+    if lora:
+        settings |= {"model.lora.rank": 4, "trainer.gradient_checkpointing": True}
     config = role_config(keys.run_id, settings)
 
     def feed(n: int, start: int = 0) -> list[str]:
@@ -133,7 +139,10 @@ def test_sigterm_to_one_rank_stops_all_ranks(
     counters = collect_status(redis_client, keys, run_dir)["counters"]
     assert counters[Counter.GROUPS_TRAINED] == STEPS * G
     saved = torch.load(list_checkpoints(run_dir / "checkpoints")[-1] / "optimizer.pt")
-    assert "model.embed_tokens.weight" in saved["state"]  # full state, keyed by name
+    if lora:  # the adapter's state alone, full tensors keyed by name
+        assert saved["state"] and all(".lora_" in name for name in saved["state"])
+    else:
+        assert "model.embed_tokens.weight" in saved["state"]  # full state, keyed by name
 
     # Restarted, the ranks restore the checkpoint (sharded or not), train the pending entry in
     # the next step and stop at max_steps.

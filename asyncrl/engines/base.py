@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from asyncrl.model import LoraConfig
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -128,14 +130,17 @@ class Rescoring(Protocol):
         ...
 
 
-def build_engine(cfg: EngineConfig, *, model_path: str) -> RolloutEngine:
+def build_engine(
+    cfg: EngineConfig, *, model_path: str, lora: LoraConfig | None = None
+) -> RolloutEngine:
     """The engine `cfg.type` names, serving the Hugging Face model in the local directory
-    `model_path` on the device its config names; heavy imports happen here."""
+    `model_path` on the device its config names, with the adapter layout of `lora` (`model.lora`;
+    builtin engine only); heavy imports happen here."""
     match cfg:
         case TorchEngineConfig():
             from asyncrl.engines.torch_engine import TorchEngine
 
-            return TorchEngine.from_config(cfg, model_path=model_path)
+            return TorchEngine.from_config(cfg, model_path=model_path, lora=lora)
         case SglangEngineConfig():
             from asyncrl.sglang.engine import SglangEngine
 

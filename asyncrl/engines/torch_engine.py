@@ -31,6 +31,8 @@ from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs, sequence_logprobs
+from asyncrl.lora import synced, wrap
+from asyncrl.model import LoraConfig
 
 
 class TorchEngine:
@@ -60,9 +62,10 @@ class TorchEngine:
         device = next(model.parameters()).device
         self._generator = torch.Generator(device=device).manual_seed(seed)
         self._version = version
-        # Every name a state dict may use, tied aliases included; updates must cover the params.
+        # Every name a state dict may use, tied aliases included; updates must cover what trains
+        # (all parameters, or a LoRA model's adapter).
         self._targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-        self._required = {name for name, _ in model.named_parameters()}
+        self._required = {name for name, _ in synced(model)}
         self._generate_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _pending and _busy
         self._pending: tuple[int, Mapping[str, torch.Tensor]] | None = None
@@ -73,8 +76,14 @@ class TorchEngine:
         """(version, copy of the model in another dtype) for `rescore`."""
 
     @classmethod
-    def from_config(cls, cfg: TorchEngineConfig, *, model_path: str) -> TorchEngine:
+    def from_config(
+        cls, cfg: TorchEngineConfig, *, model_path: str, lora: LoraConfig | None = None
+    ) -> TorchEngine:
+        """With `lora`, the base carries the trainer's adapter layout, unmerged (`asyncrl.lora`):
+        weight updates then cover the adapter only."""
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.dtype))
+        if lora is not None:
+            model = wrap(model, lora)
         # transformers decorates `to` with functools.wraps, which mypy cannot bind to `model`.
         model.to(resolve_device(cfg.device))  # type: ignore[arg-type]
         eos = model.generation_config.eos_token_id
@@ -95,7 +104,7 @@ class TorchEngine:
         return self._version
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.model.named_parameters()}
+        return {name: p.detach() for name, p in synced(self.model)}
 
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         missing = self._required - tensors.keys()

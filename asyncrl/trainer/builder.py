@@ -101,7 +101,8 @@ class TrainerParts:
     tokenizer: PreTrainedTokenizerBase
     model: PreTrainedModel
     ref_model: PreTrainedModel | None
-    """The frozen reference policy of the KL term; None with algo.kl_coef = 0."""
+    """The frozen reference policy of the KL term; None with algo.kl_coef = 0. With
+    `model.lora` it is `model` itself, run with the adapter disabled."""
     optimizer: torch.optim.Optimizer
     n_params: int
     task: Task
@@ -152,16 +153,39 @@ def build_models(
     cfg: Config, load_from: Path, model_dir: Path, place_: Callable[[torch.nn.Module], None]
 ) -> tuple[PreTrainedModel, PreTrainedModel | None, int]:
     """The trained model (from the last checkpoint, if any), the KL reference (the base) and
-    the trained model's parameter count (before sharding)."""
+    the trained model's parameter count (before sharding). With `model.lora` the base is loaded
+    from `model_dir` and the adapter from the checkpoint; the reference is the model itself,
+    run with its adapter disabled (`lora.adapter_disabled`)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.trainer.seed)
     dtype = getattr(torch, cfg.trainer.dtype)
-    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=dtype)
+    lora_cfg = cfg.model.lora
+    from asyncrl.lora import is_adapter_dir
+
+    if load_from != model_dir and is_adapter_dir(load_from) != (lora_cfg is not None):
+        # A run cannot switch between a LoRA and a full fine-tune across a restart.
+        held = "a LoRA adapter" if is_adapter_dir(load_from) else "a full model"
+        raise SystemExit(
+            f"checkpoint {load_from} holds {held}, but model.lora is "
+            f"{'unset' if lora_cfg is None else 'set'}: resume with the run's own model.lora"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        load_from if lora_cfg is None else model_dir, dtype=dtype
+    )
     n_params = sum(p.numel() for p in model.parameters())
+    if lora_cfg is not None:
+        from asyncrl.lora import wrap
+
+        if cfg.trainer.gradient_checkpointing:
+            # The frozen embedding's output needs grad, or checkpointed blocks get none.
+            model.enable_input_require_grads()
+        model = wrap(model, lora_cfg, None if load_from == model_dir else load_from)
     if cfg.trainer.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     place_(model)
+    if lora_cfg is not None:
+        return model, model if cfg.algo.kl_coef > 0 else None, n_params
     ref_model = None
     if cfg.algo.kl_coef > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -171,8 +195,9 @@ def build_models(
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    # Frozen parameters (a LoRA run's base) get no optimizer state.
     return torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=cfg.trainer.lr,
         betas=cfg.trainer.betas,
         weight_decay=cfg.trainer.weight_decay,
@@ -384,7 +409,7 @@ def build(cfg: Config) -> TrainerParts:
     state.step = resumed.step
     state.version = first_version(cfg, client, redis_guard, keys, resumed, ranks, device)
 
-    limits = Limits(max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(load_from))
+    limits = Limits(max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(model_dir))
     heartbeat = Heartbeat(
         client,
         keys.worker("trainer", name),

@@ -8,6 +8,9 @@ a folder without the `.tmp` suffix is complete. Only then may trajectory entries
 acked (DESIGN §9). A write that fails (a full disk) removes the `.tmp` folder and raises
 `CheckpointError`; older checkpoints are deleted only after a newer one is complete. Beside
 them, `published_version` holds the highest version the run has handed out (`record_version`).
+With `model.lora` a checkpoint is a peft adapter directory instead (`adapter_config.json`,
+`adapter_model.safetensors`, loaded over the base at `model.path`), and `optimizer.pt` holds the
+adapter's state only.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def save_checkpoint(
     keep: int,
 ) -> Path:
     """Write `model`'s config with the full `model_state` and `optimizer_state` (from
-    `parallel.full_state`); rank 0 only."""
+    `parallel.full_state`); rank 0 only. A peft model writes its adapter config and adapter."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{state.step:08d}"
     tmp = root / f"{final.name}.tmp"

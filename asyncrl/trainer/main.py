@@ -21,6 +21,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from asyncrl.algo.mismatch import LOW_PROB, audit_table, summarise
+from asyncrl.lora import synced
 from asyncrl.metrics.jsonl import JsonlWriter
 from asyncrl.metrics.record import MISMATCH_LOG, EvalRecord, StepRecord
 from asyncrl.protocol import TrajectoryGroup
@@ -371,7 +372,7 @@ class Trainer:
         sharded model's full tensors are gathered first, with every rank taking part."""
         start = time.perf_counter()
         model = self.parts.model
-        params = full_parameters(model) if self.parts.sharded else model
+        params = full_parameters(model) if self.parts.sharded else synced(model)
         if self.rank0 is None:
             return 0.0
         gathered = time.perf_counter() - start

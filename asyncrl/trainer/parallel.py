@@ -78,25 +78,26 @@ def global_value(t: torch.Tensor) -> float:
 
 
 def full_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, full tensor) in `named_parameters()` order, for the weight publisher. Collective."""
+    """(name, full tensor) in `named_parameters()` order of the parameters that train (a LoRA
+    model's adapter), for the weight publisher. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     if not state:
         return []
     # The state dict also lists tied aliases: publish what `named_parameters()` would.
-    return [(name, state[name]) for name, _ in model.named_parameters()]
+    return [(name, state[name]) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def full_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full model and optimizer state dicts (optimizer state keyed by parameter name) for a
-    checkpoint. Collective."""
+    checkpoint, of the parameters that train (a LoRA model's adapter). Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     # Gathered copies no longer share storage, so `save_pretrained` would store tied aliases
     # (lm_head beside the embedding) twice: keep what loading expects.

@@ -38,6 +38,7 @@ from asyncrl.algo.correction import behaviour_mask_weights, behaviour_weights
 from asyncrl.algo.losses import aggregate, gspo_loss, kl_penalty, ppo_loss
 from asyncrl.algo.mismatch import MismatchTable, mismatch_table, response_positions
 from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
+from asyncrl.lora import adapter_disabled
 from asyncrl.trainer.batch import MicroBatch, Row, collate
 from asyncrl.trainer.packing import pack_microbatches
 from asyncrl.trainer.parallel import global_value, is_sharded
@@ -166,7 +167,7 @@ def train_step(
             global_seqs=g_seqs,
         )
         if ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
-            with torch.no_grad():
+            with torch.no_grad(), adapter_disabled(ref_model):
                 ref_logp = token_logprobs(ref_model, mb, sampling)
             kl = kl_penalty(logp, ref_logp, algo.kl_kind)
             loss = loss + algo.kl_coef * aggregate(
