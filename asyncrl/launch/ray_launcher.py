@@ -367,7 +367,7 @@ def run_ray(cfg: Config, args: argparse.Namespace) -> int:
             if weights.type != "store" and weights.master_addr in ("127.0.0.1", "localhost"):
                 # Rollout workers on other nodes reach the weight broadcast at rank 0's node.
                 overrides.append(f"weights.master_addr={master_addr}")
-        master_port = int(ray.get(rank0.free_port.remote()))
+        master_port = cast("int", ray.get(rank0.free_port.remote()))
         dist_env = rendezvous_env(trainer_ranks, master_addr, master_port)
         port = cfg.metrics.port
         for rank, role in enumerate(trainers):
