@@ -139,6 +139,7 @@ def _pip_requirements(words: list[str], args: dict[str, str]) -> list[str]:
 
 def resolve(req: RequirementSet) -> tuple[bool, str]:
     """(resolved, what to print): the versions chosen, or the resolver's complaint."""
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "-q"]
@@ -155,7 +156,8 @@ def resolve(req: RequirementSet) -> tuple[bool, str]:
             re.sub(r"[-_.]+", "-", i["metadata"]["name"]).lower(): i["metadata"]["version"]
             for i in json.loads(report.read_text())["install"]
         }
-    return True, " ".join(f"{n}=={chosen[n]}" for n in SHOWN if n in chosen)
+    versions = " ".join(f"{n}=={chosen[n]}" for n in SHOWN if n in chosen)
+    return True, f"{versions} ({time.monotonic() - start:.0f} s)"
 
 
 def main(argv: list[str] | None = None) -> int:
