@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # asyncrl images, one target per accelerator; every role runs from the same image:
 #   docker build --target cpu  -t asyncrl:cpu  .   # torch CPU build
-#   docker build --target cuda -t asyncrl:cuda .   # torch CUDA build + the sglang engine
+#   docker build --target cuda -t asyncrl:cuda .   # torch CUDA build; SGLang in /opt/sglang
 #   docker build --target npu  -t asyncrl:npu  .   # CANN toolkit + torch-npu (Ascend)
 # The entry point is the `asyncrl` CLI: `docker run asyncrl:cpu launch --role rollout ...`.
 # Each target installs into /opt/venv in a build stage and copies only that venv into its
@@ -12,6 +12,10 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 ARG CANN_IMAGE=ascendai/cann:8.2.rc1-910b-ubuntu22.04-py3.11
 ARG TORCH_VERSION=2.13.0
+# SGLang pins torch and transformers exactly, to versions asyncrl's pins exclude: it gets a venv
+# of its own (/opt/sglang), which asyncrl only starts (`rollout.engine.python`) and talks to
+# over HTTP. `tools/check_resolve.py` resolves both environments of the cuda target.
+ARG SGLANG_VERSION=0.5.23
 
 # ---- the asyncrl wheel, built once for all targets --------------------------------------------
 FROM ${PYTHON_IMAGE} AS wheel
@@ -65,17 +69,21 @@ RUN apt-get update \
 
 FROM cuda-base AS cuda-build
 ARG TORCH_VERSION
+ARG SGLANG_VERSION
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
-    && pip install --no-cache-dir "$(ls /wheels/asyncrl-*.whl)[sglang,ray]"
+    && pip install --no-cache-dir "$(ls /wheels/asyncrl-*.whl)[ray]" \
+    && python3 -m venv /opt/sglang \
+    && /opt/sglang/bin/pip install --no-cache-dir "sglang==${SGLANG_VERSION}"
 
 FROM cuda-base AS cuda
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 COPY --from=cuda-build /opt/venv /opt/venv
+COPY --from=cuda-build /opt/sglang /opt/sglang
 COPY configs /opt/asyncrl/configs
 RUN ln -s /opt/venv/bin/asyncrl /opt/venv/bin/ray /usr/local/bin/ \
     && useradd --uid 10001 --user-group --create-home asyncrl \

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--launcher", choices=["local", "ray"], default="local")
     launch.add_argument("--ray-address", help="ray: address of an existing cluster")
+    launch.add_argument(
+        "--trainer-ranks", type=int, metavar="N", help="all: shorthand for trainer.ranks=N"
+    )
 
     status = sub.add_parser("status", help="show a run: version, queues, workers, last step")
     status.add_argument("--config", help="the run's config (for run.id and redis.url)")
@@ -87,6 +90,8 @@ def _load(args: argparse.Namespace) -> Config:
     overrides = list(args.overrides)
     if getattr(args, "mode", None):
         overrides.append(f"run.mode={args.mode}")
+    if getattr(args, "trainer_ranks", None) is not None:
+        overrides.append(f"trainer.ranks={args.trainer_ranks}")
     return load_config(args.config, overrides)
 
 

@@ -102,6 +102,11 @@ class Config(Section):
             )
         if self.algo.advantage in ("grpo", "drgrpo", "rloo") and self.rollout.n < 2:
             raise ValueError("rollout.n must be ≥ 2: group advantages need several samples")
+        if self.trainer.groups_per_step % self.trainer.ranks:
+            raise ValueError(
+                f"trainer.groups_per_step={self.trainer.groups_per_step} must be a multiple of "
+                f"trainer.ranks={self.trainer.ranks}: each rank trains an equal share"
+            )
         if self.trainer.parallel == "fsdp" and self.trainer.eval_every:
             raise ValueError(
                 "trainer.eval_every must be 0 with trainer.parallel=fsdp: evaluation runs on "

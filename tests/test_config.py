@@ -62,6 +62,8 @@ def test_overrides_are_typed_and_nested() -> None:
         (["algo.loss=gspo"], "algo.aggregation", "seq-mean-token-mean"),
         (["redis.url=http://x"], "redis.url", "redis://"),
         (["nokey"], "nokey", "key=value"),
+        (["trainer.ranks=0"], "trainer.ranks", "greater than or equal to 1"),
+        (["trainer.ranks=3"], "trainer.ranks=3", "multiple"),
     ],
 )
 def test_bad_config_names_the_key(overrides: list[str], key: str, hint: str) -> None:
@@ -120,6 +122,16 @@ def assert_config_error(proc: subprocess.CompletedProcess[str], key: str) -> Non
 )
 def test_values_that_would_fail_later_are_config_errors(override: str, key: str) -> None:
     assert_config_error(launch_cli("--role", "trainer", "redis.url=redis://x:1/0", override), key)
+
+
+def test_trainer_ranks_flag() -> None:
+    """`--trainer-ranks N` is `trainer.ranks=N`, checked before anything starts."""
+    proc = launch_cli("--role", "all", "--trainer-ranks", "2", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["trainer"]["ranks"] == 2
+    assert_config_error(
+        launch_cli("--role", "all", "--launcher", "ray", "--trainer-ranks", "5"), "trainer.ranks"
+    )
 
 
 @pytest.mark.parametrize("role", ["trainer", "rollout", "all"])

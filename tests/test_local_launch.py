@@ -1,10 +1,12 @@
-"""`asyncrl launch --role all` (local mode) as a real process: SIGTERM stops its trainer, its
-rollout worker and its embedded redis-server, the trainer writing its final checkpoint; children
-die with a launcher that is killed outright; the embedded Redis requires its run's password."""
+"""`asyncrl launch --role all` (local mode) as a real process: SIGTERM stops its trainer ranks
+(two, `--trainer-ranks 2`), its rollout worker and its embedded redis-server, the trainer writing
+its final checkpoint; children die with a launcher that is killed outright; the embedded Redis
+requires its run's password."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import stat
 import subprocess
@@ -37,13 +39,15 @@ def test_sigterm_stops_the_roles_then_the_embedded_redis(
 ) -> None:
     run_dir = tmp_path / "run"
     config = local_run_config(tmp_path / "config.yaml", run_dir, random_model)
-    launcher = Role("all", config, tmp_path / "launcher.log", "--progress", "quiet")
+    launcher = Role(
+        "all", config, tmp_path / "launcher.log", "--progress", "quiet", "--trainer-ranks", "2"
+    )
     children: dict[int, str] = {}
     try:
         wait_until(lambda: len(step_lines(run_dir)) >= 1, 300, "a first step", [launcher])
         children = children_of(launcher.proc.pid)
         assert sum("redis-server" in c for c in children.values()) == 1, children
-        assert sum("--role trainer" in c for c in children.values()) == 1, children
+        assert sum("--role trainer" in c for c in children.values()) == 2, children
         assert sum("--role rollout" in c for c in children.values()) == 1, children
 
         # The embedded Redis has a password of its own, in a file only its owner may read.
@@ -70,6 +74,10 @@ def test_sigterm_stops_the_roles_then_the_embedded_redis(
     finally:
         kill_all([launcher.proc.pid, *children])
     assert "SIGTERM: stopping" in launcher.tail()
+    # The ranks joined one group, each reading as its own consumer: each says so in its log.
+    for rank in range(2):
+        log = (run_dir / "logs" / f"trainer-{rank}.log").read_text()
+        assert re.search(rf"trainer trainer-{rank}: step \d+, version \d+, 2 rank\(s\)", log)
     assert not url_file.exists()
 
     # The trainer drained: its final checkpoint holds the last step, whose groups are acked

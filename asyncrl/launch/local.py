@@ -1,4 +1,5 @@
-"""Local mode (`asyncrl launch --role all`): embedded Redis, one trainer, N rollout workers.
+"""Local mode (`asyncrl launch --role all`): embedded Redis, `trainer.ranks` trainer ranks (joined
+by torch.distributed as torchrun would join them), `rollout.workers` rollout workers.
 
 Every process it starts is its own child in its own session (so Ctrl-C reaches only the launcher),
 stopped by its handle with SIGTERM on exit, Ctrl-C, SIGTERM or SIGHUP: first the roles (the
@@ -28,7 +29,7 @@ import yaml
 
 from asyncrl.config import Config
 from asyncrl.launch import process
-from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secret
+from asyncrl.launch.redis_server import RedisServer, embedded_redis, free_port, write_secret
 from asyncrl.redis_conn import redact_url, split_password, with_password
 from asyncrl.runstate import Keys
 
@@ -118,6 +119,29 @@ def supervise(
     if rc != 0:
         say(f"trainer exited with {rc}; see {trainer_logs}")
     return rc
+
+
+def trainer_names(ranks: int) -> list[str]:
+    """The trainer ranks' names (and log files): `trainer`, or `trainer-{rank}` for several."""
+    return ["trainer"] if ranks == 1 else [f"trainer-{rank}" for rank in range(ranks)]
+
+
+def rendezvous_env(ranks: int, addr: str, port: int) -> list[dict[str, str]]:
+    """torchrun's environment for each trainer rank: rank 0 at `addr:port` is the rendezvous.
+    LOCAL_RANK (the device index) is the rank: the caller overrides it where each rank sees
+    only its own device."""
+    common = {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks)}
+    return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(ranks)]
+
+
+def ranks_exited(ranks: Sequence[Restartable]) -> int | None:
+    """None while the trainer runs; else its exit status: the first failing rank's, or 0 once
+    every rank has finished (a failed rank stops the run: the others cannot go on alone)."""
+    codes = [rank.poll() for rank in ranks]
+    failed = [c for c in codes if c]
+    if failed:
+        return failed[0]
+    return 0 if all(c == 0 for c in codes) else None
 
 
 def interrupted(exc: KeyboardInterrupt, say: Callable[[str], None]) -> int:
@@ -211,24 +235,40 @@ def run_local(cfg: Config, args: argparse.Namespace) -> int:
         def metrics_port(i: int) -> list[str]:
             return [f"metrics.port={port + i}"] if port else []
 
-        trainer = Child(
-            "trainer",
-            [*base, "--role", "trainer", *metrics_port(0)],
-            run_dir / "logs" / "trainer.log",
-            env,
-        )
-        children.append(trainer)
+        ranks = cfg.trainer.ranks
+        dist_env = rendezvous_env(ranks, "127.0.0.1", free_port()) if ranks > 1 else [{}]
+        trainers = [
+            Child(
+                name,
+                # Every rank gets the port; only rank 0 serves metrics.
+                [*base, "--role", "trainer", *metrics_port(0)],
+                run_dir / "logs" / f"{name}.log",
+                {**env, **dist_env[rank]},
+            )
+            for rank, name in enumerate(trainer_names(ranks))
+        ]
+        children.extend(trainers)
+        rollouts: list[Child] = []
         for i in range(cfg.rollout.workers):
             wid = f"rollout-{i}"
             argv = [*base, "--role", "rollout", "--worker-id", wid, *metrics_port(1 + i)]
-            children.append(Child(wid, argv, run_dir / "logs" / f"{wid}.log", env))
+            rollouts.append(Child(wid, argv, run_dir / "logs" / f"{wid}.log", env))
+        children.extend(rollouts)
         for child in children:
             child.start()
-        say(f"started trainer and {cfg.rollout.workers} rollout worker(s); logs in {run_dir}/logs")
+        say(
+            f"started {ranks} trainer rank(s) and {cfg.rollout.workers} rollout worker(s); "
+            f"logs in {run_dir}/logs"
+        )
         client = connect(cfg.redis, with_password(url, password))
         progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
         return supervise(
-            trainer.poll, children[1:], Child.start, progress, say, str(trainer.log_path)
+            lambda: ranks_exited(trainers),
+            rollouts,
+            Child.start,
+            progress,
+            say,
+            str(trainers[0].log_path if ranks == 1 else run_dir / "logs"),
         )
     except KeyboardInterrupt as exc:
         return interrupted(exc, say)

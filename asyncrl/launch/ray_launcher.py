@@ -4,17 +4,20 @@ Each actor holds the resources of one role process and runs the ordinary role en
 child process, `asyncrl launch --role trainer|rollout` — the same command as local mode and
 Kubernetes — so the trainer's SIGTERM drain (checkpoint, then ack) and its logs behave the same
 everywhere. Trainer ranks share one placement group (PACK: ranks close together for the collective
-backend); rank 0's node is the torch.distributed rendezvous. Rollout workers are single actors
+backend), `trainer.ranks` of them, with torchrun's environment (MASTER_ADDR/PORT at rank 0's
+node, RANK, WORLD_SIZE, LOCAL_RANK) set per actor. Rollout workers are single actors
 that may land anywhere, and one whose process exits (or whose node goes) is started again, as in
 local mode.
 
 Where: `--ray-address ADDR` (or `RAY_ADDRESS`, which `ray job submit` and KubeRay's RayJob set)
-joins an existing cluster; without one, a local Ray is started with `num_cpus=2`. Accelerators:
-`trainer.device` cuda → `GPU`, npu → `NPU`, auto → whichever the cluster has; Ray then sets
-`CUDA_VISIBLE_DEVICES` / `ASCEND_RT_VISIBLE_DEVICES` for each actor, so every rank sees its one
-device as device 0. On a cluster the run directory and `model.path` must be on storage that every
-node mounts at the same path (as on Kubernetes); the role processes start in the driver's working
-directory when their node has it.
+joins an existing cluster; without one, a local Ray is started with `num_cpus=2`. Accelerators,
+per role: a trainer rank's from `trainer.device`, a rollout worker's from `rollout.engine.device`
+(the builtin engine's one device, or all the devices of the SGLang servers the worker launches;
+none when it attaches to running servers); cuda → `GPU`, npu → `NPU`, auto → whichever the
+cluster has. Ray then sets `CUDA_VISIBLE_DEVICES` / `ASCEND_RT_VISIBLE_DEVICES` for each actor,
+so every rank sees its one device as device 0. On a cluster the run directory and `model.path`
+must be on storage that every node mounts at the same path (as on Kubernetes); the role
+processes start in the driver's working directory when their node has it.
 
 Redis: `redis.url`, or else an embedded redis-server on the driver (AOF in the run directory, as in
 local mode, with a password made for each start, which reaches the roles by environment only).
@@ -41,7 +44,14 @@ import yaml
 
 from asyncrl.config import Config
 from asyncrl.launch import process
-from asyncrl.launch.local import interrupted, prepare_run_dir, supervise
+from asyncrl.launch.local import (
+    interrupted,
+    prepare_run_dir,
+    ranks_exited,
+    rendezvous_env,
+    supervise,
+    trainer_names,
+)
 from asyncrl.launch.redis_server import RedisServer, embedded_redis, write_secret
 from asyncrl.redis_conn import redact_url, split_password, with_password
 from asyncrl.runstate import Keys
@@ -186,29 +196,69 @@ class _Role:
         self.actor = None
 
 
-def _accelerator(cfg: Config, cluster: dict[str, float]) -> str | None:
-    """The Ray resource one role process needs besides a CPU: GPU, NPU or none."""
-    device = cfg.trainer.device
+def _accelerator(device: str, cluster: dict[str, float]) -> str | None:
+    """The Ray resource a process on `device` needs besides a CPU: GPU, NPU or none."""
     if device == "auto":
         device = "cuda" if cluster.get("GPU") else "npu" if cluster.get("NPU") else "cpu"
     return {"cuda": "GPU", "npu": "NPU"}.get(device)
 
 
-def _actor_options(accelerator: str | None, share: float = 1.0) -> dict[str, Any]:
-    """Ray resources of one role process: a CPU, and `share` of one accelerator."""
-    if accelerator == "GPU":
-        return {"num_cpus": 1, "num_gpus": share}
-    if accelerator is not None:
-        return {"num_cpus": 1, "resources": {accelerator: share}}
-    return {"num_cpus": 1}
+def _rollout_devices(cfg: Config) -> tuple[str, str, int]:
+    """The config key naming a rollout worker's device, its value, and how many the process
+    uses: the builtin engine's one, or every device of the SGLang servers it launches (none for
+    servers it only attaches to)."""
+    engine = cfg.rollout.engine
+    if engine.type == "torch":
+        return "rollout.engine.device", engine.device, 1
+    count = engine.servers * engine.devices_per_server if engine.launch else 0
+    return "rollout.engine.device", engine.device, count
 
 
-def _device_share(accelerator: str | None, cluster: dict[str, float], processes: int) -> float:
-    """The part of an accelerator each role process gets. On a cluster a whole one; on a local
-    Ray, like local mode, the processes share the machine's devices when there are fewer."""
-    if accelerator is None:
-        return 1.0
-    return min(1.0, cluster.get(accelerator, 0.0) / processes)
+def _role_resources(
+    cfg: Config, cluster: dict[str, float], local: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Ray resources of one trainer rank and of one rollout worker: a CPU each, and each role's
+    accelerator as its own device key says. On a cluster whole devices; on a local Ray, like
+    local mode, the processes share the machine's devices when there are fewer."""
+    rollout_key, rollout_device, count = _rollout_devices(cfg)
+    needs = [
+        ("trainer.device", cfg.trainer.device, 1, cfg.trainer.ranks),
+        (rollout_key, rollout_device, count, cfg.rollout.workers),
+    ]
+    accelerators = [_accelerator(device, cluster) if n else None for _, device, n, _ in needs]
+    demand: dict[str, float] = {}
+    for accelerator, (_, _, per_process, processes) in zip(accelerators, needs, strict=True):
+        if accelerator is not None:
+            demand[accelerator] = demand.get(accelerator, 0.0) + per_process * processes
+    resources: list[dict[str, float]] = []
+    for accelerator, (key, device, per_process, _) in zip(accelerators, needs, strict=True):
+        if accelerator is None:
+            resources.append({"CPU": 1.0})
+            continue
+        share = _device_share(accelerator, cluster, demand[accelerator]) if local else 1.0
+        if share == 0:
+            raise SystemExit(
+                f"asyncrl: {key}={device} needs a {accelerator}; this machine's Ray found none "
+                f"({cluster})"
+            )
+        resources.append({"CPU": 1.0, accelerator: per_process * share})
+    return resources[0], resources[1]
+
+
+def _actor_options(resources: dict[str, float]) -> dict[str, Any]:
+    """`resources` as the options of a Ray actor."""
+    options: dict[str, Any] = {"num_cpus": resources.get("CPU", 1.0)}
+    if "GPU" in resources:
+        options["num_gpus"] = resources["GPU"]
+    if others := {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}:
+        options["resources"] = others
+    return options
+
+
+def _device_share(accelerator: str, cluster: dict[str, float], demand: float) -> float:
+    """The part of a device each of `demand` wanted devices gets on a local Ray: a whole one,
+    or an equal part of the machine's when it has fewer."""
+    return min(1.0, cluster.get(accelerator, 0.0) / demand)
 
 
 def _placement_group(bundle: dict[str, float], ranks: int) -> PlacementGroup:
@@ -243,8 +293,8 @@ def _init_ray(address: str | None, processes: int) -> None:
     )
 
 
-def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> int:
-    """Runs the trainer (`trainer_ranks` ranks) and `rollout.workers` rollout workers on Ray
+def run_ray(cfg: Config, args: argparse.Namespace) -> int:
+    """Runs the trainer (`trainer.ranks` ranks) and `rollout.workers` rollout workers on Ray
     until the trainer exits; returns its exit status (130 on Ctrl-C)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -266,10 +316,8 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
         )
         return 2
     server: RedisServer | None = None
-    trainers = [
-        _Role("trainer" if trainer_ranks == 1 else f"trainer-{rank}")
-        for rank in range(trainer_ranks)
-    ]
+    trainer_ranks = cfg.trainer.ranks
+    trainers = [_Role(name) for name in trainer_names(trainer_ranks)]
     rollouts = [_Role(f"rollout-{i}") for i in range(cfg.rollout.workers)]
     pg: PlacementGroup | None = None
     _init_ray(address, processes=len(trainers) + len(rollouts))
@@ -302,22 +350,13 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
         config_yaml = yaml.safe_dump(cfg.redacted(), sort_keys=False)
         (run_dir / "config.yaml").write_text(config_yaml)
 
-        cluster = ray.cluster_resources()
-        accelerator = _accelerator(cfg, cluster)
-        share = 1.0
-        if address is None:
-            share = _device_share(accelerator, cluster, len(trainers) + len(rollouts))
-            if share == 0:
-                raise SystemExit(
-                    f"trainer.device={cfg.trainer.device} needs a {accelerator}; "
-                    f"this machine's Ray found none ({cluster})"
-                )
-        options = _actor_options(accelerator, share)
-        bundle = {"CPU": 1.0, **({accelerator: share} if accelerator else {})}
-        pg = _placement_group(bundle, trainer_ranks)
+        trainer_resources, rollout_resources = _role_resources(
+            cfg, ray.cluster_resources(), local=address is None
+        )
+        pg = _placement_group(trainer_resources, trainer_ranks)
         for rank, role in enumerate(trainers):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
-            role.options = {**options, "scheduling_strategy": strategy}
+            role.options = {**_actor_options(trainer_resources), "scheduling_strategy": strategy}
             role.create()
         rank0 = trainers[0].actor
         assert rank0 is not None
@@ -328,20 +367,17 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
             if weights.type != "store" and weights.master_addr in ("127.0.0.1", "localhost"):
                 # Rollout workers on other nodes reach the weight broadcast at rank 0's node.
                 overrides.append(f"weights.master_addr={master_addr}")
-        dist_env = {
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(ray.get(rank0.free_port.remote())),
-            "WORLD_SIZE": str(trainer_ranks),
-            "LOCAL_RANK": "0",  # Ray shows each rank only its own device
-        }
+        master_port = cast("int", ray.get(rank0.free_port.remote()))
+        dist_env = rendezvous_env(trainer_ranks, master_addr, master_port)
         port = cfg.metrics.port
         for rank, role in enumerate(trainers):
             role.argv = ["--role", "trainer", *overrides]
             role.argv += [f"metrics.port={port}"] if port else []
-            role.env = {**env, **dist_env, "RANK": str(rank)}
+            # LOCAL_RANK 0: Ray shows each rank only its own device.
+            role.env = {**env, **dist_env[rank], "LOCAL_RANK": "0"}
             role.start(config_yaml, run_dir)
         for i, role in enumerate(rollouts):
-            role.options = options
+            role.options = _actor_options(rollout_resources)
             role.argv = ["--role", "rollout", "--worker-id", role.name, *overrides]
             role.argv += [f"metrics.port={port + 1 + i}"] if port else []
             role.env = env
@@ -355,7 +391,7 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
         progress = Progress(mode, run_dir, client, Keys(cfg.run.id), cfg.trainer.max_steps)
         try:
             return supervise(
-                lambda: _trainers_exited(trainers),
+                lambda: ranks_exited(trainers),
                 rollouts,
                 lambda role: role.start(config_yaml, run_dir),
                 progress,
@@ -376,13 +412,3 @@ def run_ray(cfg: Config, args: argparse.Namespace, trainer_ranks: int = 1) -> in
         if server is not None:
             server.stop()
             (run_dir / "redis" / "url").unlink(missing_ok=True)
-
-
-def _trainers_exited(trainers: list[_Role]) -> int | None:
-    """None while the trainer runs; else its exit status: the first failing rank's, or 0 once
-    every rank has finished (a failed rank stops the run: the others cannot go on alone)."""
-    codes = [role.poll() for role in trainers]
-    failed = [c for c in codes if c]
-    if failed:
-        return failed[0]
-    return 0 if all(c == 0 for c in codes) else None

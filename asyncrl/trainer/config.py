@@ -45,6 +45,10 @@ class TrainerConfig(Section):
     state with FSDP2 per decoder layer, for models that do not fit one device (the reference model
     of `algo.kl_coef` too). Checkpoints and published weights hold full tensors either way. One
     rank trains unsharded whatever the value. `fsdp` needs `trainer.eval_every=0`."""
+    ranks: int = Field(default=1, ge=1)
+    """Trainer ranks that `launch --role all` starts (local mode and `--launcher ray`; the
+    `--trainer-ranks` flag), joined by torch.distributed. A `--role trainer` process takes its
+    rank and the world size from torchrun's environment (RANK, WORLD_SIZE) instead."""
     peak_flops: float | None = Field(default=None, gt=0)
     """Peak FLOP/s of one trainer device, for the estimated MFU (6 × params × tokens / time /
     (ranks × peak)); unset reports no MFU."""
