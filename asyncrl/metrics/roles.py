@@ -82,6 +82,8 @@ class RoleMetrics:
     workers_live: dict[str, Gauge]
     run_groups: dict[str, Gauge]
     staleness_bound: Gauge
+    environment_errors: dict[str, Counter]
+    rollout_groups_failed: dict[str, Counter]
 
     def __init__(self, role: str, worker: str) -> None:
         self.role = role

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from asyncrl.environments.base import ENV_REASONS
 from asyncrl.runstate import ROLES
 from asyncrl.runstate import Counter as RunCounter
 
@@ -37,6 +38,22 @@ PROMPT_SOURCES = ("prefilled", "cached")
 OUTCOMES = tuple(c.outcome for c in RunCounter)
 """`asyncrl_run_groups` mirrors the run-accounting hash in Redis: field `prompts_released` →
 outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`."""
+
+FAILED_GROUP_REASONS = (
+    *(
+        f"engine_{r}"
+        for r in ("timeout", "unreachable", "server_error", "malformed", "rejected", "aborted")
+    ),
+    "engine_no_server",
+    "engine_error",
+    "task_error",
+    "reward_error",
+    "reward_timeout",
+    "reward_invalid",
+    *(f"env_{r}" for r in ENV_REASONS),
+)
+"""Every `FailedGroup.reason` (`asyncrl.rollout.episodes`): the label of
+`asyncrl_rollout_groups_failed_total`."""
 
 BASE_LABELS = ("role", "worker")
 
@@ -342,6 +359,26 @@ METRICS: tuple[Metric, ...] = (
         "Staleness bound in force (algo.max_staleness; 0 in sync mode), for the at-the-bound "
         "alert.",
         "trainer r0",
+    ),
+    Metric(
+        "environment_errors",
+        "asyncrl_environment_errors_total",
+        "counter",
+        "Environment calls that failed their episode, by reason: the environment raised, "
+        "outlived its timeout, answered outside the protocol, or no env-server could take or "
+        "keep the episode.",
+        "rollout",
+        label=("reason", ENV_REASONS),
+        roles=("rollout",),
+    ),
+    Metric(
+        "rollout_groups_failed",
+        "asyncrl_rollout_groups_failed_total",
+        "counter",
+        "Prompt groups a rollout worker gave up and dead-lettered, by reason.",
+        "rollout",
+        label=("reason", FAILED_GROUP_REASONS),
+        roles=("rollout",),
     ),
 )
 

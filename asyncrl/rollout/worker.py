@@ -138,6 +138,7 @@ class RolloutWorker:
             rollout.sampling,
             batch_wait_s=rollout.turn_batch_wait_s,
             on_generate=self._on_generate,
+            on_env_error=lambda reason: self.metrics.environment_errors[reason].inc(),
         )
         self.waiting: list[Prompt] = []
         """Prompt deliveries read but not started: waiting for newer weights."""
@@ -287,6 +288,7 @@ class RolloutWorker:
         transaction."""
         for f in failed:
             self.consumer.dead_letter(f.tag.id, f.tag.fields, f.reason, f.detail)
+            self.metrics.rollout_groups_failed[f.reason].inc()
         if not finished:
             return
         now = time.time()
