@@ -117,6 +117,16 @@ def env_server(
         proc.wait()
 
 
+def _dead_letters(url: str, run_id: str) -> dict[str, str]:
+    """Reason → detail of the run's dead letters."""
+    client = redis.Redis.from_url(url)
+    try:
+        letters = client.xrange(Keys(run_id).dlq)
+    finally:
+        client.close()
+    return {f[b"reason"].decode(): f[b"detail"].decode()[-500:] for _, f in letters}
+
+
 def _remote(*urls: str, **extra: object) -> str:
     return "task.environment=" + json.dumps({"type": "remote", "urls": list(urls), **extra})
 
@@ -143,6 +153,7 @@ def test_a_served_multi_turn_environment_trains_end_to_end(
             "rollout.prompts_per_batch=16",
         )
     assert run.rc == 0, run.output[-5000:]
+    assert _dead_letters(run.url, "env-trains") == {}
     check_accounting(run, steps, groups)
     # Every episode ended after its two turns at the server and was closed there.
     closed = [json.loads(line) for line in episodes.read_text().splitlines()]

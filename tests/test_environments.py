@@ -202,8 +202,10 @@ class Process:
 
     def __init__(self, env_dir: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl", "env-server", "--env", "user_envs:Echo"]
-            + ["--python-path", str(env_dir), "--port", "0"],
+            [
+                *(sys.executable, "-m", "asyncrl", "env-server", "--env", "user_envs:Echo"),
+                *("--python-path", str(env_dir), "--port", "0"),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -303,7 +305,7 @@ def test_config_errors_name_the_key(env_dir: Path) -> None:
                 "task.type=arithmetic",
                 'task.environment={type: python, path: "user_envs:Nope", python_path: ['
                 + json.dumps(str(env_dir))
-                + "]}"
+                + "]}",
             ],
         )
     with pytest.raises(ConfigError, match=r"task\.environment\.urls"):

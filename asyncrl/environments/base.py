@@ -24,11 +24,12 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, assert_never
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from asyncrl.environments.config import EnvironmentConfig
     from asyncrl.tasks.base import PromptItem
 
 Observation = str | list[dict[str, str]] | None
@@ -133,3 +134,22 @@ def render_observation(tokenizer: PreTrainedTokenizerBase, obs: Observation) -> 
         return list(tokenizer(obs, add_special_tokens=False)["input_ids"])
     text = tokenizer.apply_chat_template(obs, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_environments(cfg: EnvironmentConfig) -> EnvironmentFactory:
+    """The factory of one episode's environment under `cfg`."""
+    from asyncrl.environments.config import PythonEnvironmentConfig, RemoteEnvironmentConfig
+
+    match cfg:
+        case PythonEnvironmentConfig():
+            from asyncrl.environments.local import TimedEnvironment, check_class
+
+            cls = check_class(cfg.path, cfg.python_path, cfg.kwargs)
+            return lambda item, episode_id: TimedEnvironment(cls(**cfg.kwargs), cfg.timeout_s)
+        case RemoteEnvironmentConfig():
+            from asyncrl.environments.client import RemotePool
+
+            pool = RemotePool(cfg)
+            return lambda item, episode_id: pool.environment()
+        case _:
+            assert_never(cfg)

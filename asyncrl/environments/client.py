@@ -3,10 +3,11 @@
 Pooled keep-alive HTTP (httpx), one connection pool per server of at most
 `max_sessions_per_server` connections, so calls beyond that wait their turn. New episodes go
 round the servers; a session stays on the server that created it (its state lives there).
-Creating a session is the one call retried on the next server, up to `retries` times, when the
-server is to blame (down, full, past its timeout): before its first step an episode restarts
-freely. A step that fails is never retried, since the environment may have acted on it: the
-episode fails with a reason (`ENV_REASONS`) and its group is dead-lettered.
+Creating a session is the one call retried, on the next server (round the list, so the same
+one when there is one), up to `retries` times, when the server is to blame (down, full, past
+its timeout): before its first step an episode restarts freely. A step that fails is never
+retried, since the environment may have acted on it: the episode fails with a reason
+(`ENV_REASONS`) and its group is dead-lettered.
 
 Pools are per event loop (httpx clients belong to the loop that made them): each episode
 scheduler runs its own loop.
@@ -115,7 +116,7 @@ class RemoteEnvironment:
     async def reset(self, item: PromptItem) -> Observation:
         urls = self._pool.cfg.urls
         first = self._pool.first_server()
-        tries = min(len(urls), self._pool.cfg.retries + 1)
+        tries = self._pool.cfg.retries + 1
         body = {
             "item": {
                 "prompt_id": item.prompt_id,

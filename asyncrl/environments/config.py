@@ -67,9 +67,10 @@ class RemoteEnvironmentConfig(Section):
     max_sessions_per_server: int = Field(default=256, ge=1)
     """Calls in flight per server (and pooled connections to it); more wait their turn."""
 
-    retries: int = Field(default=1, ge=0)
-    """Further servers tried when creating a session fails for the server's sake (down, full,
-    timed out): an episode restarts freely before its first step, never after."""
+    retries: int = Field(default=2, ge=0)
+    """Further attempts, each on the next server of `urls`, when creating a session fails for
+    the server's sake (down, full, timed out): an episode restarts freely before its first
+    step, never after."""
 
     @field_validator("urls")
     @classmethod

@@ -240,6 +240,13 @@ def _handler(server: EnvServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # A worker opens many sessions at once (a batch of prompts × n): the default backlog of 5
+    # would reset connections in such a burst.
+    request_queue_size = 1024
+
+
 def make_server(
     path: str,
     kwargs: dict[str, Any],
@@ -250,9 +257,7 @@ def make_server(
 ) -> ThreadingHTTPServer:
     """The server of `path` (checked first: ValueError with a one-line reason)."""
     env = EnvServer(path, kwargs, max_sessions, python_path)
-    httpd = ThreadingHTTPServer((host, port), _handler(env))
-    httpd.daemon_threads = True
-    return httpd
+    return _Server((host, port), _handler(env))
 
 
 def main(args: argparse.Namespace) -> int:

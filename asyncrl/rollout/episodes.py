@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -430,7 +430,7 @@ class EpisodeScheduler(Generic[T]):
             self._loop_thread.start()
         return self._loop
 
-    def _to_env(self, calls: list[tuple[_Episode, str | None]]) -> None:
+    def _to_env(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
         """Hand episodes to their environments: `reset` for None, else `step` of the text."""
         self._at_env += len(calls)
         self._event_loop().call_soon_threadsafe(self._spawn, calls)
@@ -440,7 +440,7 @@ class EpisodeScheduler(Generic[T]):
             self._event_loop().call_soon_threadsafe(self._spawn_close, ep.env)
             ep.env = None
 
-    def _spawn(self, calls: list[tuple[_Episode, str | None]]) -> None:
+    def _spawn(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
         """On the loop thread: start the environment calls of one generate call."""
         for ep, text in calls:
             self._track(self._env_call(ep, text), self._steps)

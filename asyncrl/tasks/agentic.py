@@ -60,7 +60,7 @@ class AgenticTask:
         self._tokenizer = tokenizer
         # Observations are rendered without special tokens added, so the tool writes the
         # tokenizer's prefix (`<bos>`) itself: every question then reads like a prompt.
-        self._prefix = tokenizer.decode(tokenizer("")["input_ids"])
+        self._prefix = str(tokenizer.decode(tokenizer("")["input_ids"]))
         self._reward = build_reward(cfg.reward)
         self._questions = ArithmeticTask(
             ArithmeticTaskConfig(
