@@ -160,6 +160,9 @@ class EnvServer:
 def _handler(server: EnvServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the client pools its connections
+        # Headers and body leave in two writes: with Nagle's algorithm the body then waits for
+        # the client's delayed ACK, ~40 ms a reply (measured: 70 ms a call, 0.5 ms without).
+        disable_nagle_algorithm = True
 
         def do_GET(self) -> None:
             if self.path == "/health":
