@@ -107,6 +107,8 @@ def start_env_server(cfg: Config, latency: bool = True) -> tuple[subprocess.Pope
             json.dumps(kwargs),
             "--port",
             "0",
+            "--max-sessions",
+            "100000",
         ],
         stdout=subprocess.PIPE,
         text=True,
