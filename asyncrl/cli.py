@@ -63,6 +63,20 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     serve.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
 
+    env_server = sub.add_parser(
+        "env-server",
+        help="serve an Environment class over HTTP/JSON (task.environment.type: remote)",
+        description="One Environment instance per session behind a versioned HTTP/JSON "
+        "protocol (asyncrl.environments.server). Binds to loopback unless told otherwise; it "
+        "has no auth.",
+    )
+    env_server.add_argument("--env", required=True, help='"package.module:Class"')
+    env_server.add_argument("--kwargs", default="{}", help="JSON object: the class's kwargs")
+    env_server.add_argument("--python-path", action="append", default=[], metavar="DIR")
+    env_server.add_argument("--host", default="127.0.0.1")
+    env_server.add_argument("--port", type=int, default=8300, help="0 picks a free port")
+    env_server.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
+
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="output folder (default RUN_DIR/plots)")
@@ -126,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncrl.sglang.server import main as serve_main
 
             return serve_main(args)
+        if args.command == "env-server":
+            from asyncrl.environments.server import main as env_server_main
+
+            return env_server_main(args)
         if args.command == "plot":
             from asyncrl.plot import main as plot_main
 

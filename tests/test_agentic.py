@@ -12,11 +12,12 @@ import pytest
 from asyncrl.engines.base import EngineError, Generation
 from asyncrl.engines.config import SamplingParams
 from asyncrl.engines.tiny_model import BOS_ID, EOS_ID, build_tokenizer
+from asyncrl.environments.base import Environment, StepResult
 from asyncrl.evaluate import held_out_reward
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
 from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
 from asyncrl.tasks.agentic import AgenticTask, LogNormalLatency
-from asyncrl.tasks.base import ArithmeticTask, Environment, PromptItem, build_task
+from asyncrl.tasks.base import ArithmeticTask, PromptItem, build_task
 from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
 
 PARAMS = SamplingParams(max_new_tokens=4)
@@ -116,11 +117,12 @@ def test_episode_tokens_masks_versions_and_reward_hand_worked() -> None:
     )
     item = PromptItem("12+34;56+78", "12+34=", tok("12+34=")["input_ids"], "12+34=46;56+78=134")
     engine = ScriptedEngine([digit(4), digit(6), EOS_ID])  # "46": right, then wrong
-    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS)
+    # Episodes start at their environment's `reset`: the batch wait lets both join turn 1.
+    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS, batch_wait_s=5)
     engine.version = 3
     sched.start("g", item, 2, "entry-1")
     assert sched.inflight == 2
-    assert sched.advance(0.0) == ([], [])  # turn 1 generated; both episodes at the tool
+    assert sched.advance(5.0) == ([], [])  # turn 1 generated; both episodes at the tool
     engine.version = 4  # a weight swap between the turns
     (group,) = run_until_done(sched, 1)
     sched.close()
@@ -180,11 +182,11 @@ def test_failed_generation_fails_only_its_group() -> None:
     )
     items = list(task.train_items(0, 0))[:2]
     engine = ScriptedEngine([digit(1), EOS_ID])
-    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS)
+    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS, batch_wait_s=5)
     sched.start("a", items[0], 2, "a")
     sched.start("b", items[1], 2, "b")
     engine.fail_at = {3}  # the second episode of group b
-    finished, failed = sched.advance(0.0)
+    finished, failed = sched.advance(5.0)
     assert finished == [] and [(f.tag, f.reason) for f in failed] == [("b", "engine_timeout")]
     assert sched.inflight == 2
     (group,) = run_until_done(sched, 1)
@@ -193,11 +195,14 @@ def test_failed_generation_fails_only_its_group() -> None:
 
 
 class _BrokenTool:
-    async def step(self, response_text: str) -> list[int] | None:
+    async def reset(self, item: PromptItem) -> None:
+        return None
+
+    async def step(self, response: str) -> StepResult:
         raise ConnectionError("tool down")
 
-    def reward(self) -> float:
-        return 0.0
+    async def close(self) -> None:
+        pass
 
 
 class _BrokenToolTask(ArithmeticTask):
@@ -339,10 +344,10 @@ def test_close_cancels_episodes_waiting_on_their_tools(
         tok,
     )
     engine = build_engine(TorchEngineConfig(), model_path=str(random_model))
-    sched: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tok, PARAMS)
+    sched: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tok, PARAMS, batch_wait_s=5)
     for i, item in enumerate(list(task.train_items(0, 0))[:4]):
         sched.start(i, item, 2, f"e{i}")
-    sched.advance(0.0)  # first turns generated; the 8 episodes now wait a minute on their tools
+    sched.advance(5.0)  # first turns generated; the 8 episodes now wait a minute on their tools
     deadline = time.monotonic() + 10
     while len(sched._steps) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)  # the loop thread starts the steps

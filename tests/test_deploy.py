@@ -106,8 +106,10 @@ def test_overlay_objects_validate(rendered: tuple[str, list[dict[str, Any]]]) ->
         "PersistentVolumeClaim/asyncrl-data",
         "PodMonitor/asyncrl",
         "PrometheusRule/asyncrl",
+        "Service/asyncrl-env-server",
         "Service/asyncrl-redis",
         "Service/asyncrl-trainer",
+        "StatefulSet/asyncrl-env-server",
         "StatefulSet/asyncrl-redis",
         "StatefulSet/asyncrl-trainer",
     ]
@@ -210,7 +212,8 @@ def test_rayjob() -> None:
 def test_docker_compose() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", "trainer", "rollout", "prometheus", "grafana"}
+    assert set(services) == {"redis", "trainer", "rollout", "env-server", "prometheus", "grafana"}
+    _check_env_server(services["env-server"]["command"])
     redis = " ".join(services["redis"]["command"])
     assert "--appendonly yes" in redis and "requirepass" in redis
     assert compose["secrets"]["redis_password"] == {"environment": "ASYNCRL_REDIS_PASSWORD"}
@@ -283,3 +286,25 @@ def test_dockerfile_targets() -> None:
     for source in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
         for path in source.split():
             assert f"!{path.rstrip('/')}" in [p.rstrip("/") for p in ignore], path
+
+
+def _check_env_server(args: list[str]) -> None:
+    """An `asyncrl env-server` command line whose class loads and takes its kwargs."""
+    from asyncrl.environments.local import check_class
+
+    assert args[0] == "env-server"
+    opts = dict(zip(args[1::2], args[2::2], strict=True))
+    check_class(opts["--env"], [], json.loads(opts["--kwargs"]))
+    assert opts["--host"] == "0.0.0.0"
+
+
+def test_env_server_pool_addresses_each_pod(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    pool = _one(docs, "StatefulSet", "asyncrl-env-server")
+    service = _one(docs, "Service", "asyncrl-env-server")
+    # Sessions live in one pod: each is addressed by name through a headless Service.
+    assert service["spec"]["clusterIP"] == "None"
+    assert pool["spec"]["serviceName"] == "asyncrl-env-server"
+    (container,) = pool["spec"]["template"]["spec"]["containers"]
+    _check_env_server(container["args"])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"

@@ -1,7 +1,7 @@
 """Async against sync on the agentic workload: same config, resources and trainer steps.
 
     python tools/bench_async.py [--config configs/agentic.yaml] [--seeds N] [--first-seed K]
-                                [--only MODE] [KEY=VALUE ...]
+                                [--only MODE] [--tool {inproc,served,both}] [KEY=VALUE ...]
 
 Runs `asyncrl launch --role all` in `run.mode=sync` (rollouts wait for the newest weights,
 η = 0) and in async mode (the config's η), one run after the other on the same machine, against
@@ -39,16 +39,29 @@ Figures (the last line is JSON with them):
   groups the rollout pool held in flight at once, from the same intervals. By Little's law the
   pool produces at most C / W groups per second, so S × G × W / C is the generation time the
   steps need at the pool's measured capacity. `overlap_efficiency` = ideal_async_s / async_s.
+
+`--tool served` puts the agentic task's tool behind `asyncrl env-server` (one server process
+started here, `task.environment.type: remote`), `--tool both` runs each mode with the tool in
+the worker and behind the server, side by side (figures suffixed `_served`). For the served
+tool, `http_hop_s` is the mean round trip of one call through the server with a tool that
+answers at once (create, step, close; measured here, after the runs, on the same machine),
+and `http_hop_share` = (turns + 2) × http_hop_s / mean group time: the share of an episode
+the HTTP hop costs (a group's n episodes run at once, so its time is about its slowest
+episode's: per mean episode the share is somewhat higher).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +82,70 @@ from asyncrl.trainer.checkpoint import list_checkpoints
 
 PROBE = "bench-probe"
 MODES = ("sync", "async")
+TOOL = "asyncrl.tasks.agentic:ArithmeticToolEnvironment"
+HOP_CALLS = 200
+
+
+def start_env_server(cfg: Config, latency: bool = True) -> tuple[subprocess.Popen[str], str]:
+    """`asyncrl env-server` serving the agentic tool with the task's latency; (process, URL)."""
+    task = cfg.task
+    kwargs = {"observation_prefix": "<bos>"}
+    if latency:
+        kwargs |= {
+            "latency_median_s": getattr(task, "tool_latency_median_s", 0.0),
+            "latency_sigma": getattr(task, "tool_latency_sigma", 0.0),
+        }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "env-server",
+            "--env",
+            TOOL,
+            "--kwargs",
+            json.dumps(kwargs),
+            "--port",
+            "0",
+            "--max-sessions",
+            "100000",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"env-server did not start: {line!r}")
+    return proc, line.split()[-1]
+
+
+def http_hop_s(cfg: Config) -> float:
+    """Mean seconds of one call through an env-server whose tool answers at once."""
+    from asyncrl.environments.client import RemotePool
+    from asyncrl.environments.config import RemoteEnvironmentConfig
+    from asyncrl.tasks.base import PromptItem
+
+    proc, url = start_env_server(cfg, latency=False)
+    item = PromptItem("12+34;56+78", "12+34=", [1], "12+34=46;56+78=134")
+    pool = RemotePool(RemoteEnvironmentConfig(urls=[url]))
+
+    async def calls() -> float:
+        t0 = time.perf_counter()
+        for _ in range(HOP_CALLS):
+            env = pool.environment()
+            await env.reset(item)
+            await env.step("46")
+            await env.close()
+        return (time.perf_counter() - t0) / (3 * HOP_CALLS)
+
+    try:
+        return asyncio.run(calls())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def run_mode(
@@ -79,26 +156,38 @@ def run_mode(
     overrides: list[str],
     tmp: Path,
     seed: int = 0,
+    served: bool = False,
 ) -> dict[str, Any]:
     """One run; its seed, step lines, the (created, finished) interval of every published group,
-    the run's counters and its final policy's held-out reward."""
-    keys = Keys(f"bench-async-{mode}-{seed}")
+    the run's counters and its final policy's held-out reward. `served`: the tool behind an
+    env-server."""
+    keys = Keys(f"bench-async-{mode}-{seed}{'-served' if served else ''}")
     client.xgroup_create(keys.trajectories, PROBE, id="0", mkstream=True)
     run_dir = tmp / keys.run_id
     overrides = [*overrides, f"run.seed={seed}"]
-    lines = launch_all(
-        cfg_path,
-        1800,
-        f"run.id={keys.run_id}",
-        f"run.mode={mode}",
-        f"redis.url={url}",
-        "metrics.port=0",
-        *overrides,
-        run_dir=run_dir,
-    )
+    server = None
+    if served:
+        server, env_url = start_env_server(load_config(cfg_path, overrides))
+        overrides.append(f'task.environment={{type: remote, urls: ["{env_url}"]}}')
+    try:
+        lines = launch_all(
+            cfg_path,
+            1800,
+            f"run.id={keys.run_id}",
+            f"run.mode={mode}",
+            f"redis.url={url}",
+            "metrics.port=0",
+            *overrides,
+            run_dir=run_dir,
+        )
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
     groups = [decode_group(f[b"data"]) for _, f in client.xrange(keys.trajectories)]
     counters = read_counters(client, keys).as_dict()
-    cfg = load_config(cfg_path, overrides)
+    # The held-out reward is measured with the tool in process, answering at once.
+    cfg = load_config(cfg_path, [o for o in overrides if not o.startswith("task.environment=")])
     return {
         "seed": seed,
         "steps": [r for r in lines if isinstance(r, StepRecord)],
@@ -212,26 +301,60 @@ def main() -> None:
         "--first-seed", type=int, default=0, metavar="K", help="run.seed of the first run (0)"
     )
     ap.add_argument("--only", choices=MODES, help="run this mode alone and print its figures")
+    ap.add_argument(
+        "--tool",
+        choices=["inproc", "served", "both"],
+        default="inproc",
+        help="the tool in the worker, behind `asyncrl env-server`, or both side by side",
+    )
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
     ensure_model(cfg)  # built once, before any clock starts
     modes = [args.only] if args.only else list(MODES)
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    tools = {"inproc": [False], "served": [True], "both": [False, True]}[args.tool]
+    runs: dict[str, list[dict[str, Any]]] = {
+        _label(m, served): [] for m in modes for served in tools
+    }
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(data_dir=Path(tmp) / "redis").start()
         try:
             client = redis.Redis.from_url(server.url)
             for seed in range(args.first_seed, args.first_seed + args.seeds):
                 for mode in modes:
-                    runs[mode].append(
-                        run_mode(
-                            client, server.url, args.config, mode, args.overrides, Path(tmp), seed
+                    for served in tools:
+                        runs[_label(mode, served)].append(
+                            run_mode(
+                                client,
+                                server.url,
+                                args.config,
+                                mode,
+                                args.overrides,
+                                Path(tmp),
+                                seed,
+                                served,
+                            )
                         )
-                    )
         finally:
             server.stop()
-    fig = {m: mode_figures(m, runs[m], cfg.trainer.groups_per_step) for m in modes}
+    for served in tools:
+        print(f"--- tool {'behind asyncrl env-server' if served else 'in the worker'}")
+        fig = {
+            m: mode_figures(m, runs[_label(m, served)], cfg.trainer.groups_per_step) for m in modes
+        }
+        steps = len(runs[_label(modes[0], served)][0]["steps"])
+        report(fig, args.seeds, steps, http_hop_s(cfg) if served else None, cfg)
+
+
+def _label(mode: str, served: bool) -> str:
+    return f"{mode}_served" if served else mode
+
+
+def report(
+    fig: dict[str, dict[str, float]], seeds: int, steps: int, hop_s: float | None, cfg: Config
+) -> None:
+    """Print one tool setting's figures; the last line is their JSON. `hop_s`: the measured
+    HTTP hop of a served tool."""
     if "async" in fig:
         a = fig["async"]
         print(
@@ -254,7 +377,7 @@ def main() -> None:
         ("train_reward_last_quarter", "train_reward_last_quarter"),
         ("publish_blocking_fraction", "weight_publish_blocking_fraction"),
     ):
-        if key != "final_reward_sd" or args.seeds > 1:  # one seed has no spread
+        if key != "final_reward_sd" or seeds > 1:  # one seed has no spread
             result |= {f"{name}_{m}": f[key] for m, f in fig.items()}
     if "async" in fig:
         result |= {
@@ -264,11 +387,18 @@ def main() -> None:
     if both:
         s, a = fig["sync"], fig["async"]
         result["final_reward_gap"] = a["final_reward"] - s["final_reward"]
-        if args.seeds > 1:
+        if seeds > 1:
             result["final_reward_gap_se"] = math.sqrt(
-                (s["final_reward_sd"] ** 2 + a["final_reward_sd"] ** 2) / args.seeds
+                (s["final_reward_sd"] ** 2 + a["final_reward_sd"] ** 2) / seeds
             )
-    result |= {"seeds": args.seeds, "steps": len(next(iter(runs.values()))[0]["steps"])}
+    if hop_s is not None and "async" in fig:
+        # An episode makes turns steps, plus its create and close calls.
+        calls = getattr(cfg.task, "turns", 1) + 2
+        result |= {
+            "http_hop_s": hop_s,
+            "http_hop_share": calls * hop_s / fig["async"]["mean_group_s"],
+        }
+    result |= {"seeds": seeds, "steps": steps}
     print(json.dumps({k: round(v, 4) for k, v in result.items()}))
 
 

@@ -302,6 +302,26 @@ ROWS: list[tuple[str, list[Panel]]] = [
             _phase_panel("rollout", "rollout workers'", "workers"),
         ],
     ),
+    (
+        "Environments",
+        [
+            _one(
+                "Environment errors",
+                f"sum by (reason) (rate(asyncrl_environment_errors_total{RATE}))",
+                "{{reason}}",
+                "Episodes failed by their environment (in the worker or an env-server), by "
+                "reason; unavailable: no env-server could take or keep the episode.",
+                stacked=True,
+            ),
+            _one(
+                "Groups failed in rollout",
+                f"sum by (reason) (rate(asyncrl_rollout_groups_failed_total{RATE}))",
+                "{{reason}}",
+                "Prompt groups rollout workers dead-lettered, by reason.",
+                stacked=True,
+            ),
+        ],
+    ),
 ]
 
 

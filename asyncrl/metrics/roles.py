@@ -87,6 +87,8 @@ class RoleMetrics:
     logprob_mismatch: dict[str, Gauge]
     importance_ratio_mean: Gauge
     audit_logprob_abs_diff: Histogram
+    environment_errors: dict[str, Counter]
+    rollout_groups_failed: dict[str, Counter]
 
     def __init__(self, role: str, worker: str) -> None:
         self.role = role

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from asyncrl.environments.base import ENV_REASONS
 from asyncrl.runstate import ROLES
 from asyncrl.runstate import Counter as RunCounter
 
@@ -37,6 +38,24 @@ MISMATCH_SCOPES = ("trained", "audit", "audit_low_prob", "audit_high_prob")
 OUTCOMES = tuple(c.outcome for c in RunCounter)
 """`asyncrl_run_groups` mirrors the run-accounting hash in Redis: field `prompts_released` →
 outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`."""
+
+FAILED_GROUP_REASONS = (
+    *(
+        f"engine_{r}"
+        for r in ("timeout", "unreachable", "server_error", "malformed", "rejected", "aborted")
+    ),
+    "engine_no_server",
+    "engine_error",
+    "task_error",
+    "reward_error",
+    "reward_timeout",
+    "reward_invalid",
+    *(f"env_{r}" for r in ENV_REASONS),
+    "other",
+)
+"""Every `FailedGroup.reason` (`asyncrl.rollout.episodes`): the label of
+`asyncrl_rollout_groups_failed_total`; `other` for a reason added elsewhere and not listed here,
+so that counting never fails a worker."""
 
 BASE_LABELS = ("role", "worker")
 
@@ -390,6 +409,26 @@ METRICS: tuple[Metric, ...] = (
         "trainer r0",
         buckets=(1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0),
         step_field="audit_logprob_abs_diff",
+    ),
+    Metric(
+        "environment_errors",
+        "asyncrl_environment_errors_total",
+        "counter",
+        "Environment calls that failed their episode, by reason: the environment raised, "
+        "outlived its timeout, answered outside the protocol, or no env-server could take or "
+        "keep the episode.",
+        "rollout",
+        label=("reason", ENV_REASONS),
+        roles=("rollout",),
+    ),
+    Metric(
+        "rollout_groups_failed",
+        "asyncrl_rollout_groups_failed_total",
+        "counter",
+        "Prompt groups a rollout worker gave up and dead-lettered, by reason.",
+        "rollout",
+        label=("reason", FAILED_GROUP_REASONS),
+        roles=("rollout",),
     ),
 )
 

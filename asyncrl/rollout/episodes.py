@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -37,8 +37,17 @@ import numpy as np
 
 from asyncrl.engines.base import EngineError, Generation, RolloutEngine
 from asyncrl.engines.config import SamplingParams
+from asyncrl.environments.base import (
+    Environment,
+    EnvironmentFailure,
+    Observation,
+    StepResult,
+    check_observation,
+    check_step,
+    render_observation,
+)
 from asyncrl.protocol import Sample
-from asyncrl.tasks.base import Environment, EpisodicTask, PromptItem, Task
+from asyncrl.tasks.base import EpisodicTask, PromptItem, Task
 from asyncrl.tasks.plugins import RewardFailure
 
 if TYPE_CHECKING:
@@ -89,7 +98,9 @@ class FailedGroup(Generic[T]):
     failure of a generate call, `task_error` for one of the task's own code (its environment
     constructor, score or reward), `reward_error`, `reward_timeout` or `reward_invalid` for a
     call of a `reward.type: python` function that raised, timed out or returned no finite
-    number (wherever it was called), or `env_error` for a failed environment step."""
+    number (wherever it was called), or `env_{reason}` for a failed environment call
+    (`asyncrl.environments.base.ENV_REASONS`: its code raised, it timed out, its reply did not
+    fit the protocol, no env-server could take or keep the episode)."""
     detail: str
 
 
@@ -118,8 +129,20 @@ class _Episode:
     mask: list[np.ndarray] = field(default_factory=list)
     turns: int = 0
     finish: str = "length"
+    text: str = ""
+    """The last turn's decoded response, scored by the task when the environment gives no
+    reward."""
+    first_observation: list[int] = field(default_factory=list)
+    """What `reset` returned, rendered: joins the response before the first turn, with that
+    turn's version (none is known before it)."""
+    episodic: bool = False
+
+    def __post_init__(self) -> None:
+        self.episodic = self.env is not None
 
     def add_turn(self, gen: Generation) -> None:
+        if self.first_observation and not self.turns:
+            self._masked(self.first_observation, int(gen.versions[0]) if len(gen.versions) else 0)
         self.ids.append(gen.token_ids)
         self.logprobs.append(gen.logprobs)
         self.versions.append(gen.versions)
@@ -129,12 +152,18 @@ class _Episode:
         self.finish = gen.finish
 
     def observe(self, ids: list[int]) -> None:
+        self.context.extend(ids)
+        if not self.turns:
+            self.first_observation = ids
+        elif ids:
+            self._masked(ids, int(self.versions[-1][-1]))
+
+    def _masked(self, ids: list[int], version: int) -> None:
         n = len(ids)
         self.ids.append(np.asarray(ids, np.int32))
         self.logprobs.append(np.zeros(n, np.float32))
-        self.versions.append(np.full(n, self.versions[-1][-1], np.int32))
+        self.versions.append(np.full(n, version, np.int32))
         self.mask.append(np.zeros(n, np.uint8))
-        self.context.extend(ids)
 
     def sample(self, reward: float) -> Sample:
         mask = np.concatenate(self.mask)
@@ -144,7 +173,7 @@ class _Episode:
             versions=np.concatenate(self.versions).astype(np.int32),
             reward=float(reward),
             finish="stop" if self.finish == "stop" else "length",
-            meta={} if self.env is None else {"turns": self.turns},
+            meta={"turns": self.turns} if self.episodic else {},
             # One-turn samples keep the wire as it was: no mask means every token is trained on.
             loss_mask=None if mask.all() else mask,
         )
@@ -166,6 +195,7 @@ class EpisodeScheduler(Generic[T]):
         *,
         batch_wait_s: float = 0.0,
         on_generate: Callable[[GenerateCall], None] | None = None,
+        on_env_error: Callable[[str], None] | None = None,
     ) -> None:
         self._engine = engine
         self._task = task
@@ -173,18 +203,18 @@ class EpisodeScheduler(Generic[T]):
         self._tokenizer = tokenizer
         self._sampling = sampling
         self._on_generate = on_generate
+        self._on_env_error = on_env_error
         self._batch_wait_s = batch_wait_s
         # Environment steps await their tools on one event loop thread: a waiting episode costs
         # a timer, where a thread each would cost a millisecond of CPU per step in switching.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._steps: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+        self._closing: set[asyncio.Task[None]] = set()  # environments being closed
         self._ready: list[_Episode] = []
         self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
         self._at_env = 0  # episodes inside their environment now
-        self._returned: queue.SimpleQueue[tuple[_Episode, list[int] | Exception | None]] = (
-            queue.SimpleQueue()
-        )
+        self._returned: queue.SimpleQueue[tuple[_Episode, _Returned]] = queue.SimpleQueue()
         self._groups: list[_Group[T]] = []
         self._failed: list[FailedGroup[T]] = []
         self.inflight = 0
@@ -198,14 +228,15 @@ class EpisodeScheduler(Generic[T]):
         self._groups.append(group)
         self.inflight += n
         for i in range(n):
-            env = None
-            if self._episodic is not None:
-                try:
-                    env = self._episodic.environment(item, f"{episode_prefix}/{i}")
-                except Exception as exc:  # e.g. an answer the task cannot parse
-                    self._fail(group, "task_error", _describe(exc))
-                    return
-            self._make_ready(_Episode(group, i, env, list(item.prompt_ids)))
+            if self._episodic is None:
+                self._make_ready(_Episode(group, i, None, list(item.prompt_ids)))
+                continue
+            try:
+                env = self._episodic.environment(item, f"{episode_prefix}/{i}")
+            except Exception as exc:  # e.g. an answer the task cannot parse
+                self._fail(group, "task_error", _describe(exc))
+                return
+            self._to_env([(_Episode(group, i, env, list(item.prompt_ids)), None)])
 
     def advance(self, wait_s: float) -> tuple[list[FinishedGroup[T]], list[FailedGroup[T]]]:
         """Take back returned environment steps (waiting up to `wait_s` for one when no episode
@@ -253,13 +284,23 @@ class EpisodeScheduler(Generic[T]):
         for task in self._steps:
             task.cancel()
         await asyncio.gather(*self._steps, return_exceptions=True)
+        # Ended episodes release what they hold (a session on an env-server) before the loop
+        # goes; a close that hangs is cut off.
+        if self._closing:
+            _, stuck = await asyncio.wait(self._closing, timeout=_CLOSE_TIMEOUT_S / 2)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
 
     def _fail(self, group: _Group[T], reason: str, detail: str) -> None:
         if group.failed:
             return
         group.failed = True
         self._failed.append(FailedGroup(group.tag, reason, detail))
-        # Its other episodes are dropped now; those inside an environment are ignored on return.
+        # Its other episodes are dropped now; those inside an environment are closed on return.
+        for ep in self._ready:
+            if ep.group is group:
+                self._close_env(ep)
         self._ready = [ep for ep in self._ready if ep.group is not group]
 
     def _take_back(self, wait_s: float) -> None:
@@ -277,17 +318,31 @@ class EpisodeScheduler(Generic[T]):
         self._at_env -= len(returned)
         for ep, result in returned:
             if ep.group.failed:
-                continue
-            if isinstance(result, RewardFailure):
+                self._close_env(ep)
+            elif isinstance(result, RewardFailure):
                 self._fail(ep.group, result.reason, result.detail)
             elif isinstance(result, Exception):
-                self._fail(ep.group, "env_error", _describe(result))
-            elif result is None:
-                env = ep.env
-                assert env is not None
-                self._score(ep, env.reward)
+                failure = (
+                    result
+                    if isinstance(result, EnvironmentFailure)
+                    else EnvironmentFailure("error", _describe(result))
+                )
+                if self._on_env_error is not None:
+                    self._on_env_error(failure.reason)
+                self._fail(ep.group, f"env_{failure.reason}", failure.detail)
+            elif isinstance(result, StepResult) and result.done:
+                self._close_env(ep)
+                if result.reward is None:
+                    self._score(ep, partial(self._task.score, ep.group.item, ep.text))
+                else:
+                    self._score(ep, partial(float, result.reward))
             else:
-                ep.observe(result)
+                obs = result.observation if isinstance(result, StepResult) else result.first
+                try:
+                    ep.observe(render_observation(self._tokenizer, obs))
+                except Exception as exc:  # chat messages for a tokenizer without a template
+                    self._fail(ep.group, "env_malformed", f"rendering {obs!r:.200}: {exc}")
+                    continue
                 self._make_ready(ep)
 
     def _generate(self) -> None:
@@ -339,13 +394,13 @@ class EpisodeScheduler(Generic[T]):
             if ep.group.failed:  # a sibling's score failed just now
                 continue
             ep.add_turn(gen)
+            ep.text = text
             if ep.env is None:
                 self._score(ep, partial(self._task.score, ep.group.item, text))
             else:
                 to_env.append((ep, text))
         if to_env:
-            self._at_env += len(to_env)
-            self._event_loop().call_soon_threadsafe(self._spawn, to_env)
+            self._to_env(to_env)
 
     def _score(self, ep: _Episode, reward: Callable[[], float]) -> None:
         """End `ep` with the reward the task's code computes; its group fails if that raises."""
@@ -375,18 +430,55 @@ class EpisodeScheduler(Generic[T]):
             self._loop_thread.start()
         return self._loop
 
-    def _spawn(self, steps: list[tuple[_Episode, str]]) -> None:
-        """On the loop thread: start the environment steps of one generate call."""
-        assert self._loop is not None
-        for ep, text in steps:
-            task = self._loop.create_task(self._env_step(ep, text))
-            self._steps.add(task)
-            task.add_done_callback(self._steps.discard)
+    def _to_env(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
+        """Hand episodes to their environments: `reset` for None, else `step` of the text."""
+        self._at_env += len(calls)
+        self._event_loop().call_soon_threadsafe(self._spawn, calls)
 
-    async def _env_step(self, ep: _Episode, text: str) -> None:
-        assert ep.env is not None
+    def _close_env(self, ep: _Episode) -> None:
+        if ep.env is not None:
+            self._event_loop().call_soon_threadsafe(self._spawn_close, ep.env)
+            ep.env = None
+
+    def _spawn(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
+        """On the loop thread: start the environment calls of one generate call."""
+        for ep, text in calls:
+            self._track(self._env_call(ep, text), self._steps)
+
+    def _spawn_close(self, env: Environment) -> None:
+        self._track(self._env_close(env), self._closing)
+
+    def _track(self, call: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(call)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _env_call(self, ep: _Episode, text: str | None) -> None:
+        env = ep.env
+        assert env is not None
+        result: _Returned
         try:
-            result: list[int] | Exception | None = await ep.env.step(text)
-        except Exception as exc:  # a failing tool fails its group, never the worker
+            if text is None:
+                result = _Reset(check_observation(await env.reset(ep.group.item)))
+            else:
+                result = check_step(await env.step(text))
+        except Exception as exc:  # a failing environment fails its group, never the worker
             result = exc
         self._returned.put((ep, result))
+
+    @staticmethod
+    async def _env_close(env: Environment) -> None:
+        try:
+            await env.close()
+        except Exception:  # the episode is over: nothing to fail any more
+            log.warning("closing an environment failed", exc_info=True)
+
+
+@dataclass(frozen=True)
+class _Reset:
+    first: Observation
+
+
+_Returned = _Reset | StepResult | Exception
+"""What an environment call hands back to the generating thread."""

@@ -143,6 +143,7 @@ class RolloutWorker:
             rollout.sampling,
             batch_wait_s=rollout.turn_batch_wait_s,
             on_generate=self._on_generate,
+            on_env_error=lambda reason: self.metrics.environment_errors[reason].inc(),
         )
         self.waiting: list[Prompt] = []
         """Prompt deliveries read but not started: waiting for newer weights."""
@@ -294,6 +295,8 @@ class RolloutWorker:
         transaction."""
         for f in failed:
             self.consumer.dead_letter(f.tag.id, f.tag.fields, f.reason, f.detail)
+            by_reason = self.metrics.rollout_groups_failed
+            (by_reason.get(f.reason) or by_reason["other"]).inc()
         if not finished:
             return
         if self.cfg.rollout.audit_fraction and isinstance(self.engine, Rescoring):

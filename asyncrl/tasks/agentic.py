@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from asyncrl.environments.base import StepResult
 from asyncrl.tasks.base import ArithmeticTask, LazyItems, PromptItem
-from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
+from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig, ExactRewardConfig
 from asyncrl.tasks.rewards import RewardFn, build_reward
 
 if TYPE_CHECKING:
@@ -57,7 +58,9 @@ class AgenticTask:
             )
         self._cfg = cfg
         self._tokenizer = tokenizer
-        self._script = functools.lru_cache(maxsize=1024)(self._tokenize_script)
+        # Observations are rendered without special tokens added, so the tool writes the
+        # tokenizer's prefix (`<bos>`) itself: every question then reads like a prompt.
+        self._prefix = str(tokenizer.decode(tokenizer("")["input_ids"]))
         self._reward = build_reward(cfg.reward)
         self._questions = ArithmeticTask(
             ArithmeticTaskConfig(
@@ -84,8 +87,8 @@ class AgenticTask:
         )
 
     def _episode(self, pairs: np.ndarray, index: int) -> PromptItem:
-        # Only the first question is tokenised here: the others are tokenised by the worker
-        # that runs the episode, once per group (`_script`).
+        # Only the first question is tokenised here: the others are rendered by the worker
+        # that runs the episode, as the tool poses them.
         turns = self._cfg.turns
         questions = [
             self._questions.question(p) for p in pairs[index * turns : (index + 1) * turns]
@@ -105,19 +108,13 @@ class AgenticTask:
 
     def environment(self, item: PromptItem, episode_id: str) -> ArithmeticToolEnvironment:
         rng = np.random.default_rng([self._cfg.latency_seed, zlib.crc32(episode_id.encode())])
-        latency = LogNormalLatency(
-            self._cfg.tool_latency_median_s, self._cfg.tool_latency_sigma, rng
+        return ArithmeticToolEnvironment(
+            self._cfg.tool_latency_median_s,
+            self._cfg.tool_latency_sigma,
+            observation_prefix=self._prefix,
+            reward=self._reward,
+            rng=rng,
         )
-        answers, observations = self._script(item.answer)
-        return ArithmeticToolEnvironment(answers, observations, self._reward, latency)
-
-    def _tokenize_script(self, answer: str) -> tuple[list[str], list[list[int]]]:
-        """An episode's answers, and its later questions as token ids: tokenised once for the
-        n episodes of a group."""
-        pairs = [q.split("=", 1) for q in answer.split(_SEP)]
-        later = [f"{q}=" for q, _ in pairs[1:]]
-        observations = self._tokenizer(later)["input_ids"] if later else []
-        return [a for _, a in pairs], observations
 
 
 class LogNormalLatency:
@@ -135,40 +132,52 @@ class LogNormalLatency:
 
 
 class ArithmeticToolEnvironment:
-    """One episode: checks each answer and, after the tool's latency, poses the next question.
+    """One episode (an `Environment`): checks each answer and, after the tool's latency, poses
+    the next question of the item's script (`answer` "12+34=46;56+78=134").
 
-    The wait is a real timer, standing for a tool call the episode awaits.
+    The wait is a real timer, standing for a tool call the episode awaits. Servable as it is:
+    `asyncrl env-server --env asyncrl.tasks.agentic:ArithmeticToolEnvironment --kwargs
+    '{"latency_median_s": 0.2, "latency_sigma": 1.0, "observation_prefix": "<bos>"}'` (scored
+    by exact match there; in the worker by `task.reward`).
     """
 
     def __init__(
         self,
-        answers: list[str],
-        observations: list[list[int]],
-        reward: RewardFn,
-        latency: LogNormalLatency,
+        latency_median_s: float = 0.0,
+        latency_sigma: float = 0.0,
+        observation_prefix: str = "",
+        *,
+        reward: RewardFn | None = None,
+        rng: np.random.Generator | None = None,
     ) -> None:
-        if len(observations) != len(answers) - 1:
-            raise ValueError(f"{len(answers)} questions need {len(answers) - 1} observations")
-        self._answers = answers
-        self._observations = observations
-        self._reward = reward
-        self._latency = latency
+        self._latency = LogNormalLatency(
+            latency_median_s, latency_sigma, rng or np.random.default_rng()
+        )
+        self._prefix = observation_prefix
+        self._reward = reward or build_reward(ExactRewardConfig())
+        self._answers: list[str] = []
+        self._questions: list[str] = []
         self._turn = 0
         self._score = 0.0
         self.waited_s = 0.0
         """Seconds this episode spent in tool calls so far."""
 
-    async def step(self, response_text: str) -> list[int] | None:
+    async def reset(self, item: PromptItem) -> None:
+        pairs = [q.split("=", 1) for q in str(item.answer).split(_SEP)]
+        self._questions = [q for q, _ in pairs]
+        self._answers = [a for _, a in pairs]
+
+    async def step(self, response: str) -> StepResult:
         if self._turn >= len(self._answers):
             raise RuntimeError("step after the episode ended")
         wait = self._latency.draw()
         await asyncio.sleep(wait)
         self.waited_s += wait
-        self._score += self._reward(response_text, self._answers[self._turn])
+        self._score += self._reward(response, self._answers[self._turn])
         self._turn += 1
         if self._turn == len(self._answers):
-            return None
-        return self._observations[self._turn - 1]
+            return StepResult(None, done=True, reward=self._score / len(self._answers))
+        return StepResult(f"{self._prefix}{self._questions[self._turn]}=", done=False)
 
-    def reward(self) -> float:
-        return self._score / len(self._answers)
+    async def close(self) -> None:
+        pass

@@ -25,6 +25,8 @@ from asyncrl.tasks.rewards import build_reward
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from asyncrl.environments.base import Environment, EnvironmentFactory
+
 log = logging.getLogger(__name__)
 
 
@@ -68,35 +70,40 @@ class Task(Protocol):
         ...
 
 
-class Environment(Protocol):
-    """What one multi-turn episode talks to between the policy's turns.
-
-    `step` is a coroutine: a tool awaits its I/O (an HTTP call, a sandbox, a judge) for as long
-    as it takes, and blocking work goes through `asyncio.to_thread`. The rollout worker runs the
-    steps of all its episodes on one event loop beside the generating thread, so thousands of
-    episodes can wait at once for the price of a timer each, not a thread each, while the engine
-    serves the others (`asyncrl.rollout.episodes`).
-    """
-
-    async def step(self, response_text: str) -> list[int] | None:
-        """Take the policy's turn (special tokens removed); return the observation's token ids
-        to append to the context before the next turn, or None when the episode is over."""
-        ...
-
-    def reward(self) -> float:
-        """The episode's reward; called once `step` has returned None."""
-        ...
-
-
 @runtime_checkable
 class EpisodicTask(Task, Protocol):
     """A task whose prompts start multi-turn episodes. A plain `Task` is the one-turn case:
     its response is scored with `score` and no environment is involved."""
 
     def environment(self, item: PromptItem, episode_id: str) -> Environment:
-        """A fresh environment for one episode of `item`; `episode_id` is unique per episode
-        and seeds anything random in it."""
+        """A fresh environment (`asyncrl.environments.base`) for one episode of `item`;
+        `episode_id` is unique per episode and seeds anything random in it."""
         ...
+
+
+class WithEnvironment:
+    """A task whose episodes talk to the environment of `task.environment`: the task gives the
+    items and scores a last turn the environment leaves unscored; the environment gives the
+    turns. Anything else is the task's."""
+
+    def __init__(self, task: Task, environments: EnvironmentFactory) -> None:
+        self._task = task
+        self._environments = environments
+
+    def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
+        return self._task.train_items(seed, epoch)
+
+    def eval_items(self) -> Sequence[PromptItem]:
+        return self._task.eval_items()
+
+    def score(self, item: PromptItem, response_text: str) -> float:
+        return self._task.score(item, response_text)
+
+    def environment(self, item: PromptItem, episode_id: str) -> Environment:
+        return self._environments(item, episode_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
 
 
 class LazyItems(Sequence[PromptItem]):
@@ -411,6 +418,16 @@ def _numbered(records: Iterable[object]) -> Records:
 
 
 def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
+    """The task of `cfg`; its episodes talk to `cfg.environment` when one is set."""
+    task = _build_task(cfg, tokenizer)
+    if cfg.environment is None:
+        return task
+    from asyncrl.environments import build_environments
+
+    return WithEnvironment(task, build_environments(cfg.environment))
+
+
+def _build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
     match cfg:
         case ArithmeticTaskConfig():
             return ArithmeticTask(cfg, tokenizer)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from asyncrl.configbase import Section
+from asyncrl.environments.config import EnvironmentConfig
 
 
 class ExactRewardConfig(Section):
@@ -101,6 +102,10 @@ class ArithmeticTaskConfig(Section):
     reward: RewardConfig = Field(default_factory=ExactRewardConfig)
     """How a response is scored against the sum."""
 
+    environment: EnvironmentConfig | None = None
+    """The environment each episode talks to between turns (`asyncrl.environments`); None:
+    one turn, scored by `reward`."""
+
 
 class _RecordsConfig(Section):
     """How records (dataset rows, a factory's records) become prompts and answers."""
@@ -123,6 +128,10 @@ class _RecordsConfig(Section):
     skip_bad_rows: bool = False
     """Skip and count rows with a missing or empty field, or a prompt that is neither a string
     nor chat messages, instead of failing."""
+
+    environment: EnvironmentConfig | None = None
+    """The environment each episode talks to between turns (`asyncrl.environments`); None:
+    one turn, scored by `reward`."""
 
 
 class DatasetTaskConfig(_RecordsConfig):
@@ -208,6 +217,11 @@ class AgenticTaskConfig(Section):
     reward: RewardConfig = Field(default_factory=ExactRewardConfig)
     """How each answer is scored against its sum; the episode's reward is the mean over turns."""
 
+    environment: EnvironmentConfig | None = None
+    """Where the tool runs instead of in the worker: e.g. `{type: remote, urls: [...]}` with
+    `asyncrl env-server --env asyncrl.tasks.agentic:ArithmeticToolEnvironment`; None: the
+    simulated tool in the worker's event loop."""
+
 
 class ReasoningGymTaskConfig(Section):
     """Any reasoning-gym dataset by name (`pip install 'asyncrl[gym]'`), scored by the dataset's
@@ -247,6 +261,10 @@ class ReasoningGymTaskConfig(Section):
 
     chat_template: bool | None = None
     """Wrap each prompt as a user turn of the tokenizer's chat template; None: when it has one."""
+
+    environment: EnvironmentConfig | None = None
+    """The environment each episode talks to between turns (`asyncrl.environments`); None:
+    one turn, scored by the dataset's `score_answer`."""
 
 
 TaskConfig = Annotated[

@@ -1,0 +1,155 @@
+"""The environment seam: what one multi-turn episode talks to between the policy's turns.
+
+Users implement `Environment` (three coroutines) and name the class by import path in
+`task.environment` (`type: python`), or serve it with `asyncrl env-server` and point
+`task.environment` (`type: remote`) at the servers. The rollout worker's scheduler
+(`asyncrl.rollout.episodes`) drives every episode through it, on one event loop beside the
+generating thread:
+
+    obs = await env.reset(item)           # appended after the prompt (may be None)
+    loop: policy turn → text
+          result = await env.step(text)   # result.observation appended, until result.done
+    await env.close()
+
+Observations are rendered to token ids by the scheduler (`render_observation`), always with the
+run's tokenizer, and join the response loss-masked. A failure of the environment's code, a call
+past its timeout or a reply that does not fit this protocol raises `EnvironmentFailure` with a
+stable reason; the episode's group then fails (dead letter, counted by reason), the worker goes
+on.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, assert_never
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from asyncrl.environments.config import EnvironmentConfig
+    from asyncrl.tasks.base import PromptItem
+
+Observation = str | list[dict[str, str]] | None
+"""Text appended as tokens of the tokenizer (special tokens written in it are parsed), or chat
+messages (`{"role": ..., "content": ...}`) rendered with the tokenizer's chat template and its
+generation prompt; None: nothing appended."""
+
+ENV_REASONS = ("error", "timeout", "malformed", "unavailable")
+"""Why an environment call failed (label of `asyncrl_environment_errors_total`; the group's
+dead-letter reason is `env_{reason}`): its code raised, it outlived its timeout, its reply does
+not fit the protocol, or no server could take or keep the episode."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers to one policy turn."""
+
+    observation: Observation
+    """Appended to the context before the next turn (ignored once `done`)."""
+    done: bool
+    """The episode is over: no more turns."""
+    reward: float | None = None
+    """The episode's reward when done; None: scored by the task's reward on the last turn."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form details (logged, not trained on)."""
+
+
+class Environment(Protocol):
+    """One episode's environment. A fresh instance per episode (constructed with the
+    configured `kwargs`); all methods are coroutines on the worker's event loop, so a tool
+    awaits its I/O for as long as it takes while other episodes generate. Blocking work must go
+    through `asyncio.to_thread`, or the environment out of process (`asyncrl env-server`): a
+    call that blocks the loop stalls every episode of the worker and cannot be timed out."""
+
+    async def reset(self, item: PromptItem) -> Observation:
+        """Start the episode of `item`; the first observation after the prompt."""
+        ...
+
+    async def step(self, response: str) -> StepResult:
+        """The policy's turn (decoded, special tokens removed)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the episode holds; called once, whether it ended or failed."""
+        ...
+
+
+EnvironmentFactory = Callable[["PromptItem", str], Environment]
+"""A fresh environment for one episode of an item; the second argument is the episode's id,
+unique per episode."""
+
+
+class EnvironmentFailure(Exception):
+    """An environment call that gave nothing usable; `reason` is one of `ENV_REASONS`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in ENV_REASONS, reason
+        super().__init__(f"env_{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def malformed(detail: str) -> EnvironmentFailure:
+    return EnvironmentFailure("malformed", detail)
+
+
+def check_observation(obs: object) -> Observation:
+    """`obs` if it is an `Observation`, else a malformed failure."""
+    if obs is None or isinstance(obs, str):
+        return obs
+    if isinstance(obs, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in obs
+    ):
+        return obs
+    raise malformed(f"observation {obs!r:.200}: expected text, chat messages or None")
+
+
+def check_step(result: object) -> StepResult:
+    """`result` if it is a well-formed `StepResult`, else a malformed failure."""
+    if not isinstance(result, StepResult):
+        raise malformed(f"step returned {type(result).__name__}, not a StepResult")
+    if not isinstance(result.done, bool):
+        raise malformed(f"done={result.done!r}: expected a bool")
+    reward = result.reward
+    if reward is not None and (
+        isinstance(reward, bool)
+        or not isinstance(reward, numbers.Real)
+        or not math.isfinite(reward)
+    ):
+        raise malformed(f"reward={reward!r}: expected a finite number or None")
+    check_observation(result.observation)
+    return result
+
+
+def render_observation(tokenizer: PreTrainedTokenizerBase, obs: Observation) -> list[int]:
+    """Token ids of an observation: text as the tokenizer reads it (no special tokens added),
+    chat messages through its chat template with the generation prompt."""
+    if obs is None:
+        return []
+    if isinstance(obs, str):
+        return list(tokenizer(obs, add_special_tokens=False)["input_ids"])
+    text = tokenizer.apply_chat_template(obs, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_environments(cfg: EnvironmentConfig) -> EnvironmentFactory:
+    """The factory of one episode's environment under `cfg`."""
+    from asyncrl.environments.config import PythonEnvironmentConfig, RemoteEnvironmentConfig
+
+    match cfg:
+        case PythonEnvironmentConfig():
+            from asyncrl.environments.local import TimedEnvironment, check_class
+
+            cls = check_class(cfg.path, cfg.python_path, cfg.kwargs)
+            return lambda item, episode_id: TimedEnvironment(cls(**cfg.kwargs), cfg.timeout_s)
+        case RemoteEnvironmentConfig():
+            from asyncrl.environments.client import RemotePool
+
+            pool = RemotePool(cfg)
+            return lambda item, episode_id: pool.environment()
+        case _:
+            assert_never(cfg)

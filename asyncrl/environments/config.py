@@ -1,0 +1,87 @@
+"""Config of the environments a task's episodes talk to (`task.environment`); chosen by `type`.
+Nothing here imports torch or an HTTP client."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from asyncrl.configbase import Section
+
+
+class PythonEnvironmentConfig(Section):
+    """Your own `Environment` class (`asyncrl.environments.base`), run in the rollout worker's
+    event loop: one instance per episode, `Class(**kwargs)`. `python_path` and `kwargs` come
+    before `path` because checking `path` needs them."""
+
+    type: Literal["python"] = "python"
+    """Environment backend."""
+
+    python_path: list[str] = Field(default_factory=list)
+    """Directories put first on `sys.path` before `path` is imported (relative ones against the
+    working directory)."""
+
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the class's constructor."""
+
+    path: str
+    """"package.module:Class", imported from `python_path`, the working directory and
+    PYTHONPATH; checked when the config loads."""
+
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds one `reset` or `step` may take before the episode fails (`env_timeout`)."""
+
+    @field_validator("python_path")
+    @classmethod
+    def _absolute(cls, dirs: list[str]) -> list[str]:
+        from asyncrl.tasks.plugins import absolute_dirs
+
+        return absolute_dirs(dirs)
+
+    @field_validator("path")
+    @classmethod
+    def _resolve(cls, path: str, info: ValidationInfo) -> str:
+        from asyncrl.environments.local import check_class
+
+        check_class(path, info.data.get("python_path", []), info.data.get("kwargs", {}))
+        return path
+
+
+class RemoteEnvironmentConfig(Section):
+    """Environments served by `asyncrl env-server` processes (any `Environment` class, in its
+    own process or container); see `asyncrl.environments.client`. An episode's session lives on
+    the server that created it."""
+
+    type: Literal["remote"] = "remote"
+    """Environment backend."""
+
+    urls: list[str] = Field(min_length=1)
+    """Base URLs of the env-servers (`http://host:port`); new episodes go round them."""
+
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds one call (create, step) may take, the environment's time included; past that
+    the episode fails (`env_timeout`)."""
+
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """Seconds to open a connection to a server."""
+
+    max_sessions_per_server: int = Field(default=256, ge=1)
+    """Calls in flight per server (and pooled connections to it); more wait their turn."""
+
+    retries: int = Field(default=2, ge=0)
+    """Further attempts, each on the next server of `urls`, when creating a session fails for
+    the server's sake (down, full, timed out): an episode restarts freely before its first
+    step, never after."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r}: expected http://host:port")
+        return [u.rstrip("/") for u in urls]
+
+
+# 19B adds its `tools` member here.
+EnvironmentConfig = Annotated[
+    PythonEnvironmentConfig | RemoteEnvironmentConfig, Field(discriminator="type")
+]

@@ -1,0 +1,66 @@
+"""Environments by import path, run in this process: loading, checking, and the per-call
+timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.environments.base import (
+    Environment,
+    EnvironmentFailure,
+    Observation,
+    StepResult,
+    check_observation,
+    check_step,
+)
+
+if TYPE_CHECKING:
+    from asyncrl.tasks.base import PromptItem
+
+log = logging.getLogger(__name__)
+_METHODS = ("reset", "step", "close")
+
+
+def check_class(path: str, python_path: Sequence[str], kwargs: dict[str, Any]) -> type[Any]:
+    """The environment class named by `path`; ValueError with a one-line reason when it does not
+    import, lacks a coroutine of the protocol or cannot take `kwargs`."""
+    from asyncrl.tasks.plugins import call_shape, check_signature, load_object
+
+    cls = load_object(path, python_path)
+    if not isinstance(cls, type):
+        raise ValueError(f"{path!r} is a {type(cls).__name__}, not a class")
+    for name in _METHODS:
+        if not inspect.iscoroutinefunction(getattr(cls, name, None)):
+            raise ValueError(
+                f"{path!r} has no `async def {name}` (an Environment needs {_METHODS})"
+            )
+    check_signature(cls, call_shape(cls.__name__, [], kwargs), **kwargs)
+    return cls
+
+
+class TimedEnvironment:
+    """An environment whose every call fails with `env_timeout` past `timeout_s`, and whose
+    replies are checked against the protocol (`env_malformed` otherwise)."""
+
+    def __init__(self, env: Environment, timeout_s: float) -> None:
+        self._env = env
+        self._timeout_s = timeout_s
+
+    async def reset(self, item: PromptItem) -> Observation:
+        return check_observation(await self._call(self._env.reset(item), "reset"))
+
+    async def step(self, response: str) -> StepResult:
+        return check_step(await self._call(self._env.step(response), "step"))
+
+    async def close(self) -> None:
+        await self._call(self._env.close(), "close")
+
+    async def _call(self, call: Any, name: str) -> Any:
+        try:
+            return await asyncio.wait_for(call, self._timeout_s)
+        except TimeoutError:
+            raise EnvironmentFailure("timeout", f"{name} took over {self._timeout_s}s") from None

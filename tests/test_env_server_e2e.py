@@ -1,0 +1,222 @@
+"""Environments out of process, end to end: a multi-turn environment written outside the repo,
+served by `asyncrl env-server` in its own process, drives `asyncrl launch --role all` on the
+warmed quickstart model. One run trains on it; another meets an environment that raises, hangs
+and answers malformed on a share of its episodes, and an env-server SIGKILLed mid-run: the run
+finishes, its counters balance, and every failed group is a dead letter by reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from asyncrl.launch.redis_server import RedisServer
+from asyncrl.runstate import Counter as RunCounter
+from asyncrl.runstate import Keys
+
+from role_procs import CHILD_ENV, REPO, check_accounting, launch_all, step_lines
+
+pytestmark = pytest.mark.timeout(900)
+
+EXAMPLE = REPO / "examples" / "env_server" / "calculator_env.py"
+
+# The calculator example, and a log line per closed episode so the test sees its turns.
+LOGGED = """
+import json, os
+from calculator_env import Calculator
+
+class Logged(Calculator):
+    async def close(self):
+        with open(os.environ["EPISODE_LOG"], "a") as f:
+            f.write(json.dumps({"turns": len(self._rewards)}) + "\\n")
+        await super().close()
+"""
+
+# Fails by the item's sum: one episode in eight raises, one hangs, one answers a NaN reward;
+# every step waits a little, so that episodes are in flight when a server is killed.
+FLAKY = """
+import asyncio, math
+from asyncrl.environments import StepResult
+
+class Flaky:
+    async def reset(self, item):
+        a, b = item.prompt.rstrip("=").split("+")
+        self.sum = int(a) + int(b)
+        self.mode = ["raise", "hang", "nan", "ok", "ok", "ok", "ok", "ok"][self.sum % 8]
+        self.turns = 0
+
+    async def step(self, response):
+        await asyncio.sleep(0.05)
+        self.turns += 1
+        if self.mode == "raise":
+            raise RuntimeError("the tool broke")
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if self.mode == "nan":
+            return StepResult(None, done=True, reward=math.nan)
+        if self.turns < 2:
+            return StepResult(f"<bos>{self.sum}+0=", done=False)
+        return StepResult(None, done=True, reward=float(response.strip() == str(self.sum)))
+
+    async def close(self):
+        pass
+"""
+
+
+def _user_dir(tmp_path: Path) -> Path:
+    user = tmp_path / "user_code"
+    user.mkdir()
+    assert not str(user.resolve()).startswith(str(REPO))
+    return user
+
+
+@contextmanager
+def env_server(
+    user: Path, env: str, **extra_env: str
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """`asyncrl env-server --env ENV --port 0` in its own process; (its URL, the process)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "env-server",
+            "--env",
+            env,
+            "--python-path",
+            str(user),
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **CHILD_ENV, **extra_env},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        yield line.split()[-1], proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _dead_letters(url: str, run_id: str) -> list[tuple[str, str]]:
+    """(reason, detail) of each of the run's dead letters."""
+    client = redis.Redis.from_url(url)
+    try:
+        letters = client.xrange(Keys(run_id).dlq)
+    finally:
+        client.close()
+    return [(f[b"reason"].decode(), f[b"detail"].decode()) for _, f in letters]
+
+
+def _remote(*urls: str, **extra: object) -> str:
+    return "task.environment=" + json.dumps({"type": "remote", "urls": list(urls), **extra})
+
+
+@pytest.mark.slow
+def test_a_served_multi_turn_environment_trains_end_to_end(
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+) -> None:
+    user = _user_dir(tmp_path)
+    shutil.copy(EXAMPLE, user / "calculator_env.py")
+    (user / "logged_env.py").write_text(textwrap.dedent(LOGGED))
+    episodes = tmp_path / "episodes.jsonl"
+    steps, groups, n = 6, 16, 4
+    with env_server(user, "logged_env:Logged", EPISODE_LOG=str(episodes)) as (url, _):
+        run = launch_all(
+            tmp_path / "run",
+            redis_server.url,
+            warm_model,
+            "env-trains",
+            _remote(url),
+            f"trainer.max_steps={steps}",
+            f"trainer.groups_per_step={groups}",
+            f"rollout.n={n}",
+            "rollout.prompts_per_batch=16",
+            # Every trained group keeps its tokens in the step's count (see below).
+            "algo.filter_zero_variance=false",
+        )
+    assert run.rc == 0, run.output[-5000:]
+    assert _dead_letters(run.url, "env-trains") == []
+    check_accounting(run, steps, groups)
+    # Every episode ended after its two turns at the server and was closed there.
+    closed = [json.loads(line) for line in episodes.read_text().splitlines()]
+    assert len(closed) >= steps * groups * n
+    assert {c["turns"] for c in closed} == {2}
+    # Trained tokens per sample exceed what one turn can hold (max_new_tokens=4): both turns
+    # are trained on, the observation between them is not.
+    lines = step_lines(run.dir)
+    per_sample = sum(line["tokens"] for line in lines) / (steps * groups * n)
+    assert 4 < per_sample <= 8, per_sample
+    # The warmed model answers a sum right about a third of the time: the mean reward is
+    # neither 0 nor 1, so the groups carry a learning signal.
+    rewards = [s["reward_mean"] for s in run.steps]
+    assert 0.05 < sum(rewards) / len(rewards) < 0.95, rewards
+
+
+@pytest.mark.slow
+def test_failing_and_killed_env_servers_are_dead_letters_by_reason(
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+) -> None:
+    user = _user_dir(tmp_path)
+    (user / "flaky_env.py").write_text(textwrap.dedent(FLAKY))
+    steps, groups = 5, 8
+    run_dir = tmp_path / "run"
+    with (
+        env_server(user, "flaky_env:Flaky") as (doomed, doomed_proc),
+        env_server(user, "flaky_env:Flaky") as (survivor, _),
+    ):
+
+        def kill_after_first_step() -> None:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not step_lines(run_dir):
+                time.sleep(0.2)
+            os.kill(doomed_proc.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_first_step, daemon=True)
+        killer.start()
+        run = launch_all(
+            run_dir,
+            redis_server.url,
+            warm_model,
+            "env-fails",
+            _remote(doomed, survivor, timeout_s=1.0, retries=1),
+            f"trainer.max_steps={steps}",
+            f"trainer.groups_per_step={groups}",
+            "rollout.n=4",
+            "rollout.prompts_per_batch=8",
+        )
+        killer.join(5)
+        assert doomed_proc.poll() is not None  # it was killed while the run went on
+    assert run.rc == 0, run.output[-5000:]
+    assert [s["step"] for s in run.steps] == list(range(1, steps + 1))
+    status = run.status
+    counters = status["counters"]
+    assert status["balanced"] is True, status
+    assert counters[RunCounter.GROUPS_TRAINED] == steps * groups
+    letters = _dead_letters(run.url, "env-fails")
+    reasons = Counter(reason for reason, _ in letters)
+    assert {"env_error", "env_timeout", "env_malformed", "env_unavailable"} <= set(reasons), reasons
+    assert sum(reasons.values()) == counters[RunCounter.GROUPS_DEAD_LETTERED]
+    details = dict(letters)
+    assert "RuntimeError: the tool broke" in details["env_error"]
+    assert "reward=nan" in details["env_malformed"]
+    assert "no reply in 1.0s" in details["env_timeout"]

@@ -1,0 +1,428 @@
+"""The environment seam: the env-server's HTTP/JSON protocol and its client (placement,
+pinning, retry before the first step only, bounded concurrency, every failure as a reason), and
+the scheduler driving a user environment (observations as text and chat, rewards given or left
+to the task, timeouts, malformed replies)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from asyncrl.environments.base import EnvironmentFailure, StepResult
+from asyncrl.environments.client import RemotePool
+from asyncrl.environments.config import RemoteEnvironmentConfig
+from asyncrl.environments.server import make_server
+from asyncrl.tasks.base import PromptItem
+
+from role_procs import CHILD_ENV
+
+ITEM = PromptItem("12+34", "12+34=", [1, 4, 5, 13, 6, 7, 14], "46")
+
+ENVS = """
+import asyncio, time
+from asyncrl.environments import StepResult
+
+class Echo:
+    live = 0
+    most = 0
+
+    def __init__(self, turns=2, sleep_s=0.0):
+        self.turns, self.sleep_s, self.seen = turns, sleep_s, []
+
+    async def reset(self, item):
+        return f"first {item.prompt_id} {item.answer}"
+
+    async def step(self, response):
+        Echo.live += 1
+        Echo.most = max(Echo.most, Echo.live)
+        try:
+            await asyncio.sleep(self.sleep_s)
+        finally:
+            Echo.live -= 1
+        self.seen.append(response)
+        if response == "raise":
+            raise RuntimeError("the tool broke")
+        if response == "hang":
+            await asyncio.sleep(3600)
+        if response == "bad":
+            return StepResult(None, done=True, reward=float("nan"))
+        if len(self.seen) == self.turns:
+            return StepResult(None, done=True, reward=len(self.seen), info={"seen": self.seen})
+        return StepResult([{"role": "user", "content": response}], done=False)
+
+    async def close(self):
+        pass
+"""
+
+
+@pytest.fixture(scope="module")
+def env_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("envs")
+    (d / "user_envs.py").write_text(textwrap.dedent(ENVS))
+    return d
+
+
+class Served:
+    def __init__(self, env_dir: Path, **kw: Any) -> None:
+        self.httpd = make_server(
+            "user_envs:Echo", kw.pop("kwargs", {}), python_path=[str(env_dir)], **kw
+        )
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/health").json()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def served(env_dir: Path) -> Iterator[Served]:
+    s = Served(env_dir)
+    yield s
+    s.stop()
+
+
+def _pool(*urls: str, **kw: Any) -> RemotePool:
+    return RemotePool(RemoteEnvironmentConfig(urls=list(urls), **kw))
+
+
+def _dead_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_session_round_trip_over_http(served: Served) -> None:
+    version = httpx.get(f"{served.url}/version").json()
+    assert version["protocol"] == 1 and version["env"] == "user_envs:Echo"
+
+    async def episode() -> list[Any]:
+        env = _pool(served.url).environment()
+        first = await env.reset(ITEM)
+        mid = await env.step("46")
+        assert served.health()["sessions"] == 1
+        last = await env.step("47")
+        await env.close()
+        return [first, mid, last]
+
+    first, mid, last = asyncio.run(episode())
+    assert first == "first 12+34 46"
+    assert mid == StepResult([{"role": "user", "content": "46"}], done=False, reward=None)
+    assert last == StepResult(None, done=True, reward=2.0, info={"seen": ["46", "47"]})
+    assert served.health()["sessions"] == 0
+
+
+@pytest.mark.parametrize(
+    ("response", "reason", "detail"),
+    [("raise", "error", "RuntimeError: the tool broke"), ("bad", "malformed", "reward=nan")],
+)
+def test_an_environment_that_raises_or_answers_badly_fails_with_its_reason(
+    served: Served, response: str, reason: str, detail: str
+) -> None:
+    async def episode() -> None:
+        env = _pool(served.url).environment()
+        await env.reset(ITEM)
+        await env.step(response)
+
+    with pytest.raises(EnvironmentFailure) as failed:
+        asyncio.run(episode())
+    assert failed.value.reason == reason and detail in failed.value.detail
+
+
+def test_a_step_past_its_timeout_fails_and_close_ends_the_session(served: Served) -> None:
+    async def episode() -> None:
+        env = _pool(served.url, timeout_s=0.5).environment()
+        await env.reset(ITEM)
+        try:
+            await env.step("hang")
+        finally:
+            await env.close()
+
+    t0 = time.monotonic()
+    with pytest.raises(EnvironmentFailure) as failed:
+        asyncio.run(episode())
+    assert failed.value.reason == "timeout" and time.monotonic() - t0 < 10
+    assert served.health()["sessions"] == 0  # the hung call was cancelled with its session
+
+
+class _Garbage(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = (
+            b"<html>proxy error"
+            if self.path.endswith("/step")
+            else json.dumps({"protocol": 1, "session": "s", "observation": None}).encode()
+        )
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_reply_that_is_not_json_is_malformed() -> None:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Garbage)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    async def episode() -> None:
+        env = _pool(f"http://127.0.0.1:{httpd.server_port}").environment()
+        await env.reset(ITEM)
+        await env.step("46")
+
+    try:
+        with pytest.raises(EnvironmentFailure) as failed:
+            asyncio.run(episode())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert failed.value.reason == "malformed" and "not JSON" in failed.value.detail
+
+
+class Process:
+    """`asyncrl env-server` of `user_envs:Echo` in a process of its own, to be killed."""
+
+    def __init__(self, env_dir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "asyncrl", "env-server", "--env", "user_envs:Echo"),
+                *("--python-path", str(env_dir), "--port", "0"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **CHILD_ENV},
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, line
+        self.url = line.split()[-1]
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/health").json()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_create_retries_on_the_next_server_and_sessions_stay_where_made(env_dir: Path) -> None:
+    a, b = Process(env_dir), Served(env_dir, max_sessions=1)
+    dead = _dead_url()
+    try:
+
+        async def episodes() -> None:
+            pool = _pool(a.url, b.url, dead, retries=2)
+            envs = [pool.environment() for _ in range(3)]
+            # Round the servers: a, b, dead → retried on a.
+            for env in envs:
+                await env.reset(ITEM)
+            assert (a.health()["sessions"], b.health()["sessions"]) == (2, 1)
+            extras = [pool.environment() for _ in range(2)]
+            for env in extras:  # a; then b, full (max_sessions=1) → dead → a
+                await env.reset(ITEM)
+            assert (a.health()["sessions"], b.health()["sessions"]) == (4, 1)
+            extra = extras[1]
+            for env in [*envs, extra]:
+                assert (await env.step("x")).done is False  # on the server that made it
+            # After its first step an episode is not restarted elsewhere: its server going
+            # away fails it.
+            a.stop()
+            with pytest.raises(EnvironmentFailure) as failed:
+                await envs[0].step("y")
+            assert failed.value.reason == "unavailable"
+
+        asyncio.run(episodes())
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_no_server_to_take_an_episode_is_unavailable() -> None:
+    async def episode() -> None:
+        await _pool(_dead_url(), _dead_url(), retries=5).environment().reset(ITEM)
+
+    with pytest.raises(EnvironmentFailure) as failed:
+        asyncio.run(episode())
+    assert failed.value.reason == "unavailable"
+
+
+def test_calls_in_flight_per_server_are_bounded(env_dir: Path) -> None:
+    s = Served(env_dir, kwargs={"turns": 5, "sleep_s": 0.2})
+    import user_envs  # the same module object the server imported
+
+    user_envs.Echo.most = 0
+    try:
+
+        async def episodes() -> None:
+            pool = _pool(s.url, max_sessions_per_server=2)
+            envs = [pool.environment() for _ in range(6)]
+            for env in envs:
+                await env.reset(ITEM)
+            await asyncio.gather(*(env.step("x") for env in envs))
+
+        asyncio.run(episodes())
+    finally:
+        s.stop()
+    assert user_envs.Echo.most == 2
+
+
+def test_env_server_option_errors_are_one_line_exit_2(env_dir: Path) -> None:
+    from role_procs import asyncrl
+
+    bad = asyncrl("env-server", "--env", "user_envs:Nope", "--python-path", str(env_dir))
+    assert bad.returncode == 2 and "has no attribute 'Nope'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    bad = asyncrl("env-server", "--env", "user_envs:Echo", "--kwargs", "[1]")
+    assert bad.returncode == 2 and "not a JSON object" in bad.stderr
+
+
+def test_config_errors_name_the_key(env_dir: Path) -> None:
+    from asyncrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"task\.environment\.path.*Nope"):
+        load_config(
+            None,
+            [
+                "task.type=arithmetic",
+                'task.environment={type: python, path: "user_envs:Nope", python_path: ['
+                + json.dumps(str(env_dir))
+                + "]}",
+            ],
+        )
+    with pytest.raises(ConfigError, match=r"task\.environment\.urls"):
+        load_config(
+            None, ["task.type=arithmetic", "task.environment={type: remote, urls: [host:1]}"]
+        )
+
+
+TURNS = """
+import asyncio
+from asyncrl.environments import StepResult
+
+class Turns:
+    def __init__(self, mode="ok"):
+        self.mode, self.turn = mode, 0
+
+    async def reset(self, item):
+        return "9="
+
+    async def step(self, response):
+        self.turn += 1
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if self.mode == "bad":
+            return 42
+        if self.turn == 1:
+            return StepResult("<bos>5+6=", done=False)
+        return StepResult(None, done=True)  # scored by the task: its reward on the last turn
+
+    async def close(self):
+        pass
+"""
+
+
+class _Scripted:
+    """Answers "46<eos>" at `version`."""
+
+    def __init__(self) -> None:
+        self.version = 3
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
+        import numpy as np
+
+        from asyncrl.engines.base import Generation
+
+        reply = [7, 9, 2]
+        return [
+            Generation(
+                np.array(reply, np.int32),
+                np.full(3, -0.5, np.float32),
+                np.full(3, self.version, np.int32),
+                "stop",
+            )
+            for _ in prompts
+        ]
+
+
+def _scheduler(tmp_path: Path, mode: str, errors: list[str]) -> Any:
+    from asyncrl.engines.config import SamplingParams
+    from asyncrl.engines.tiny_model import build_tokenizer
+    from asyncrl.environments import build_environments
+    from asyncrl.environments.config import PythonEnvironmentConfig
+    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
+    from asyncrl.tasks.config import ArithmeticTaskConfig
+
+    (tmp_path / "turns_env.py").write_text(textwrap.dedent(TURNS))
+    tok = build_tokenizer()
+    cfg = PythonEnvironmentConfig(
+        path="turns_env:Turns", python_path=[str(tmp_path)], kwargs={"mode": mode}, timeout_s=0.5
+    )
+    task = WithEnvironment(
+        ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok),
+        build_environments(cfg),
+    )
+    return EpisodeScheduler(
+        _Scripted(), task, tok, SamplingParams(max_new_tokens=4), on_env_error=errors.append
+    )
+
+
+def _drive(sched: Any, timeout_s: float = 20) -> tuple[list[Any], list[Any]]:
+    finished: list[Any] = []
+    failed: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while sched.inflight:
+        assert time.monotonic() < deadline, "episodes did not end"
+        f, x = sched.advance(0.05)
+        finished += f
+        failed += x
+    sched.close()
+    return finished, failed
+
+
+def test_a_python_environment_drives_the_episode_hand_worked(tmp_path: Path) -> None:
+    errors: list[str] = []
+    sched = _scheduler(tmp_path, "ok", errors)
+    sched.start("g", ITEM, 2, "g")
+    (group,), failed = _drive(sched)
+    assert not failed and not errors
+    first, answer, obs = [12, 14], [7, 9, 2], [1, 8, 13, 9, 14]  # "9=", "46<eos>", "<bos>5+6="
+    for s in group.samples:
+        assert s.response_ids.tolist() == first + answer + obs + answer
+        assert s.loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]
+        # The first observation takes the first turn's version: none is known before it.
+        assert s.versions.tolist() == [3] * 13
+        assert s.logprobs.tolist() == [0, 0, -0.5, -0.5, -0.5, 0, 0, 0, 0, 0, -0.5, -0.5, -0.5]
+        assert s.reward == 1.0  # the task's exact-match reward of the last turn, "46"
+        assert s.meta == {"turns": 2}
+
+
+@pytest.mark.parametrize(("mode", "reason"), [("hang", "timeout"), ("bad", "malformed")])
+def test_a_python_environment_past_its_timeout_or_malformed_fails_its_group(
+    tmp_path: Path, mode: str, reason: str
+) -> None:
+    errors: list[str] = []
+    sched = _scheduler(tmp_path, mode, errors)
+    sched.start("g", ITEM, 2, "g")
+    finished, failed = _drive(sched)
+    assert not finished and [(f.tag, f.reason) for f in failed] == [("g", f"env_{reason}")]
+    assert errors[0] == reason and sched.inflight == 0
