@@ -806,7 +806,9 @@ class Consumer(_StreamClient, Generic[T]):
         )
         return False
 
-    def settle(self, ids: Iterable[str], outcome: str) -> int:
+    def settle(
+        self, ids: Iterable[str], outcome: str, *, check: Callable[[], object] | None = None
+    ) -> int:
         """Ack each of `ids` still pending on this consumer, counting it as `outcome` (a run
         counter) and ending its group; how many were counted. Unlike `ack`, entry by entry: one
         entry that cannot be acked holds back none of the others. An entry Redis no longer has
@@ -814,12 +816,16 @@ class Consumer(_StreamClient, Generic[T]):
         where admission opened its group again for it (`held_groups`, when it found the loss):
         the trainer did train it, or drop it. One taken over or acked already is left alone.
         Waits out outages; a retry after a lost reply finds its work done and counts nothing
-        twice."""
+        twice. `check` runs first in every attempt (admission's look for a loss of Redis's
+        data): a Redis that comes back empty while this waits out an outage is found before
+        the entries are settled against it, while they are still held."""
         ids = list(ids)
         if not ids:
             return 0
 
         def attempt() -> int:
+            if check is not None:
+                check()
             ends = self._ends(ids) if self._groups is not None and self._groups.claims else []
             keys = [self.stream, self._counters_key, self._groups.key if self._groups else "-"]
             args: list[Any] = [self.group, self.name, outcome, len(ids), *ids]

@@ -11,7 +11,8 @@ a prompt nobody released. An `Admission` whose Redis restarted empty releases no
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -305,13 +306,37 @@ def test_a_loss_right_after_a_settle_keeps_what_it_counted(lossy: Lossy) -> None
     assert lossy.admission.release(0, 0) == 4
     ids = lossy.read_groups(2)
     settle = partial(lossy.trainer.settle, ids, Counter.GROUPS_TRAINED)
-    assert lossy.admission.settle(settle, Counter.GROUPS_TRAINED) == 2
+    assert lossy.admission.settle(lambda check: settle(check=check), Counter.GROUPS_TRAINED) == 2
     lossy.lose_data()
     # The two prompts never read are lost; nothing is in flight: (η + 1) × G go out.
     assert lossy.admission.release(1, 1) == 4
     counters, in_flight = read_accounting(lossy.client, lossy.keys)
     assert counters[Counter.GROUPS_TRAINED] == 2
     assert counters[Counter.GROUPS_LOST] == 2 and in_flight == 4
+    assert counters.is_balanced(in_flight)
+
+
+def test_a_loss_while_a_settle_waits_out_the_outage_counts_it_trained(lossy: Lossy) -> None:
+    """Redis dies as the trainer's checkpoint settles two groups (after admission last read
+    the counters) and comes back empty while the settle waits: the groups are found still held,
+    kept in flight through the loss and counted trained, not lost."""
+    assert lossy.admission.release(0, 0) == 4
+    ids = lossy.read_groups(2)
+
+    def settle(check: Callable[[], object]) -> int:
+        lossy.server.kill()
+        restart = threading.Timer(0.3, lossy.server.start)
+        restart.start()
+        try:
+            return lossy.trainer.settle(ids, Counter.GROUPS_TRAINED, check=check)
+        finally:
+            restart.join()
+
+    assert lossy.admission.settle(settle, Counter.GROUPS_TRAINED) == 2
+    counters, in_flight = read_accounting(lossy.client, lossy.keys)
+    assert counters[Counter.GROUPS_TRAINED] == 2
+    # Only the two prompts never read are lost.
+    assert counters[Counter.GROUPS_LOST] == 2 and in_flight == 0
     assert counters.is_balanced(in_flight)
 
 

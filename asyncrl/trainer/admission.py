@@ -186,14 +186,15 @@ class Admission:
         self._counters = counters.plus(Counter.PROMPTS_RELEASED, budget)
         return budget
 
-    def settle(self, settle: Callable[[], int], outcome: str) -> int:
-        """Run `settle` (the trainer settling entries as `outcome`), having looked for a loss of
-        Redis's data first: the entries it settles are then still held, so kept in flight through
-        the loss. What it counted joins the counters remembered, under the lock that reads them,
-        so that a loss found right after it knows of it."""
+    def settle(self, settle: Callable[[Callable[[], object]], int], outcome: str) -> int:
+        """Run `settle` (the trainer settling entries as `outcome`), handing it the look for a
+        loss of Redis's data to run before each of its attempts (`Consumer.settle`'s `check`):
+        the entries it settles are then still held, so kept in flight through a loss, even one
+        that happens while it waits out an outage. What it counted joins the counters
+        remembered, under the lock that reads them, so that a loss found right after it knows
+        of it."""
         with self._lock:
-            self._read()
-            counted = settle()
+            counted = settle(self._read)
             self._counters = self._counters.plus(outcome, counted)
             return counted
 

@@ -100,13 +100,15 @@ class Ledger:
 
     def settle(self, ids: list[str], outcome: str) -> int:
         """`Consumer.settle`; on rank 0 through admission, which looks for a loss of Redis's data
-        first (so that the entries held are kept in flight through it, not found gone) and
-        counts what was settled in the counters it remembers."""
+        before each attempt (so that the entries held are kept in flight through it, not found
+        gone) and counts what was settled in the counters it remembers."""
         if self.admission is None:
             return self.consumer.settle(ids, outcome)
-        settle = partial(
-            self.admission.settle, partial(self.consumer.settle, ids, outcome), outcome
-        )
+
+        def settle_checked(check: Callable[[], object]) -> int:
+            return self.consumer.settle(ids, outcome, check=check)
+
+        settle = partial(self.admission.settle, settle_checked, outcome)
         return self.redis.call(settle, f"settle entries as {outcome}")
 
     def ack_covered_at_restart(self) -> None:
