@@ -16,7 +16,7 @@ from asyncrl.environments.base import Environment, StepResult
 from asyncrl.evaluate import held_out_reward
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
 from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
-from asyncrl.tasks.agentic import AgenticTask, LogNormalLatency
+from asyncrl.tasks.agentic import AgenticTask, ArithmeticToolEnvironment, LogNormalLatency
 from asyncrl.tasks.base import ArithmeticTask, PromptItem, build_task
 from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
 
@@ -288,7 +288,9 @@ def test_failing_task_code_fails_its_group_not_the_scheduler() -> None:
     sched.close()
 
 
-def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(random_model: Path) -> None:
+def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(
+    random_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoTokenizer
 
     from asyncrl.engines.base import build_engine
@@ -306,6 +308,20 @@ def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(random_model: Pat
         ),
         tok,
     )
+    # Tool calls outstanding at once (they all run on the scheduler's one event loop).
+    waiting = most = 0
+    step = ArithmeticToolEnvironment.step
+
+    async def counted(self: ArithmeticToolEnvironment, response: str) -> StepResult:
+        nonlocal waiting, most
+        waiting += 1
+        most = max(most, waiting)
+        try:
+            return await step(self, response)
+        finally:
+            waiting -= 1
+
+    monkeypatch.setattr(ArithmeticToolEnvironment, "step", counted)
     engine = build_engine(TorchEngineConfig(), model_path=str(random_model))
     sched: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tok, PARAMS)
     t0 = time.monotonic()
@@ -315,9 +331,10 @@ def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(random_model: Pat
     done = run_until_done(sched, groups)
     elapsed = time.monotonic() - t0
     sched.close()
-    # Every episode waited turns × latency on its tool; run one after another they would take
-    # groups × n × turns × latency (28.8 s), group after group groups × turns × latency (14.4 s).
-    assert turns * latency <= elapsed < 0.35 * groups * turns * latency, elapsed
+    # Every episode waited turns × latency on its tool, and the episodes waited side by side:
+    # at least half of them at their tools at once (not one, as run one after another).
+    assert elapsed >= turns * latency, elapsed
+    assert most >= groups * n // 2, most
     for g in done:
         for s in g.samples:
             assert s.meta == {"turns": turns}
@@ -355,7 +372,7 @@ def test_close_cancels_episodes_waiting_on_their_tools(
     assert len(steps) == 8 and not any(t.done() for t in steps)
     t0 = time.monotonic()
     sched.close()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # cancelled, not waited out (the tools take a minute)
     assert all(t.cancelled() for t in steps)  # not left pending on a stopped loop
     del steps
     gc.collect()  # a pending task collected here is what asyncio reports as destroyed

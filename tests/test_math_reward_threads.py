@@ -47,7 +47,7 @@ def test_a_slow_comparison_is_bounded_and_scores_zero(
     start = time.monotonic()
     score = math_reward(*SLOW) if where == "main" else on_a_thread(lambda: math_reward(*SLOW))
     assert score == 0.0
-    assert time.monotonic() - start < 8
+    assert time.monotonic() - start < 30  # cut at its 1 s deadline, not run to the end
 
 
 def busy(ms: str, swallow: str) -> float:
@@ -89,4 +89,4 @@ def test_a_deadline_lands_inside_the_call_or_never() -> None:
 
     start = time.monotonic()
     assert isinstance(on_a_thread(swallowing), TimeoutError)  # a later one landed outside `try`
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # interrupted again and again, not run out

@@ -141,7 +141,7 @@ def test_hung_reward_times_out_its_process_is_killed_and_replaced(plugin_dir: Pa
     with pytest.raises(RewardFailure) as failure:
         reward("hang", 0)
     assert failure.value.reason == "reward_timeout"
-    assert 0.5 <= time.monotonic() - t0 < 5
+    assert 0.5 <= time.monotonic() - t0 < 30  # timed out, not hung
     # The hung call's process is gone (nothing leaks), and a fresh one serves the next call.
     assert not Path(f"/proc/{hung_pid}").exists()
     assert reward("fine", 0) == 0.5
