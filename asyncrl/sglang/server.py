@@ -346,7 +346,7 @@ class ServeApp:
                     f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self._adapters)}",
                     "lora_name",
                 )
-            model = self.engine.model
+            model: Any = self.engine.model  # a PeftModel once an adapter is loaded
             if len(self._adapters) == 1:
                 self.engine.model = model.unload()  # the last one: back to the plain base
             else:
@@ -359,12 +359,13 @@ class ServeApp:
         `PeftModel` (the trainer's LoRA layers, unmerged); the others join it."""
         from peft import PeftModel
 
-        model = self.engine.model
+        model: Any = self.engine.model
         try:
             if isinstance(model, PeftModel):
                 model.load_adapter(path, adapter_name=name)
             else:
-                self.engine.model = PeftModel.from_pretrained(model, path, adapter_name=name)
+                model = PeftModel.from_pretrained(model, path, adapter_name=name)
+                self.engine.model = model
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ApiError(f"loading LoRA adapter {name} from {path} failed: {exc}") from None
         self._adapters[name] = self._known[name] = path
@@ -375,13 +376,14 @@ class ServeApp:
         was unloaded since (as SGLang does)."""
         with self._adapter_lock:
             if lora is None:
-                disabled = self.engine.model.disable_adapter() if self._adapters else None
-                with disabled or contextlib.nullcontext():
+                model: Any = self.engine.model
+                with model.disable_adapter() if self._adapters else contextlib.nullcontext():
                     yield
                 return
             if lora not in self._adapters:
                 self._load(lora, self._known[lora])
-            self.engine.model.set_adapter(lora)
+            model = self.engine.model
+            model.set_adapter(lora)
             yield
 
     def _lora_reply(self) -> dict[str, Any]:
