@@ -73,7 +73,7 @@ def test_adapters_load_unload_and_unknown_names(
         served, "/load_lora_adapter", {"lora_name": "a1", "lora_path": str(tmp_path / "a1")}
     )
     assert reply["success"] and reply["loaded_adapters"] == {"a1": str(tmp_path / "a1")}
-    with pytest.raises(RequestFailure, match="already exists"):
+    with pytest.raises(RequestFailure, match="already loaded"):
         post(served, "/load_lora_adapter", {"lora_name": "a1", "lora_path": "x"})
 
     # Generated with the adapter: the trainer's log-probs; without it: the base's.

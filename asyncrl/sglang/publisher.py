@@ -476,8 +476,8 @@ class SglangPublisher(BackgroundPublisher):
                 timeout_s=timeout,
             )
         except RequestFailure as exc:
-            # A retry after a later step failed finds the adapter loaded.
-            if "already exists" not in exc.detail:
+            # A retry after a later step failed finds the adapter loaded (SGLang's words).
+            if "already loaded" not in exc.detail:
                 raise
         http_json(
             url,

@@ -332,7 +332,7 @@ class ServeApp:
         with self._adapter_lock:
             if name in self._adapters:
                 raise ApiError(
-                    f"LoRA with name {name} already exists. Loaded LoRAs: {list(self._adapters)}",
+                    f"Failed to load LoRA adapter {name} because it is already loaded",
                     "lora_name",
                 )
             self._load(name, path)
