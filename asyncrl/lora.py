@@ -101,8 +101,8 @@ def resume_mismatch(cfg: Config) -> str | None:
 def checkpoint_mismatch(cfg: LoraConfig, checkpoint: Path, base: Path) -> str | None:
     """The fields of `model.lora` that differ from the adapter saved in `checkpoint` (a resumed
     run must train the adapter it saved: another rank or other targets fail at the first
-    sync with a shape error), as one line; None when they agree. `all-linear` is compared by
-    what it resolves to where the checkpoint recorded its resolved list (peft does)."""
+    sync with a shape error), as one line; None when they agree. peft saves `all-linear`
+    resolved to module names, so it is compared with what it resolves to on `base`."""
     saved = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
     differ = []
     if saved.get("r") != cfg.rank:
