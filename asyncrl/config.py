@@ -89,11 +89,17 @@ class Config(Section):
                 "servers take weights only from the trainer's SGLang publisher "
                 "(choose its transport with weights.transport: broadcast or store)"
             )
-        if self.model.lora is not None and sglang_engine:
-            raise ValueError(
-                "model.lora needs rollout.engine.type=torch: SGLang's adapter API is not wired "
-                "to the weight publisher yet"
-            )
+        if self.model.lora is not None and self.weights.type == "sglang":
+            if self.weights.transport != "store":
+                raise ValueError(
+                    "model.lora with weights.type=sglang needs weights.transport=store: SGLang "
+                    "servers load each adapter version from a peft directory in store_dir"
+                )
+            if self.model.lora.trainable_modules:
+                raise ValueError(
+                    "model.lora.trainable_modules must be empty with rollout.engine.type=sglang: "
+                    "SGLang's adapters carry no modules_to_save"
+                )
         if self.weights.type != "broadcast" and self.weights.store_dir is None:
             self.weights.store_dir = self.run.path / "weights"
         if self.model.build_tiny and self.task.type not in ("arithmetic", "agentic"):

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
+    from asyncrl.config import Config
     from asyncrl.model import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -56,6 +58,92 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, adapter_dir: Path | None = Non
     if adapter_dir is None:
         return get_peft_model(model, config)
     return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+
+
+_ADAPTER_TENSOR = re.compile(r"(.+)\.(lora_[AB])\.default\.weight")
+"""An adapter tensor as it is named in a peft model (and in weight syncs): adapter `default`."""
+
+
+def write_adapter(out: Path, tensors: Mapping[str, torch.Tensor], cfg: LoraConfig) -> None:
+    """`tensors` (the synced adapter, peft's in-model names) as the peft directory `out` that
+    `save_pretrained` would write: adapter name dropped from the tensor names, and
+    `target_modules` the module names that carry a pair — so `all-linear` is written resolved,
+    as servers that check it against their own target list (SGLang) need."""
+    from safetensors.torch import save_file
+
+    saved: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    for name, tensor in tensors.items():
+        match = _ADAPTER_TENSOR.fullmatch(name)
+        if match is None:
+            raise ValueError(f"{name} is not a LoRA adapter tensor (trainable_modules?)")
+        saved[f"{match[1]}.{match[2]}.weight"] = tensor.contiguous()
+        targets.add(match[1].rsplit(".", 1)[-1])
+    config = peft_config(cfg)
+    config.target_modules = sorted(targets)
+    config.save_pretrained(str(out))
+    save_file(saved, out / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def resume_mismatch(cfg: Config) -> str | None:
+    """Why the run cannot resume its newest checkpoint with its `model.lora` (see
+    `checkpoint_mismatch`), or None; launch asks before anything starts."""
+    from asyncrl.trainer.checkpoint import list_checkpoints
+
+    if cfg.model.lora is None or not cfg.trainer.resume:
+        return None
+    ckpts = list_checkpoints(cfg.run.path / "checkpoints")
+    if not ckpts or not is_adapter_dir(ckpts[-1]):
+        return None  # a full model there is refused when the trainer loads it
+    return checkpoint_mismatch(cfg.model.lora, ckpts[-1], Path(cfg.model.path))
+
+
+def checkpoint_mismatch(cfg: LoraConfig, checkpoint: Path, base: Path) -> str | None:
+    """The fields of `model.lora` that differ from the adapter saved in `checkpoint` (a resumed
+    run must train the adapter it saved: another rank or other targets fail at the first
+    sync with a shape error), as one line; None when they agree. peft saves `all-linear`
+    resolved to module names, so it is compared with what it resolves to on `base`."""
+    saved = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
+    differ = []
+    if saved.get("r") != cfg.rank:
+        differ.append(f"rank {cfg.rank} (checkpoint: {saved.get('r')})")
+    if saved.get("lora_alpha") != cfg.alpha:
+        differ.append(f"alpha {cfg.alpha} (checkpoint: {saved.get('lora_alpha')})")
+    held = saved.get("target_modules")
+    if cfg.target_modules == "all-linear":
+        same = held == "all-linear" or (isinstance(held, list) and _all_linear(base, held))
+    else:
+        same = isinstance(held, list) and {m.rsplit(".", 1)[-1] for m in held} == set(
+            cfg.target_modules
+        )
+    if not same:
+        differ.append(f"target_modules {cfg.target_modules} (checkpoint: {held})")
+    held_save = sorted(saved.get("modules_to_save") or [])
+    if held_save != sorted(cfg.trainable_modules):
+        differ.append(f"trainable_modules {cfg.trainable_modules} (checkpoint: {held_save})")
+    if not differ:
+        return None
+    return (
+        f"model.lora differs from the adapter in checkpoint {checkpoint}: {'; '.join(differ)}; "
+        "resume with the run's own model.lora or start a new run.dir"
+    )
+
+
+def _all_linear(base: Path, held: list[str]) -> bool:
+    """Whether `held` (resolved module names) is what `all-linear` picks on the model at
+    `base`: every linear layer but the output head, found on a weightless (meta) copy."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+    return {m.rsplit(".", 1)[-1] for m in held} == linear
 
 
 def is_adapter_dir(path: Path) -> bool:

@@ -19,7 +19,14 @@ from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.sampling import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.export import export
-from asyncrl.lora import adapter_disabled, synced
+from asyncrl.lora import (
+    adapter_disabled,
+    checkpoint_mismatch,
+    resume_mismatch,
+    synced,
+    wrap,
+    write_adapter,
+)
 from asyncrl.model import LoraConfig
 from asyncrl.runstate import Keys
 from asyncrl.trainer.builder import build_models, build_optimizer, resume
@@ -27,7 +34,8 @@ from asyncrl.trainer.checkpoint import TrainerState, list_checkpoints, save_chec
 from asyncrl.trainer.parallel import full_state
 from asyncrl.weights import StoreWeightsConfig, build_publisher, build_subscriber
 
-from engine_helpers import PROMPTS, reference_logprobs
+from engine_helpers import PROMPTS, load_model, reference_logprobs
+from role_procs import asyncrl
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
@@ -57,16 +65,15 @@ def test_config_keys_and_errors(tmp_path: Path, random_model: Path) -> None:
     assert load_config(None, []).model.lora is None
     with pytest.raises(ConfigError, match=r"model\.lora\.rank"):
         load_config(None, ["model.lora.rank=0"])
-    with pytest.raises(ConfigError, match=r"model\.lora needs rollout\.engine\.type=torch"):
+    sglang = ["rollout.engine.type=sglang", "rollout.engine.launch=true", "weights.type=sglang"]
+    with pytest.raises(ConfigError, match=r"model\.lora .* needs weights\.transport=store"):
+        load_config(None, ["model.lora.rank=4", *sglang])
+    with pytest.raises(ConfigError, match=r"model\.lora\.trainable_modules must be empty"):
         load_config(
             None,
-            [
-                "model.lora.rank=4",
-                "rollout.engine.type=sglang",
-                "rollout.engine.launch=true",
-                "weights.type=sglang",
-            ],
+            ["model.lora.trainable_modules=[lm_head]", "weights.transport=store", *sglang],
         )
+    assert load_config(None, ["model.lora.rank=4", "weights.transport=store", *sglang]).model.lora
 
 
 def test_trainer_trains_the_adapter_only_with_kl_on_the_base(
@@ -183,6 +190,27 @@ def test_checkpoint_holds_the_adapter_resumes_and_exports(
     with pytest.raises(SystemExit, match=r"holds a LoRA adapter, but model\.lora is unset"):
         build_models(load_config(None, []), ckpt, random_model, lambda m: None)
 
+    # Another rank, alpha or targets cannot resume it either: one line at launch, exit 2.
+    assert resume_mismatch(cfg) is None
+    other = lora_cfg(tmp_path, random_model, "model.lora.rank=8", "model.lora.alpha=8")
+    problem = resume_mismatch(other)
+    assert problem is not None and problem.startswith("model.lora differs"), problem
+    assert "rank 8 (checkpoint: 4)" in problem and "alpha" not in problem
+    overrides = [f"model.lora.{k}={json.dumps(v)}" for k, v in {**LORA, "alpha": 32}.items()]
+    proc = asyncrl(
+        "launch",
+        "--role",
+        "trainer",
+        f"run.dir={cfg.run.path}",
+        f"model.path={random_model}",
+        "model.lora.target_modules=[q_proj]",
+        *overrides[:2],
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("asyncrl: config error: model.lora"), lines
+    assert "alpha 32 (checkpoint: 8)" in lines[0] and "target_modules ['q_proj']" in lines[0]
+
     prompt = PROMPTS[2]
     response = np.array([3, 4, 5, 6, 7], dtype=np.int64)
     expected = logprobs(model, prompt, response)
@@ -200,3 +228,31 @@ def test_checkpoint_holds_the_adapter_resumes_and_exports(
     assert not (merged_out / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(merged_out)
     np.testing.assert_allclose(logprobs(merged, prompt, response), expected, rtol=0, atol=1e-5)
+
+
+def test_written_adapter_loads_in_peft_with_resolved_targets(
+    tmp_path: Path, random_model: Path
+) -> None:
+    """`write_adapter` (what SGLang servers load) gives a directory peft loads to the same
+    log-probs, with `all-linear` written as the modules it resolved to — which `all-linear`
+    matches again when a run resumes."""
+    everything = LoraConfig(rank=4, alpha=8, target_modules="all-linear")
+    model = wrap(load_model(random_model), everything)
+    trained_adapter(model, seed=5)
+    write_adapter(tmp_path / "a", dict(synced(model)), everything)
+    saved = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert saved["r"] == 4 and "q_proj" in saved["target_modules"]
+    assert "lm_head" not in saved["target_modules"]
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(load_model(random_model), tmp_path / "a")
+    response = np.array([3, 4, 5, 6, 7], dtype=np.int64)
+    np.testing.assert_allclose(
+        logprobs(loaded, PROMPTS[2], response),
+        logprobs(model, PROMPTS[2], response),
+        rtol=0,
+        atol=1e-6,
+    )
+    assert checkpoint_mismatch(everything, tmp_path / "a", random_model) is None
+    narrow = LoraConfig(rank=4, alpha=8, target_modules=["q_proj"])
+    assert "target_modules" in str(checkpoint_mismatch(narrow, tmp_path / "a", random_model))

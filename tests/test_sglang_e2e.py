@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,10 +21,24 @@ STEPS = 6
 def test_async_run_through_sglang_client(
     served: str, tmp_path: Path, role_config: RoleConfig
 ) -> None:
+    run_sglang(served, tmp_path, role_config, {}, max_diff=1e-4)
+
+
+def run_sglang(
+    served: str,
+    tmp_path: Path,
+    role_config: RoleConfig,
+    settings: dict[str, Any],
+    *,
+    max_diff: float,
+) -> None:
+    """The run above with `settings` on top (`test_sglang_lora.py` adds `model.lora`), checked
+    the same way; lag-0 log-probs within `max_diff` of the trainer's."""
     run_dir = tmp_path / "run"
     config = role_config(
         "sglang-e2e",
         {
+            **settings,
             "task.type": "arithmetic",
             "rollout.n": 4,
             "rollout.prompts_per_batch": 4,
@@ -49,7 +64,7 @@ def test_async_run_through_sglang_client(
     assert [s["version"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["staleness_max"] == 0 for s in steps)
     diffs = [s["behaviour_logprob_abs_diff_lag0"] for s in steps]
-    assert all(d is not None and d < 1e-4 for d in diffs), diffs
+    assert all(d is not None and d < max_diff for d in diffs), diffs
     status = asyncrl("status", "--json", "--config", str(config))
     report = json.loads(status.stdout)
     assert report["balanced"], report

@@ -134,8 +134,8 @@ def build_engine(
     cfg: EngineConfig, *, model_path: str, lora: LoraConfig | None = None
 ) -> RolloutEngine:
     """The engine `cfg.type` names, serving the Hugging Face model in the local directory
-    `model_path` on the device its config names, with the adapter layout of `lora` (`model.lora`;
-    builtin engine only); heavy imports happen here."""
+    `model_path` on the device its config names, serving the adapter of `lora` (`model.lora`);
+    heavy imports happen here."""
     match cfg:
         case TorchEngineConfig():
             from asyncrl.engines.torch_engine import TorchEngine
@@ -144,6 +144,6 @@ def build_engine(
         case SglangEngineConfig():
             from asyncrl.sglang.engine import SglangEngine
 
-            return SglangEngine.from_config(cfg, model_path=model_path)
+            return SglangEngine.from_config(cfg, model_path=model_path, lora=lora)
         case _:
             assert_never(cfg)

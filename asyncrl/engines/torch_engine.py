@@ -128,6 +128,15 @@ class TorchEngine:
             if not self._busy:
                 self._apply_pending()
 
+    def relabel(self, version: int) -> None:
+        """Name the weights held `version` without changing them (SGLang's
+        /update_weight_version, for `asyncrl serve`: switching a LoRA server's adapter changes
+        no base weight). ValueError for an older version or while weights are staged."""
+        with self._lock:
+            if self._pending is not None or version < self._version:
+                raise ValueError(f"version {version}: the engine holds or stages a newer one")
+            self._version = version
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, min_new_tokens: int = 0
     ) -> list[Generation]:

@@ -25,6 +25,10 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
     # Before any Redis is reached or started: a wrong path or dataset name is a config error,
     # not an outage.
     problem = missing_model(cfg) or check_task(cfg.task) or missing_package(cfg.metrics.trackers)
+    if problem is None and cfg.model.lora is not None:
+        from asyncrl.lora import resume_mismatch
+
+        problem = resume_mismatch(cfg)
     if problem is not None:
         print(f"asyncrl: config error: {problem}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from asyncrl.device import sglang_device_args, visible_devices_env
 
 if TYPE_CHECKING:
+    from asyncrl.model import LoraConfig
     from asyncrl.sglang.config import SglangEngineConfig
 
 log = logging.getLogger(__name__)
@@ -277,10 +278,29 @@ def _flags(args: Mapping[str, str | int | float | bool]) -> list[str]:
     return out
 
 
-def launch_servers(cfg: SglangEngineConfig, model_path: str) -> list[subprocess.Popen[bytes]]:
-    """Start `cfg.servers` SGLang servers and wait until each answers /health. Each gets its
-    own session (SGLang forks scheduler and detokenizer processes) so that `stop_servers` ends
-    the whole tree through the handle."""
+def lora_flags(lora: LoraConfig | None) -> list[str]:
+    """SGLang's flags for serving `model.lora`'s adapters, loaded after start: with no adapter
+    at start SGLang needs the rank and the targets up front. Two adapters at most are loaded
+    and in one batch: the current version, and the previous one while its last requests end."""
+    if lora is None:
+        return []
+    targets = ["all"] if lora.target_modules == "all-linear" else lora.target_modules
+    return [
+        "--enable-lora",
+        "--max-lora-rank", str(lora.rank),
+        "--lora-target-modules", *targets,
+        "--max-loras-per-batch", "2",
+        "--max-loaded-loras", "2",
+    ]  # fmt: skip
+
+
+def launch_servers(
+    cfg: SglangEngineConfig, model_path: str, lora: LoraConfig | None = None
+) -> list[subprocess.Popen[bytes]]:
+    """Start `cfg.servers` SGLang servers (with `lora`'s adapter flags; `server_args` come
+    after, so they win) and wait until each answers /health. Each gets its own session (SGLang
+    forks scheduler and detokenizer processes) so that `stop_servers` ends the whole tree
+    through the handle."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(cfg.servers):
@@ -291,6 +311,7 @@ def launch_servers(cfg: SglangEngineConfig, model_path: str) -> list[subprocess.
                 "--port", str(cfg.port + i),
                 "--weight-version", "0",
                 *sglang_device_args(cfg.device),
+                *lora_flags(lora),
                 *_flags(cfg.server_args),
             ]  # fmt: skip
             devices = range(i * cfg.devices_per_server, (i + 1) * cfg.devices_per_server)

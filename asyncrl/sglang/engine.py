@@ -19,6 +19,12 @@ newer than they are: use `weights.pause_mode: retract` with such servers, which 
 requests under the new weights. Version names are integers as strings; SGLang's initial name
 "default" reads as 0.
 
+With `model.lora` (`lora=True`) the servers serve the trained adapter (`asyncrl.sglang.publisher`
+loads version v as `asyncrl-v{v}` and then names the server's weights v): a request names, in
+`lora_path`, the adapter of the version its server holds, and every token of it is stamped with
+that version — a request keeps its adapter to the end, whatever is loaded meanwhile, so these
+versions are exact. Version 0 is the base model (a fresh adapter adds nothing): no adapter.
+
 Behaviour log-probs: SGLang returns log-softmax of the temperature-scaled logits (unless the
 server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1), before top-k / top-p. That is
 `sampling_logprobs` exactly when top_p = 1 and top_k = 0, so truncated sampling is refused here.
@@ -60,9 +66,17 @@ from asyncrl.sglang.client import (
 
 if TYPE_CHECKING:
     from asyncrl.engines.config import SamplingParams
+    from asyncrl.model import LoraConfig
     from asyncrl.sglang.config import SglangEngineConfig
 
 log = logging.getLogger(__name__)
+
+_VERSION_TTL_S = 0.2  # a server's weight version is asked at most this often
+
+
+def adapter_name(version: int) -> str:
+    """The name a LoRA server holds adapter version `version` under."""
+    return f"asyncrl-v{version}"
 
 
 def sglang_sampling(params: SamplingParams) -> dict[str, Any]:
@@ -158,42 +172,60 @@ class SglangEngine:
     `chunk_size`, spread over the live servers by a pool of `max_concurrency` threads."""
 
     def __init__(
-        self, cfg: SglangEngineConfig, urls: list[str], procs: list[subprocess.Popen[bytes]]
+        self,
+        cfg: SglangEngineConfig,
+        urls: list[str],
+        procs: list[subprocess.Popen[bytes]],
+        *,
+        lora: bool = False,
     ) -> None:
         self.cfg = cfg
         self.urls = [u.rstrip("/") for u in urls]
         self.pool = ServerPool(self.urls, cfg.health_interval_s, cfg.health_timeout_s)
         self._procs = procs
+        self._lora = lora
         self._executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="sglang")
         self._version = 0
-        self._version_checked = 0.0
+        self._server_versions: dict[str, tuple[float, int]] = {}  # url → (asked at, version)
 
     @classmethod
-    def from_config(cls, cfg: SglangEngineConfig, *, model_path: str) -> SglangEngine:
+    def from_config(
+        cls, cfg: SglangEngineConfig, *, model_path: str, lora: LoraConfig | None = None
+    ) -> SglangEngine:
         if cfg.launch:
-            procs = launch_servers(cfg, model_path)
+            procs = launch_servers(cfg, model_path, lora)
             urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(cfg.servers)]
-            return cls(cfg, urls, procs)
+            return cls(cfg, urls, procs, lora=lora is not None)
         assert cfg.urls is not None  # the config's validator guarantees one or the other
-        return cls(cfg, cfg.urls, [])
+        return cls(cfg, cfg.urls, [], lora=lora is not None)
 
     @property
     def version(self) -> int:
-        """The version every live server holds (the smallest), asked at most every 0.2 s; the
-        last known one when no server answers."""
-        now = time.monotonic()
-        if now - self._version_checked >= 0.2:
-            self._version_checked = now
-            seen = []
-            for url in self.pool.alive():
-                try:
-                    info = http_info(url, "model_info", timeout_s=self.cfg.health_timeout_s)
-                    seen.append(parse_version(info["weight_version"]))
-                except (RequestFailure, TypeError, KeyError):
-                    continue
-            if seen:
-                self._version = min(seen)
+        """The version every live server holds (the smallest); the last known one when no
+        server answers."""
+        seen = []
+        for url in self.pool.alive():
+            try:
+                seen.append(self._server_version(url))
+            except RequestFailure:
+                continue
+        if seen:
+            self._version = min(seen)
         return self._version
+
+    def _server_version(self, url: str) -> int:
+        """The weight version of the server at `url`, asked at most every 0.2 s."""
+        now = time.monotonic()
+        asked = self._server_versions.get(url)
+        if asked is not None and now - asked[0] < _VERSION_TTL_S:
+            return asked[1]
+        info = http_info(url, "model_info", timeout_s=self.cfg.health_timeout_s)
+        try:
+            version = parse_version(info["weight_version"])
+        except (TypeError, KeyError):
+            raise malformed(f"{url}/model_info has no weight_version") from None
+        self._server_versions[url] = (now, version)
+        return version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):
@@ -252,12 +284,16 @@ class SglangEngine:
             server: Server | None = None
             try:
                 server = self.pool.acquire()
+                adapter = self._adapter(server.url, body)
                 reply = http_json(server.url, "/generate", body, timeout_s=self.cfg.timeout_s)
                 if not isinstance(reply, list) or len(reply) != len(prompts):
                     raise malformed(
                         f"{type(reply).__name__} reply for a batch of {len(prompts)} prompts"
                     )
                 gens = [parse_generation(item, greedy) for item in reply]
+                if adapter is not None:
+                    for gen in gens:
+                        gen.versions[:] = adapter
             except RequestFailure as exc:
                 failure = exc
                 log.warning("SGLang request (attempt %d) failed: %s", attempt + 1, exc)
@@ -271,6 +307,15 @@ class SglangEngine:
         assert failure is not None
         attempts = "1 attempt" if not failure.retry else f"{self.cfg.retries + 1} attempts"
         raise EngineError(failure.reason, f"{failure.detail} ({attempts})")
+
+    def _adapter(self, url: str, body: dict[str, Any]) -> int | None:
+        """With LoRA: name in `body` the adapter of the version the server at `url` holds, and
+        return that version (None without LoRA)."""
+        if not self._lora:
+            return None
+        version = self._server_version(url)
+        body["lora_path"] = adapter_name(version) if version > 0 else None
+        return version
 
     def close(self) -> None:
         """Stop the request threads and the servers this engine launched."""

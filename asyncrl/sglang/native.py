@@ -43,13 +43,13 @@ GENERATE_KEYS = {
     "stream",
     "rid",
     "log_metrics",
+    "lora_path",
 }
 GENERATE_NEUTRAL: dict[str, Any] = {
     "image_data": None,
     "audio_data": None,
     "video_data": None,
     "input_embeds": None,
-    "lora_path": None,
     "lora_id": None,
     "token_ids_logprob": None,
     "session_params": None,
@@ -197,6 +197,9 @@ class Job:
     spec: Spec
     logprobs: Logprobs | None
     rid: str
+    lora: str | None = None
+    """The adapter to generate with (SGLang's `lora_path`: a loaded adapter's name); None: the
+    base model."""
 
     @property
     def scores(self) -> bool:
@@ -339,10 +342,16 @@ def parse_generate(body: Body, model: Model) -> GenerateRequest:
     rid_list = [rids] * len(prompts) if not isinstance(rids, list) else rids
     if len(rid_list) != len(prompts):
         raise ApiError("rid: one per prompt", "rid")
+    loras = body.get("lora_path")
+    lora_list = loras if isinstance(loras, list) else [loras] * len(prompts)
+    if len(lora_list) != len(prompts) or not all(
+        x is None or isinstance(x, str) for x in lora_list
+    ):
+        raise ApiError("lora_path: an adapter name, or one (or null) per prompt", "lora_path")
     jobs = []
-    for prompt, (spec, _), rid in zip(prompts, specs, rid_list, strict=True):
+    for prompt, (spec, _), rid, lora in zip(prompts, specs, rid_list, lora_list, strict=True):
         check_length(model, prompt, spec)
-        jobs += [Job(prompt, spec, logprobs, request_id(rid, j, n)) for j in range(n)]
+        jobs += [Job(prompt, spec, logprobs, request_id(rid, j, n), lora) for j in range(n)]
     stream = typed(body, "stream", bool, False, "stream")
     return GenerateRequest(jobs, single and n == 1, stream)
 

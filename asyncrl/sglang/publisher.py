@@ -19,6 +19,16 @@ the trainer's publisher talks to each server over HTTP and sends the tensors its
   `{store_dir}/sglang/v{version:012d}/model.safetensors` (atomically: written aside, renamed in)
   and each server loads it with `/update_weights_from_disk`; servers must see `store_dir`.
 
+With `model.lora` (store transport only) a version is the adapter, written as the peft directory
+`{store_dir}/sglang/v{version:012d}/` (`adapter_config.json`, `adapter_model.safetensors`; same
+atomic write and retention). Each server, in this order: `/load_lora_adapter` as
+`asyncrl-v{version}`, `/update_weight_version` (no abort), `/unload_lora_adapter` of the adapter
+it held before. The engine names the adapter of the version its server reports
+(`asyncrl.sglang.engine`), so there is always a loaded adapter under the name a request uses:
+the new one is loaded before the version names it, and the old one goes only after (SGLang lets
+its running requests finish first; one that names it after all reloads it from its directory,
+which retention keeps a few versions). No pause: a request keeps its adapter to its end.
+
 `flush_cache` goes with the pause mode: after `retract` the radix cache is flushed (retracted
 requests are recomputed, so no key from old weights survives); with `in_place` it must not be
 (SGLang refuses to flush with requests in the running batch). Servers older than 0.5.6 take no
@@ -52,6 +62,7 @@ from safetensors.torch import save_file
 
 from asyncrl.device import synchronize
 from asyncrl.sglang.client import RequestFailure, http_info, http_json, parse_version
+from asyncrl.sglang.engine import adapter_name
 from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce, read_hash
 from asyncrl.weights.broadcast import Lease, lease_key
 from asyncrl.weights.buckets import FlatBuffer
@@ -59,6 +70,7 @@ from asyncrl.weights.groups import comm_device, master_store, resolve_backend
 
 if TYPE_CHECKING:
     from asyncrl.engines.base import RolloutEngine
+    from asyncrl.model import LoraConfig
     from asyncrl.runstate import Keys
     from asyncrl.sglang.config import SglangWeightsConfig
 
@@ -195,8 +207,12 @@ class SglangPublisher(BackgroundPublisher):
         keys: Keys,
         device: torch.device,
         on_record: Callable[[SyncRecord], None] | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
+        """`lora`: the run's `model.lora`; versions are then adapters (store transport)."""
         self._transport = cfg.transport
+        self._lora = lora
+        self._adapters: dict[str, int] = {}  # server → the adapter version it holds
         self._pause_mode = cfg.pause_mode
         self._backend = resolve_backend(cfg.backend, device)
         self._device = comm_device(self._backend, device) if cfg.transport == "broadcast" else None
@@ -249,6 +265,8 @@ class SglangPublisher(BackgroundPublisher):
                 sent_to = [m.url for m in self._members]
                 if sent_to:
                     self._send_distributed(buffer, version)
+            elif self._lora is not None:
+                sent_to = self._send_adapter(buffer, version, urls)
             else:
                 sent_to = self._send_disk(buffer, version, urls)
         except Exception as exc:  # whatever failed, the next try starts from a fresh group
@@ -398,14 +416,28 @@ class SglangPublisher(BackgroundPublisher):
 
     # -- store transport ------------------------------------------------------------------------
 
-    def _send_disk(self, buffer: FlatBuffer, version: int, urls: list[str]) -> list[str]:
+    def _write(self, buffer: FlatBuffer, version: int) -> Path:
+        """The version's directory in the store (written aside, renamed in), with the oldest
+        past `keep_last` removed."""
         path = version_dir(self._dir, version)
         if not path.exists():
             tmp = path.with_name(f".{path.name}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            save_file(buffer.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+            if self._lora is not None:
+                from asyncrl.lora import write_adapter
+
+                write_adapter(tmp, buffer.tensors, self._lora)
+            else:
+                save_file(buffer.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
             os.replace(tmp, path)
+        versions = sorted(p for p in (self._dir / "sglang").iterdir() if p.name.startswith("v"))
+        for old in versions[: -self._keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _send_disk(self, buffer: FlatBuffer, version: int, urls: list[str]) -> list[str]:
+        path = self._write(buffer, version)
         members = self._probe(urls)
         request = {"model_path": str(path), "weight_version": str(version)}
         with self._quiet(members) as pool:
@@ -421,10 +453,50 @@ class SglangPublisher(BackgroundPublisher):
             ]
             failed = self._check_replies(members, replies, "update_weights_from_disk")
         self._unresponsive |= set(failed)
-        versions = sorted(p for p in (self._dir / "sglang").iterdir() if p.name.startswith("v"))
-        for old in versions[: -self._keep]:
-            shutil.rmtree(old, ignore_errors=True)
         return [m.url for m in members if m.url not in failed]
+
+    def _send_adapter(self, buffer: FlatBuffer, version: int, urls: list[str]) -> list[str]:
+        path = self._write(buffer, version)
+        members = self._probe(urls)
+        with ThreadPoolExecutor(max(1, len(members))) as pool:
+            replies = [pool.submit(self._switch, m.url, path, version) for m in members]
+            failed = self._check_replies(members, replies, "switching to the adapter")
+        self._unresponsive |= set(failed)
+        return [m.url for m in members if m.url not in failed]
+
+    def _switch(self, url: str, path: Path, version: int) -> None:
+        """Load adapter `version` on the server at `url`, name its weights `version`, then drop
+        the adapter it held (see the module doc for why in this order)."""
+        name, timeout = adapter_name(version), self._http_timeout_s
+        try:
+            http_json(
+                url,
+                "/load_lora_adapter",
+                {"lora_name": name, "lora_path": str(path), "pinned": False},
+                timeout_s=timeout,
+            )
+        except RequestFailure as exc:
+            # A retry after a later step failed finds the adapter loaded (SGLang's words).
+            if "already loaded" not in exc.detail:
+                raise
+        http_json(
+            url,
+            "/update_weight_version",
+            {"new_version": str(version), "abort_all_requests": False},
+            timeout_s=timeout,
+        )
+        previous = self._adapters.get(url)
+        self._adapters[url] = version
+        if previous is not None and previous != version:
+            try:
+                http_json(
+                    url,
+                    "/unload_lora_adapter",
+                    {"lora_name": adapter_name(previous)},
+                    timeout_s=timeout,
+                )
+            except RequestFailure as exc:  # a restarted server no longer holds it
+                log.info("unloading %s from %s: %s", adapter_name(previous), url, exc)
 
     # -- around every update --------------------------------------------------------------------
 

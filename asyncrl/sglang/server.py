@@ -7,7 +7,8 @@ frontend) and the `openai` package can be run against it on a CPU. The endpoints
 ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.sglang.openai_api`),
 /health, /health_generate, /model_info and /server_info (and their deprecated names /get_*),
 /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
-/update_weights_from_distributed, /update_weights_from_disk, /destroy_weights_update_group.
+/update_weights_from_distributed, /update_weights_from_disk, /destroy_weights_update_group,
+/update_weight_version, /load_lora_adapter, /unload_lora_adapter.
 
 Where it differs from SGLang, by design of the builtin engine:
 - Weight updates are staged with `TorchEngine.stage_weights` and swapped in between two decode
@@ -21,6 +22,10 @@ Where it differs from SGLang, by design of the builtin engine:
   prompt + response after generating (so they use the weights at the end of the request).
 - `stream` sends the finished generation as SSE chunks (one per token): the engine does not
   hand tokens out while it decodes.
+- LoRA adapters (peft directories, loaded by path under a name) need no `--enable-lora` and
+  have no rank or count limit; they are applied unmerged, as the trainer computes them, and a
+  request names one in `lora_path` as in SGLang (an adapter unloaded since is reloaded from its
+  path, a name never loaded is refused). Requests of different adapters take turns.
 - One request is generated at a time (the engine serialises `generate`); concurrent requests
   queue. It serves tests and small models, not throughput.
 
@@ -91,6 +96,9 @@ class ServeApp:
         self._aborts = 0  # bumped by each pause with mode abort
         self._local = threading.local()  # `_aborts` when this thread's generate started
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._adapter_lock = threading.Lock()  # the active adapter, held while it generates
+        self._adapters: dict[str, str] = {}  # loaded adapters: name → path
+        self._known: dict[str, str] = {}  # every adapter ever loaded (SGLang's lora_ref_cache)
         engine.before_step = self._between_steps
 
     def _between_steps(self, step: int) -> None:
@@ -121,38 +129,50 @@ class ServeApp:
         """Generate every job (jobs of equal sampling share engine calls), then score those that
         ask for prompt log-probs or alternatives. A pause with mode abort ends the request."""
         outs: dict[int, Output] = {}
-        by_spec: dict[Spec, list[int]] = {}
+        groups: dict[tuple[Spec, str | None], list[int]] = {}
         for i, job in enumerate(jobs):
-            by_spec.setdefault(job.spec, []).append(i)
+            if job.lora is not None and job.lora not in self._known:
+                raise ApiError(
+                    f"Got LoRA adapter that has never been loaded: {job.lora}\n"
+                    f"All loaded adapters: {list(self._known)}.",
+                    "lora_path",
+                )
+            groups.setdefault((job.spec, job.lora), []).append(i)
         with self._cond:
             self._local.aborts = self._aborts
-        for spec, rows in by_spec.items():
-            gens: list[Generation | None]
-            if spec.max_new_tokens == 0:
-                gens = [native.empty_generation(self.engine.version)] * len(rows)
-            else:
-                params = spec.engine_params()
-                try:
-                    gens = list(
-                        self.engine.generate(
-                            [jobs[i].prompt for i in rows],
-                            params,
-                            min_new_tokens=spec.min_new_tokens,
-                        )
-                    )
-                except _Aborted:
-                    gens = [None] * len(rows)
-            for i, gen in zip(rows, gens, strict=True):
-                outs[i] = native.finish(jobs[i], gen, self.model)
-            scored = [
-                i for i, gen in zip(rows, gens, strict=True) if gen is not None and jobs[i].scores
-            ]
-            if scored:
-                seqs = [jobs[i].prompt + outs[i].tokens for i in scored]
-                logps = self.engine.score(seqs, spec.score_params())
-                for i, logp in zip(scored, logps, strict=True):
-                    outs[i].logp = logp
+        for (spec, lora), rows in groups.items():
+            with self._using(lora):
+                self._run_group(jobs, rows, spec, outs)
         return [outs[i] for i in range(len(jobs))]
+
+    def _run_group(
+        self, jobs: list[Job], rows: list[int], spec: Spec, outs: dict[int, Output]
+    ) -> None:
+        gens: list[Generation | None]
+        if spec.max_new_tokens == 0:
+            gens = [native.empty_generation(self.engine.version)] * len(rows)
+        else:
+            params = spec.engine_params()
+            try:
+                gens = list(
+                    self.engine.generate(
+                        [jobs[i].prompt for i in rows],
+                        params,
+                        min_new_tokens=spec.min_new_tokens,
+                    )
+                )
+            except _Aborted:
+                gens = [None] * len(rows)
+        for i, gen in zip(rows, gens, strict=True):
+            outs[i] = native.finish(jobs[i], gen, self.model)
+        scored = [
+            i for i, gen in zip(rows, gens, strict=True) if gen is not None and jobs[i].scores
+        ]
+        if scored:
+            seqs = [jobs[i].prompt + outs[i].tokens for i in scored]
+            logps = self.engine.score(seqs, spec.score_params())
+            for i, logp in zip(scored, logps, strict=True):
+                outs[i].logp = logp
 
     def health_generate(self, body: Body) -> None:
         with self._cond:
@@ -286,6 +306,88 @@ class ServeApp:
             self.engine.stage_weights(tensors, version)
         except ValueError as exc:
             raise ApiError(str(exc)) from None
+
+    def update_weight_version(self, body: Body) -> dict[str, Any]:
+        version = _version(body.get("new_version"))
+        if body.get("abort_all_requests", True):  # SGLang's default
+            with self._cond:
+                self._aborts += 1
+                self._cond.notify_all()
+        try:
+            self.engine.relabel(version)
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        return {
+            "success": True,
+            "message": f"Weight version updated to {version}",
+            "new_version": str(version),
+        }
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+
+    def load_lora_adapter(self, body: Body) -> dict[str, Any]:
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise ApiError("load_lora_adapter needs lora_name and lora_path", "lora_name")
+        with self._adapter_lock:
+            if name in self._adapters:
+                raise ApiError(
+                    f"Failed to load LoRA adapter {name} because it is already loaded",
+                    "lora_name",
+                )
+            self._load(name, path)
+            return self._lora_reply()
+
+    def unload_lora_adapter(self, body: Body) -> dict[str, Any]:
+        name = body.get("lora_name")
+        with self._adapter_lock:
+            if name not in self._adapters:
+                raise ApiError(
+                    f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self._adapters)}",
+                    "lora_name",
+                )
+            model: Any = self.engine.model  # a PeftModel once an adapter is loaded
+            if len(self._adapters) == 1:
+                self.engine.model = model.unload()  # the last one: back to the plain base
+            else:
+                model.delete_adapter(name)
+            del self._adapters[name]
+            return self._lora_reply()
+
+    def _load(self, name: str, path: str) -> None:
+        """Caller holds `_adapter_lock`. The first adapter wraps the engine's model in peft's
+        `PeftModel` (the trainer's LoRA layers, unmerged); the others join it."""
+        from peft import PeftModel
+
+        model: Any = self.engine.model
+        try:
+            if isinstance(model, PeftModel):
+                model.load_adapter(path, adapter_name=name)
+            else:
+                model = PeftModel.from_pretrained(model, path, adapter_name=name)
+                self.engine.model = model
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ApiError(f"loading LoRA adapter {name} from {path} failed: {exc}") from None
+        self._adapters[name] = self._known[name] = path
+
+    @contextlib.contextmanager
+    def _using(self, lora: str | None) -> Iterator[None]:
+        """Generate with adapter `lora` (None: the base model), reloading it from its path if it
+        was unloaded since (as SGLang does)."""
+        with self._adapter_lock:
+            if lora is None:
+                model: Any = self.engine.model
+                with model.disable_adapter() if self._adapters else contextlib.nullcontext():
+                    yield
+                return
+            if lora not in self._adapters:
+                self._load(lora, self._known[lora])
+            model = self.engine.model
+            model.set_adapter(lora)
+            yield
+
+    def _lora_reply(self) -> dict[str, Any]:
+        return {"success": True, "error_message": None, "loaded_adapters": dict(self._adapters)}
 
     # -- info ----------------------------------------------------------------------------------
 
@@ -422,6 +524,9 @@ ROUTES: dict[str, Route] = {
     "/destroy_weights_update_group": ServeApp.destroy_group,
     "/update_weights_from_distributed": ServeApp.update_distributed,
     "/update_weights_from_disk": ServeApp.update_disk,
+    "/update_weight_version": ServeApp.update_weight_version,
+    "/load_lora_adapter": ServeApp.load_lora_adapter,
+    "/unload_lora_adapter": ServeApp.unload_lora_adapter,
     "/v1/models": ServeApp.v1_models,
     "/v1/completions": ServeApp.v1_completions,
     "/v1/chat/completions": ServeApp.v1_chat_completions,

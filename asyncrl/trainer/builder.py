@@ -347,7 +347,9 @@ def build_rank_zero(
         metrics.weight_sync_seconds.observe(record.sync_s)
         metrics.weight_sync_bytes.inc(record.bytes_sent)
 
-    publisher = build_publisher(cfg.weights, client, keys, device=device, on_record=on_sync)
+    publisher = build_publisher(
+        cfg.weights, client, keys, device=device, on_record=on_sync, lora=cfg.model.lora
+    )
     jsonl = JsonlWriter(cfg.run.path / "metrics.jsonl") if cfg.metrics.jsonl else None
     run = RunInfo(cfg.run.id, cfg.run.path, cfg.redacted())
     trackers = TrackerFeed(cfg.metrics.trackers, run) if cfg.metrics.trackers else None

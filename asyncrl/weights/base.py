@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import redis
 
     from asyncrl.engines.base import RolloutEngine
+    from asyncrl.model import LoraConfig
     from asyncrl.runstate import Keys
     from asyncrl.weights.config import WeightsConfig
 
@@ -162,7 +163,10 @@ def build_publisher(
     *,
     device: torch.device | str,
     on_record: Callable[[SyncRecord], None] | None = None,
+    lora: LoraConfig | None = None,
 ) -> WeightPublisher:
+    """`lora` (`model.lora`) matters to SGLang servers only, which load adapters by name; the
+    other transports carry whatever tensors they are given."""
     match cfg:
         case BroadcastWeightsConfig():
             from asyncrl.weights.broadcast import BroadcastPublisher
@@ -175,7 +179,7 @@ def build_publisher(
         case SglangWeightsConfig():
             from asyncrl.sglang.publisher import SglangPublisher
 
-            return SglangPublisher(cfg, client, keys, torch.device(device), on_record)
+            return SglangPublisher(cfg, client, keys, torch.device(device), on_record, lora)
         case _:
             assert_never(cfg)
 
