@@ -11,7 +11,7 @@ because importing torch_npu patches torch and it exists only on Ascend machines.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -51,12 +51,26 @@ def backend_of(name: str) -> str:
     return kind_of(name).backend
 
 
-def visible_devices_env(name: str, ids: Sequence[int]) -> dict[str, str]:
-    """Environment that shows a child process only devices `ids` (empty for cpu)."""
+def visible_devices_env(
+    name: str, ids: Sequence[int], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Environment that shows a child process only devices `ids` (empty for cpu). The ids count
+    within the devices this process sees: under Ray (or a user's own mask) the visible-devices
+    variable `environ` (default: this process's) already names a subset, and a child's ids index
+    into it rather than name physical devices."""
     kind = kind_of(name)
     if kind.visible_env is None:
         return {}
-    return {kind.visible_env: ",".join(str(i) for i in ids)}
+    inherited = (os.environ if environ is None else environ).get(kind.visible_env, "")
+    visible = [d.strip() for d in inherited.split(",") if d.strip()]
+    if not visible:
+        return {kind.visible_env: ",".join(str(i) for i in ids)}
+    if ids and max(ids) >= len(visible):
+        raise ValueError(
+            f"{kind.visible_env}={inherited} shows {len(visible)} device(s), but device "
+            f"{max(ids)} (counting from 0) is asked for: fewer servers or devices per server"
+        )
+    return {kind.visible_env: ",".join(visible[i] for i in ids)}
 
 
 def sglang_device_args(name: str) -> list[str]:

@@ -24,8 +24,17 @@ from asyncrl.weights.groups import resolve_backend
 )
 def test_kind_tables(name: str, backend: str, env: dict[str, str], flag: list[str]) -> None:
     assert backend_of(name) == backend
-    assert visible_devices_env(name, [2, 3]) == env
+    assert visible_devices_env(name, [2, 3], environ={}) == env
     assert sglang_device_args(name) == flag
+
+
+def test_child_devices_index_into_the_ones_this_process_sees() -> None:
+    # Ray gave this actor physical GPUs 4-7: server 1 of two devices each gets 6 and 7.
+    ray_mask = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert visible_devices_env("cuda", [2, 3], ray_mask) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    with pytest.raises(ValueError, match="shows 4 device"):
+        visible_devices_env("cuda", [4], ray_mask)
+    assert visible_devices_env("cpu", [0], ray_mask) == {}
 
 
 def test_weight_sync_backend_comes_from_the_same_table() -> None:
