@@ -5,7 +5,9 @@ source), adds the steps up (the last `--steps` of them; all by default) and prin
 `audit` (the rollout workers' rescoring: the same weights through the trainer's forward path, lag
 0) and `trained` (the trainer's log-probs against the behaviour ones at every lag) — the mean
 |Δ log p| and token count per lag × behaviour-probability bucket and per lag × position bucket,
-with the mean importance ratio per lag. `--out` (default `RUN_DIR/plots`) gets `mismatch.png`.
+with the mean importance ratio per lag; for a mixture-of-experts model with a recorded routing,
+the routing agreement per MoE layer (replay on and off apart). `--out` (default
+`RUN_DIR/plots`) gets `mismatch.png`.
 """
 
 from __future__ import annotations
@@ -82,7 +84,35 @@ def render(lines: list[dict[str, Any]]) -> str:
                 n = sum(c["tokens"] for c in ratios[lag].values())
                 r = sum(c["ratio"] * c["tokens"] for c in ratios[lag].values()) / n
                 out.append(f"  {source} lag {lag}: mean ratio {r:.6f} over {int(n)} tokens")
+    out.extend(render_routing(lines))
     return "\n".join(out)
+
+
+def render_routing(lines: list[dict[str, Any]]) -> list[str]:
+    """Per MoE layer, the token-weighted routing agreement of the steps, replay on and off
+    apart: of the experts the trainer's forward used, and of those its router picked."""
+    sums: dict[bool, dict[str, list[float]]] = {}
+    for line in lines:
+        routing = line.get("routing")
+        if not routing:
+            continue
+        n = routing["tokens"]
+        acc = sums.setdefault(bool(routing["replay"]), {"tokens": [0.0], "used": [], "own": []})
+        acc["tokens"][0] += n
+        for key, values in (("used", routing["agreement"]), ("own", routing["router_agreement"])):
+            acc[key] = [a + v * n for a, v in zip(acc[key] or [0.0] * len(values), values)]
+    out = []
+    for replay, acc in sorted(sums.items()):
+        n = acc["tokens"][0]
+        out.append("")
+        out.append(
+            f"routing agreement (rollout vs trainer top-k sets), replay {'on' if replay else 'off'}"
+            f", {int(n)} tokens"
+        )
+        out.append("  layer       used     router")
+        for layer, (used, own) in enumerate(zip(acc["used"], acc["own"], strict=True)):
+            out.append(f"  {layer:>5} {used / n:>10.6f} {own / n:>10.6f}")
+    return out
 
 
 def plot(lines: list[dict[str, Any]], target: Path, title: str) -> None:
