@@ -97,6 +97,11 @@ BAD: list[tuple[str, Callable[[], dict[bytes | str, bytes]], str]] = [
         lambda: entry(prompt_ids=np.array([1, -5, 6], I32)),
         "token_out_of_range",
     ),
+    (
+        "routed experts not one row per fed token",  # 7 prompt + 3 response tokens: 9 rows
+        lambda: entry(routed_experts=np.zeros((3, 2, 2), np.uint16)),
+        "routing_shape",
+    ),
     ("non-finite reward", lambda: entry(reward=float("nan")), "reward_not_finite"),
     ("infinite reward", lambda: entry(reward=float("inf")), "reward_not_finite"),
     (
