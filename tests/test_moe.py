@@ -5,6 +5,9 @@ from the trainer's own shows in the agreement figures and changes nothing else."
 
 from __future__ import annotations
 
+import base64
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.algo.config import AlgoConfig
-from asyncrl.algo.mismatch import RoutingAgreement
+from asyncrl.algo.mismatch import RoutingAgreement, same_sets
 from asyncrl.engines.config import SamplingParams
-from asyncrl.engines.routing import moe_shape, moe_shape_of_config
+from asyncrl.engines.routing import MoeShape, moe_shape, moe_shape_of_config, routing_hooks
 from asyncrl.engines.tiny_model import new_tiny_model, new_tiny_moe
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.mismatch_report import render
@@ -27,6 +30,11 @@ from asyncrl.protocol import (
     decode_group,
     encode_group,
 )
+from asyncrl.sglang.client import RequestFailure
+from asyncrl.sglang.config import SglangEngineConfig
+from asyncrl.sglang.engine import SglangEngine, parse_routed_experts
+from asyncrl.sglang.native import ApiError, Model, parse_generate
+from asyncrl.sglang.server import make_server
 from asyncrl.trainer.batch import collate, group_rows
 from asyncrl.trainer.step import token_logprobs, train_step
 
@@ -179,3 +187,62 @@ def test_mismatch_report_has_a_routing_section() -> None:
     out = render(lines)
     assert "routing agreement (rollout vs trainer top-k sets), replay off, 40 tokens" in out
     assert "      0   0.600000   0.600000" in out  # (10 × 0.9 + 30 × 0.5) / 40
+
+
+@pytest.fixture(scope="module")
+def served_moe(random_moe: Path) -> Iterator[str]:
+    """`asyncrl serve --enable-return-routed-experts` on the random tiny MoE, in this process."""
+    server = make_server(str(random_moe), routed_experts=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _sglang(url: str, model: Path, capture: bool = True) -> SglangEngine:
+    cfg = SglangEngineConfig.model_validate({"urls": [url], "retries": 0})
+    return SglangEngine.from_config(cfg, model_path=str(model), capture_routing=capture)
+
+
+def test_sglang_engine_gets_the_servers_routing(served_moe: str, random_moe: Path) -> None:
+    engine = _sglang(served_moe, random_moe)
+    try:
+        gens = engine.generate(PROMPTS, PARAMS)
+    finally:
+        engine.close()
+    model = AutoModelForCausalLM.from_pretrained(random_moe)
+    for prompt, gen in zip(PROMPTS, gens, strict=True):
+        routed = gen.routed_experts
+        assert routed is not None and routed.shape == (len(prompt) + len(gen.token_ids) - 1, 2, 2)
+        # The server's routing is the one its model computes: a full forward routes alike.
+        ids = torch.tensor([prompt + gen.token_ids.tolist()])
+        with torch.no_grad(), routing_hooks(model) as own:
+            model(input_ids=ids)
+        mine = own.stacked(1)[0, : len(routed)].numpy()
+        assert same_sets(torch.from_numpy(mine), torch.from_numpy(routed.astype(np.int64))).all()
+
+
+def test_a_server_without_the_flag_refuses_and_bad_replies_are_malformed() -> None:
+    body = {"input_ids": PROMPTS[0], "return_routed_experts": True}
+    with pytest.raises(ApiError, match="--enable-return-routed-experts") as refused:
+        parse_generate(body, Model(None, (2,), 15, None))  # a server without the flag
+    assert refused.value.param == "return_routed_experts"
+    assert parse_generate(body, Model(None, (2,), 15, None, routed_experts=True)).jobs[0].routed
+    moe = MoeShape(layers=2, top_k=2, num_experts=8)
+
+    def fails(meta: dict[str, object]) -> str:
+        with pytest.raises(RequestFailure) as info:
+            parse_routed_experts(meta, moe, rows=3)
+        return info.value.detail
+
+    ok = np.arange(12, dtype="<i4") % 8
+    assert parse_routed_experts(
+        {"routed_experts": base64.b64encode(ok.tobytes()).decode()}, moe, rows=3
+    ).shape == (3, 2, 2)
+    assert "enable-return-routed-experts" in fails({})
+    assert "not base64" in fails({"routed_experts": "%%%"})
+    assert "expected 3 tokens" in fails({"routed_experts": base64.b64encode(ok[:8].tobytes()).decode()})
+    assert "outside" in fails({"routed_experts": base64.b64encode((ok + 8).tobytes()).decode()})
