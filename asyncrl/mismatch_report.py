@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from asyncrl.algo.mismatch import LAG_LABELS, POSITION_LABELS, PROB_LABELS
 from asyncrl.metrics.jsonl import read_jsonl
 from asyncrl.metrics.record import MISMATCH_LOG
@@ -91,27 +93,27 @@ def render(lines: list[dict[str, Any]]) -> str:
 def render_routing(lines: list[dict[str, Any]]) -> list[str]:
     """Per MoE layer, the token-weighted routing agreement of the steps, replay on and off
     apart: of the experts the trainer's forward used, and of those its router picked."""
-    sums: dict[bool, dict[str, list[float]]] = {}
+    # replay → (tokens, Σ tokens × agreement per layer, the same for the router's picks)
+    sums: dict[bool, tuple[float, np.ndarray, np.ndarray]] = {}
     for line in lines:
         routing = line.get("routing")
         if not routing:
             continue
-        n = routing["tokens"]
-        acc = sums.setdefault(bool(routing["replay"]), {"tokens": [0.0], "used": [], "own": []})
-        acc["tokens"][0] += n
-        for key, values in (("used", routing["agreement"]), ("own", routing["router_agreement"])):
-            acc[key] = [a + v * n for a, v in zip(acc[key] or [0.0] * len(values), values)]
+        n = float(routing["tokens"])
+        used = n * np.asarray(routing["agreement"], np.float64)
+        own = n * np.asarray(routing["router_agreement"], np.float64)
+        tokens, used_sum, own_sum = sums.get(bool(routing["replay"]), (0.0, 0.0 * used, 0.0 * own))
+        sums[bool(routing["replay"])] = (tokens + n, used_sum + used, own_sum + own)
     out = []
-    for replay, acc in sorted(sums.items()):
-        n = acc["tokens"][0]
+    for replay, (n, used_sum, own_sum) in sorted(sums.items()):
         out.append("")
         out.append(
             f"routing agreement (rollout vs trainer top-k sets), replay {'on' if replay else 'off'}"
             f", {int(n)} tokens"
         )
         out.append("  layer       used     router")
-        for layer, (used, own) in enumerate(zip(acc["used"], acc["own"], strict=True)):
-            out.append(f"  {layer:>5} {used / n:>10.6f} {own / n:>10.6f}")
+        for layer, (used, own) in enumerate(zip(used_sum / n, own_sum / n, strict=True)):
+            out.append(f"  {layer:>5} {used:>10.6f} {own:>10.6f}")
     return out
 
 

@@ -89,7 +89,9 @@ def test_capture_needs_a_moe_model_and_no_prefix_cache() -> None:
     with pytest.raises(ValueError, match="mixture-of-experts"):
         TorchEngine(new_tiny_model(0), eos_token_ids=[2], capture_routing=True)
     with pytest.raises(ValueError, match="prefix_cache_tokens=0"):
-        TorchEngine(new_tiny_moe(0), eos_token_ids=[2], capture_routing=True, prefix_cache_tokens=64)
+        TorchEngine(
+            new_tiny_moe(0), eos_token_ids=[2], capture_routing=True, prefix_cache_tokens=64
+        )
 
 
 def test_routing_round_trips_and_is_validated_on_read() -> None:
@@ -118,7 +120,9 @@ def test_routing_round_trips_and_is_validated_on_read() -> None:
     assert reason(np.zeros((rows, 1, 2), np.uint16), Limits()) == "routing_shape"
 
 
-def _agreement(model: torch.nn.Module, group: TrajectoryGroup, replay: bool) -> tuple[float, RoutingAgreement]:
+def _agreement(
+    model: torch.nn.Module, group: TrajectoryGroup, replay: bool
+) -> tuple[float, RoutingAgreement]:
     """Max |trainer − behaviour| log-prob over the response tokens, and the agreement table."""
     rows = group_rows([group], AlgoConfig(filter_zero_variance=False), PARAMS.max_new_tokens)
     mb = collate(rows)
@@ -181,8 +185,25 @@ def test_train_step_reports_agreement_and_trains_the_router(random_moe: Path) ->
 def test_mismatch_report_has_a_routing_section() -> None:
     line = {"step": 1, "trained": {}, "audit": {}}
     lines = [
-        {**line, "routing": {"replay": False, "tokens": 10, "agreement": [0.9, 1.0], "router_agreement": [0.9, 1.0]}},
-        {**line, "step": 2, "routing": {"replay": False, "tokens": 30, "agreement": [0.5, 1.0], "router_agreement": [0.5, 1.0]}},
+        {
+            **line,
+            "routing": {
+                "replay": False,
+                "tokens": 10,
+                "agreement": [0.9, 1.0],
+                "router_agreement": [0.9, 1.0],
+            },
+        },
+        {
+            **line,
+            "step": 2,
+            "routing": {
+                "replay": False,
+                "tokens": 30,
+                "agreement": [0.5, 1.0],
+                "router_agreement": [0.5, 1.0],
+            },
+        },
     ]
     out = render(lines)
     assert "routing agreement (rollout vs trainer top-k sets), replay off, 40 tokens" in out
@@ -244,5 +265,7 @@ def test_a_server_without_the_flag_refuses_and_bad_replies_are_malformed() -> No
     ).shape == (3, 2, 2)
     assert "enable-return-routed-experts" in fails({})
     assert "not base64" in fails({"routed_experts": "%%%"})
-    assert "expected 3 tokens" in fails({"routed_experts": base64.b64encode(ok[:8].tobytes()).decode()})
+    assert "expected 3 tokens" in fails(
+        {"routed_experts": base64.b64encode(ok[:8].tobytes()).decode()}
+    )
     assert "outside" in fails({"routed_experts": base64.b64encode((ok + 8).tobytes()).decode()})

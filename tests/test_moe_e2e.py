@@ -44,7 +44,9 @@ def test_replayed_run_agrees_everywhere(
         assert step["routing_agreement"] == 1.0 and step["routing_agreement_worst_layer"] == 1.0
         assert 0.0 <= step["routing_agreement_router"] <= 1.0
     lines = [json.loads(x) for x in (run.dir / MISMATCH_LOG).read_text().splitlines()]
-    assert all(line["routing"]["replay"] and len(line["routing"]["agreement"]) == 2 for line in lines)
+    assert all(
+        line["routing"]["replay"] and len(line["routing"]["agreement"]) == 2 for line in lines
+    )
     out = asyncrl("mismatch", str(run.dir), "--out", str(tmp_path / "plots"))
     assert out.returncode == 0, out.stderr
     assert "routing agreement (rollout vs trainer top-k sets), replay on" in out.stdout

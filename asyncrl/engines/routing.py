@@ -68,7 +68,7 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def moe_shape(model: torch.nn.Module) -> MoeShape | None:
-    found = routers(model)
+    found: list[Any] = routers(model)
     if not found:
         return None
     return MoeShape(len(found), int(found[0].top_k), int(found[0].num_experts))
@@ -81,7 +81,7 @@ def moe_shape_of_config(config: Any) -> MoeShape | None:
     kind = getattr(config, "model_type", "")
     if kind not in FAMILIES:
         return None
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    experts: int = getattr(config, "num_experts", None) or config.num_local_experts
     layers = int(config.num_hidden_layers)
     if kind != "mixtral":  # the Qwen MoE families can leave some layers dense
         dense = set(getattr(config, "mlp_only_layers", None) or ())

@@ -108,7 +108,6 @@ def new_tiny_moe(seed: int = 0, vocab_size: int = len(VOCAB)) -> Qwen3MoeForCaus
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=128,
         tie_word_embeddings=True,
         bos_token_id=BOS_ID,

@@ -326,13 +326,13 @@ class TorchEngine:
                 logits_to_keep=1,
             )
             if routing is not None:
-                fed = routing.stacked(len(active))  # [active rows, fed columns, layers, k]
+                seen = routing.stacked(len(active))  # [active rows, fed columns, layers, k]
                 if not t:
-                    routes = [fed[r, fed.shape[1] - len(p) :] for r, p in enumerate(prompts)]
-                    response_routes = fed.new_zeros(rows, steps, *fed.shape[2:])
+                    routes = [seen[r, seen.shape[1] - len(p) :] for r, p in enumerate(prompts)]
+                    response_routes = seen.new_zeros(rows, steps, *seen.shape[2:])
                 else:
                     assert response_routes is not None
-                    response_routes[active, t - 1] = fed[:, 0]
+                    response_routes[active, t - 1] = seen[:, 0]
             logits = out.logits[:, -1]
             if t < min_new_tokens:
                 logits = logits.index_fill(-1, stop_ids, float("-inf"))

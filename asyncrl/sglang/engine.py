@@ -187,9 +187,7 @@ def parse_generation(
         finish=kind,
         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0,
         routed_experts=(
-            None
-            if routing is None
-            else parse_routed_experts(meta, routing[0], routing[1] + n - 1)
+            None if routing is None else parse_routed_experts(meta, routing[0], routing[1] + n - 1)
         ),
     )
 

@@ -164,9 +164,7 @@ def train_step(
         mb = collate(mb_rows, device)
         if not idx:
             mb.mask.zero_()
-        logp = token_logprobs(
-            model, mb, sampling, replay=algo.routing_replay, agreement=agreement
-        )
+        logp = token_logprobs(model, mb, sampling, replay=algo.routing_replay, agreement=agreement)
         prox = logp.detach()
         weights = _correction(prox, mb, algo)
         # Masking rejects tokens: they leave the loss mask (verl's modified response_mask).
