@@ -1,7 +1,7 @@
 """GRPO against GSPO on the tiny Qwen3-MoE, each with and without routing replay (R3), async at
 staleness η with a bfloat16 engine; and the lag-0 gap and routing agreement of that engine.
 
-    python tools/bench_moe.py [--steps 30] [--seeds 0 1 2] [--eta 2] [--out docs/moe_bench.png]
+    python tools/bench_moe.py [--steps 30] [--seeds 0 1 2] [--eta 2] [--out docs/bench_moe.png]
 
 One process, no Redis: the project's builtin engine (`TorchEngine`, bf16, routing captured)
 generates each step's groups with the weights of η steps before (every group at staleness η, the
@@ -65,6 +65,7 @@ class Step:
     capped: float
     abs_diff: float
     agreement: float
+    router: float
 
 
 def engine_for(model: PreTrainedModel, dtype: torch.dtype, seed: int) -> TorchEngine:
@@ -111,7 +112,15 @@ def groups_of(
 
 
 def run_arm(
-    model_dir: Path, arm: str, replay: bool, seed: int, steps: int, eta: int, groups: int, n: int
+    model_dir: Path,
+    arm: str,
+    replay: bool,
+    seed: int,
+    steps: int,
+    eta: int,
+    groups: int,
+    n: int,
+    lr: float = 1e-3,
 ) -> list[Step]:
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -121,7 +130,7 @@ def run_arm(
     names = list(engine.state_dict_for_sync())
     snapshots = {0: {k: v.detach().clone() for k, v in model.state_dict().items() if k in names}}
     algo = AlgoConfig(routing_replay=replay, max_staleness=eta, **ARMS[arm])  # type: ignore[arg-type]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     items = task.train_items(seed, 0)
     out = []
     for step in range(steps):
@@ -156,6 +165,7 @@ def run_arm(
                 capped=stats.behaviour_weight_capped_fraction,
                 abs_diff=stats.mismatch.abs_diff_mean() or float("nan"),
                 agreement=(routing.mean() if routing is not None else None) or float("nan"),
+                router=(routing.mean(router=True) if routing is not None else None) or float("nan"),
             )
         )
     return out
@@ -192,6 +202,7 @@ def main() -> None:
     ap.add_argument("--eta", type=int, default=2)
     ap.add_argument("--groups", type=int, default=16, help="prompt groups per step")
     ap.add_argument("--n", type=int, default=8, help="samples per group")
+    ap.add_argument("--lr", type=float, default=1e-3, help="constant (the quickstart's peak)")
     ap.add_argument("--out", default=None, help="PNG of the reward curves")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -216,7 +227,7 @@ def main() -> None:
             for seed in args.seeds:
                 start = time.perf_counter()
                 steps = run_arm(
-                    model_dir, arm, replay, seed, args.steps, args.eta, args.groups, args.n
+                    model_dir, arm, replay, seed, args.steps, args.eta, args.groups, args.n, args.lr
                 )
                 curves.setdefault(key, []).append(steps)
                 print(f"  {key} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -225,9 +236,10 @@ def main() -> None:
     print(
         f"\n{args.steps} steps, η={args.eta}, {args.groups}x{args.n} samples a step, bf16 engine, "
         f"seeds {args.seeds}; medians over seeds of per-run means (reward: first / last "
-        f"{tail} steps)"
+        f"{tail} steps, then the last's min and max over seeds)"
     )
-    cols = ("reward0", "reward", "clip", "w_mean", "w_p99", "capped", "|Δlogp|", "agree")
+    cols = ("reward0", "reward", "min", "max", "clip", "w_mean", "w_p99", "capped", "|Δlogp|")
+    cols += ("agree", "router")
     print(f"  {'arm':>9} " + " ".join(f"{c:>8}" for c in cols))
     for key, runs in curves.items():
 
@@ -235,10 +247,10 @@ def main() -> None:
             return statistics.median(values)
 
         first = med([float(np.mean([s.reward for s in r[:tail]])) for r in runs])
-        last = med([float(np.mean([s.reward for s in r[-tail:]])) for r in runs])
-        row = [first, last] + [
-            med([float(np.nanmean([getattr(s, f) for s in r])) for r in runs])
-            for f in ("clip", "weight_mean", "weight_p99", "capped", "abs_diff", "agreement")
+        lasts = [float(np.mean([s.reward for s in r[-tail:]])) for r in runs]
+        fields = ("clip", "weight_mean", "weight_p99", "capped", "abs_diff", "agreement", "router")
+        row = [first, med(lasts), min(lasts), max(lasts)] + [
+            med([float(np.nanmean([getattr(s, f) for s in r])) for r in runs]) for f in fields
         ]
         print(f"  {key:>9} " + " ".join(f"{v:8.4f}" for v in row))
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -74,45 +74,39 @@ def build_tokenizer(vocab: Sequence[str] = VOCAB) -> PreTrainedTokenizerFast:
     )
 
 
+# What the dense and the MoE tiny models share: a char vocabulary, hidden 64, 2 layers, 4 heads
+# / 2 kv heads, tied embeddings.
+_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+)
+
+
 def new_tiny_model(seed: int = 0, vocab_size: int = len(VOCAB)) -> Qwen2ForCausalLM:
-    """A randomly initialised 124k-parameter Qwen2: hidden 64, 2 layers, 4 heads / 2 kv heads."""
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
+    """A randomly initialised 124k-parameter Qwen2 (MLP width 256)."""
+    config = Qwen2Config(vocab_size=vocab_size, intermediate_size=256, **_SHAPE)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
 
 
 def new_tiny_moe(seed: int = 0, vocab_size: int = len(VOCAB)) -> Qwen3MoeForCausalLM:
-    """A randomly initialised Qwen3-MoE of the same size class: hidden 64, 2 layers, 4 heads /
-    2 kv heads, 8 experts of width 64 per layer, top-2 with renormalised weights."""
+    """A randomly initialised 224k-parameter Qwen3-MoE: 8 experts of width 64 per layer, top-2
+    with renormalised weights."""
     config = Qwen3MoeConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
         moe_intermediate_size=64,
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        **_SHAPE,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
