@@ -232,15 +232,6 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "policy change), and the rollout audit at lag 0 (pure engine mismatch), split at "
                 "behaviour probability 0.1. `asyncrl mismatch RUN_DIR` has the full table.",
             ),
-            _one(
-                "MoE routing agreement",
-                "asyncrl_routing_agreement",
-                "{{scope}}",
-                "Mixture-of-experts models with rollout.capture_routing: share of tokens × layers "
-                "the trainer routed to the engine's top-k set (used: 1 under routing replay; "
-                "router: the trainer router's own pick; worst_layer).",
-                unit="percentunit",
-            ),
         ],
     ),
     (
