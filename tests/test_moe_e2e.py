@@ -14,7 +14,7 @@ from asyncrl.metrics.record import MISMATCH_LOG
 
 from role_procs import asyncrl, check_accounting, launch_all
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 STEPS, GROUPS = 2, 4
 
