@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     serve.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    serve.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record each token's experts for requests with return_routed_experts (MoE models)",
+    )
 
     env_server = sub.add_parser(
         "env-server",

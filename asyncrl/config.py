@@ -108,6 +108,19 @@ class Config(Section):
             )
         if self.algo.advantage in ("grpo", "drgrpo", "rloo") and self.rollout.n < 2:
             raise ValueError("rollout.n must be ≥ 2: group advantages need several samples")
+        if self.algo.routing_replay and not self.rollout.capture_routing:
+            raise ValueError(
+                "algo.routing_replay needs rollout.capture_routing: true (the routing to replay)"
+            )
+        if (
+            self.rollout.capture_routing
+            and self.rollout.engine.type == "torch"
+            and self.rollout.engine.prefix_cache_tokens
+        ):
+            raise ValueError(
+                "rollout.capture_routing needs rollout.engine.prefix_cache_tokens=0: cached "
+                "prompt tokens are not fed again, so their routing is not seen"
+            )
         if self.trainer.groups_per_step % self.trainer.ranks:
             raise ValueError(
                 f"trainer.groups_per_step={self.trainer.groups_per_step} must be a multiple of "

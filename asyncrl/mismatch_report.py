@@ -5,7 +5,9 @@ source), adds the steps up (the last `--steps` of them; all by default) and prin
 `audit` (the rollout workers' rescoring: the same weights through the trainer's forward path, lag
 0) and `trained` (the trainer's log-probs against the behaviour ones at every lag) — the mean
 |Δ log p| and token count per lag × behaviour-probability bucket and per lag × position bucket,
-with the mean importance ratio per lag. `--out` (default `RUN_DIR/plots`) gets `mismatch.png`.
+with the mean importance ratio per lag; for a mixture-of-experts model with a recorded routing,
+the routing agreement per MoE layer (replay on and off apart). `--out` (default
+`RUN_DIR/plots`) gets `mismatch.png`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from asyncrl.algo.mismatch import LAG_LABELS, POSITION_LABELS, PROB_LABELS
 from asyncrl.metrics.jsonl import read_jsonl
@@ -82,7 +86,35 @@ def render(lines: list[dict[str, Any]]) -> str:
                 n = sum(c["tokens"] for c in ratios[lag].values())
                 r = sum(c["ratio"] * c["tokens"] for c in ratios[lag].values()) / n
                 out.append(f"  {source} lag {lag}: mean ratio {r:.6f} over {int(n)} tokens")
+    out.extend(render_routing(lines))
     return "\n".join(out)
+
+
+def render_routing(lines: list[dict[str, Any]]) -> list[str]:
+    """Per MoE layer, the token-weighted routing agreement of the steps, replay on and off
+    apart: of the experts the trainer's forward used, and of those its router picked."""
+    # replay → (tokens, Σ tokens × agreement per layer, the same for the router's picks)
+    sums: dict[bool, tuple[float, np.ndarray, np.ndarray]] = {}
+    for line in lines:
+        routing = line.get("routing")
+        if not routing:
+            continue
+        n = float(routing["tokens"])
+        used = n * np.asarray(routing["agreement"], np.float64)
+        own = n * np.asarray(routing["router_agreement"], np.float64)
+        tokens, used_sum, own_sum = sums.get(bool(routing["replay"]), (0.0, 0.0 * used, 0.0 * own))
+        sums[bool(routing["replay"])] = (tokens + n, used_sum + used, own_sum + own)
+    out = []
+    for replay, (n, used_sum, own_sum) in sorted(sums.items()):
+        out.append("")
+        out.append(
+            f"routing agreement (rollout vs trainer top-k sets), replay {'on' if replay else 'off'}"
+            f", {int(n)} tokens"
+        )
+        out.append("  layer       used     router")
+        for layer, (used, own) in enumerate(zip(used_sum / n, own_sum / n, strict=True)):
+            out.append(f"  {layer:>5} {used:>10.6f} {own:>10.6f}")
+    return out
 
 
 def plot(lines: list[dict[str, Any]], target: Path, title: str) -> None:

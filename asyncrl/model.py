@@ -50,6 +50,9 @@ class ModelConfig(Section):
     build_tiny: bool = False
     """Build the offline tiny quickstart model (Qwen2 architecture, warmed on the arithmetic
     task) at `path` if it is absent. Needs `task.type: arithmetic` or `agentic`."""
+    tiny_moe: bool = False
+    """With `build_tiny`: build the tiny model as a Qwen3-MoE (8 experts, top-2) instead of a
+    Qwen2, warmed up the same way."""
     lora: LoraConfig | None = None
     """Set: train a LoRA adapter on the frozen base at `path` (needs the `lora` extra: peft)."""
 
@@ -81,7 +84,7 @@ def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
     from asyncrl.engines.tiny_model import build_tiny_model
 
     digits = getattr(cfg.task, "digits", 2)
-    build_tiny_model(path, digits=digits, seed=cfg.run.seed)
+    build_tiny_model(path, digits=digits, seed=cfg.run.seed, moe=cfg.model.tiny_moe)
     return path
 
 

@@ -47,6 +47,8 @@ Reason = Literal[
     "finish",
     "loss_mask",
     "token_out_of_range",
+    "routing_shape",
+    "routing_out_of_range",
 ]
 
 # Meta maps must be flat: with scalar values only, a message nests at most four levels deep.
@@ -56,6 +58,7 @@ _META_TYPES = frozenset({type(None), bool, int, float, str})
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 _U8 = np.dtype("u1")
+_U16 = np.dtype("<u2")
 
 # Upper bound on map sizes apart from meta: a group or sample map has about ten keys; the slack
 # leaves room for optional keys added later within schema 1.
@@ -94,6 +97,12 @@ class Limits:
     # Token ids (prompt and response) must lie in [0, vocab_size): the model's embedding rows,
     # which an id outside them would index past. None checks only that none is negative.
     vocab_size: int | None = None
+    # Routed experts (MoE models): ids must lie in [0, num_experts), and each token's routing
+    # must have `moe_layers` rows of `moe_top_k` ids. None checks only that the samples of a
+    # group agree with each other.
+    num_experts: int | None = None
+    moe_layers: int | None = None
+    moe_top_k: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -134,6 +143,12 @@ class Sample:
     # path, finite and <= 0 (0 on observation tokens). None means not audited; absent from the
     # wire then (and in entries of writers that predate it).
     audit_logprobs: np.ndarray | None = None
+    # uint16 [prompt + response tokens − 1, MoE layers, top-k]: the experts the engine routed
+    # each token it fed through the model to, per MoE layer (the last response token is never
+    # fed). Row p is input position p of prompt + response, so the trainer can replay the
+    # routing (`algo.routing_replay`). On the wire: `routed_experts` (the ids, little-endian)
+    # and `routed_shape` ([layers, top-k]). None: not captured; absent from the wire then.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -229,6 +244,9 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
         out["loss_mask"] = _bin(s.loss_mask, _U8)
     if s.audit_logprobs is not None:
         out["audit_logprobs"] = _bin(s.audit_logprobs, _F32)
+    if s.routed_experts is not None:
+        out["routed_experts"] = _bin(s.routed_experts, _U16)
+        out["routed_shape"] = [int(d) for d in s.routed_experts.shape[1:]]
     return out
 
 
@@ -334,7 +352,8 @@ def _unpack(data: bytes | bytearray | memoryview, limits: Limits) -> dict[str, A
             raw=False,
             strict_map_key=True,
             ext_hook=_reject_ext,
-            max_bin_len=4 * max_tokens,
+            # Routed experts take layers × top-k × 2 bytes a token: bounded by the message size.
+            max_bin_len=max(4 * max_tokens, limits.max_message_bytes),
             max_str_len=limits.max_message_bytes,
             max_array_len=limits.max_samples,
             max_map_len=max(limits.max_meta_keys, _MAX_STRUCT_KEYS),
@@ -407,7 +426,22 @@ def _decode_sample(d: Any, where: str) -> Sample:
         audit_logprobs=(
             _array(d, "audit_logprobs", _F32, where) if "audit_logprobs" in d else None
         ),
+        routed_experts=_routed(d, where) if "routed_experts" in d else None,
     )
+
+
+def _routed(d: dict[str, Any], where: str) -> np.ndarray:
+    """The routed experts as [tokens, layers, top-k]; the token count is checked later."""
+    ids = _array(d, "routed_experts", _U16, where)
+    shape = _take(d, "routed_shape", (list,), where)
+    if len(shape) != 2 or any(type(n) is not int or n < 1 for n in shape):
+        raise ValidationError("routing_shape", f"{where}routed_shape {shape!r} is not [layers, k]")
+    layers, k = shape
+    if len(ids) % (layers * k):
+        raise ValidationError(
+            "routing_shape", f"{where}routed_experts: {len(ids)} ids are not rows of {layers}x{k}"
+        )
+    return ids.reshape(-1, layers, k)
 
 
 def decode_group(
@@ -511,7 +545,8 @@ def validate_group(
     token ids >= 0 and below `limits.vocab_size`; response_ids, logprobs, versions (and
     loss_mask, audit_logprobs) of equal length; logprobs and audit_logprobs finite and <= 0;
     versions >= 0, non-decreasing within each sample and, when `current_version` is given, not
-    ahead of it; loss_mask 0/1; reward finite; finish known; meta flat and small. Token checks
+    ahead of it; loss_mask 0/1; reward finite; finish known; meta flat and small; routed experts
+    one row per fed token, of the model's layers × top-k, ids below its expert count. Token checks
     run once over all samples concatenated, so the cost does not grow with the number of
     samples in Python.
     """
@@ -559,6 +594,7 @@ def validate_group(
             )
         _check_meta(s.meta, limits, where)
         lengths.append(n)
+    _check_routing(g, limits)
     if not sum(lengths):
         return
 
@@ -610,6 +646,34 @@ def validate_group(
     masks = [s.loss_mask for s in g.samples if s.loss_mask is not None and len(s.loss_mask)]
     if masks and np.concatenate(masks).max() > 1:
         raise ValidationError("loss_mask", "loss_mask values must be 0 or 1")
+
+
+def _check_routing(g: TrajectoryGroup, limits: Limits) -> None:
+    """Routed experts: one row per fed token (prompt + response − 1), the same [layers, top-k]
+    in every sample and as `limits` say, ids below `limits.num_experts`."""
+    shapes = set()
+    for i, s in enumerate(g.samples):
+        r = s.routed_experts
+        if r is None:
+            continue
+        fed = len(g.prompt_ids) + len(s.response_ids) - 1
+        if r.ndim != 3 or len(r) != fed:
+            raise ValidationError(
+                "routing_shape",
+                f"samples[{i}].routed_experts has shape {r.shape}, expected {fed} token rows",
+            )
+        shapes.add(r.shape[1:])
+        if limits.num_experts is not None and r.size and int(r.max()) >= limits.num_experts:
+            raise ValidationError(
+                "routing_out_of_range",
+                f"samples[{i}].routed_experts has expert {int(r.max())} >= {limits.num_experts}",
+            )
+    want = (limits.moe_layers, limits.moe_top_k)
+    if len(shapes) > 1 or (shapes and None not in want and shapes != {want}):
+        raise ValidationError(
+            "routing_shape",
+            f"routed_experts rows of {sorted(shapes)} (layers, top-k); the model has {want}",
+        )
 
 
 def validate_prompt(p: PromptGroup, *, limits: Limits | None = None) -> None:

@@ -82,6 +82,14 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_tiny_model(tmp_path_factory.mktemp("random") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def random_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untrained tiny Qwen3-MoE (2 layers, 8 experts, top-2) with the quickstart tokenizer."""
+    from asyncrl.engines.tiny_model import save_random_tiny_model
+
+    return save_random_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-moe", seed=0, moe=True)
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"

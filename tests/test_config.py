@@ -226,3 +226,14 @@ def test_the_mismatch_audit_needs_the_builtin_engine() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.audit_fraction"):
         load_config(None, ["rollout.audit_fraction=1.5"])
     assert load_config(None, []).rollout.audit_fraction == 0.0
+
+
+def test_routing_replay_needs_the_routing_and_no_prefix_cache() -> None:
+    with pytest.raises(ConfigError, match=r"algo\.routing_replay needs rollout\.capture_routing"):
+        load_config(None, ["algo.routing_replay=true"])
+    with pytest.raises(
+        ConfigError, match=r"rollout\.capture_routing needs .*prefix_cache_tokens=0"
+    ):
+        load_config(None, ["rollout.capture_routing=true", "rollout.engine.prefix_cache_tokens=64"])
+    cfg = load_config(ROOT / "configs" / "quickstart_moe.yaml")
+    assert cfg.rollout.capture_routing and cfg.algo.routing_replay and cfg.model.tiny_moe

@@ -36,6 +36,13 @@ def entry(**change: Any) -> dict[bytes | str, bytes]:
     return stream_fields(make_group("bad", **change))
 
 
+def with_routing(routed: np.ndarray) -> dict[bytes | str, bytes]:
+    """A valid group whose second sample carries `routed` as its routed experts."""
+    group = make_group("bad")
+    group.samples[1].routed_experts = routed
+    return stream_fields(group)
+
+
 def raw(data: bytes) -> dict[bytes | str, bytes]:
     return {"data": data, "schema": b"1", "min_version": b"0"}
 
@@ -96,6 +103,11 @@ BAD: list[tuple[str, Callable[[], dict[bytes | str, bytes]], str]] = [
         "negative prompt id",
         lambda: entry(prompt_ids=np.array([1, -5, 6], I32)),
         "token_out_of_range",
+    ),
+    (
+        "routed experts not one row per fed token",  # 7 prompt + 3 response tokens: 9 rows
+        lambda: with_routing(np.zeros((3, 2, 2), np.uint16)),
+        "routing_shape",
     ),
     ("non-finite reward", lambda: entry(reward=float("nan")), "reward_not_finite"),
     ("infinite reward", lambda: entry(reward=float("inf")), "reward_not_finite"),

@@ -13,7 +13,7 @@ def test_short_build_is_loadable_cached_and_atomic(tmp_path: Path) -> None:
     assert info == json.loads((out / INFO_FILE).read_text())
     assert info["warmup_steps"] == 5 and info["eval_prompts"] == 500
     assert 0.0 <= info["sampled_accuracy"] <= 1.0 and 0.0 <= info["greedy_accuracy"] <= 1.0
-    assert 100_000 < info["params"] < 150_000
+    assert 100_000 < info["params"] < 150_000 and info["architecture"] == "qwen2"
     # Nothing but the model is left next to it: the build happened in a removed temp dir.
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]
 
@@ -27,8 +27,13 @@ def test_short_build_is_loadable_cached_and_atomic(tmp_path: Path) -> None:
     mtime = (out / "model.safetensors").stat().st_mtime_ns
     assert build_tiny_model(out, digits=2, seed=0) == info  # cached: no rebuild
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
-    with pytest.raises(ValueError, match="digits=2, seed=0; asked for digits=3"):
+    with pytest.raises(
+        ValueError, match="digits=2, seed=0, architecture=qwen2; asked for digits=3"
+    ):
         build_tiny_model(out, digits=3, seed=0)
+    # The MoE variant is another model: a directory holding the dense one is not it.
+    with pytest.raises(ValueError, match="asked for digits=2, seed=0, architecture=qwen3_moe"):
+        build_tiny_model(out, digits=2, seed=0, moe=True)
 
 
 def test_refuses_to_overwrite_a_foreign_directory(tmp_path: Path) -> None:

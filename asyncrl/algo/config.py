@@ -73,6 +73,11 @@ class AlgoConfig(Section):
     `reward` (verl's use_kl_in_reward) is not implemented yet and is refused when kl_coef > 0."""
     eps: float = 1e-6
     """ε in the GRPO std normalisation."""
+    routing_replay: bool = False
+    """Rollout Routing Replay (R3) for mixture-of-experts models: the trainer's forward routes
+    every token the rollout recorded (`rollout.capture_routing`) to the engine's experts, with
+    gate weights recomputed from its own router logits over them. Off: the trainer routes
+    itself (the agreement figures then measure how often it differs)."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:

@@ -194,5 +194,66 @@ def summarise(table: MismatchTable) -> dict[str, Any]:
     return lags
 
 
+@dataclass
+class RoutingAgreement:
+    """Routing agreement between rollout and trainer of a mixture-of-experts model, per MoE
+    layer, as sums: `counts` [layers, 3] = tokens compared, tokens whose experts in the
+    trainer's forward had the rollout's top-k set (1.0 under routing replay, by construction),
+    and tokens whose trainer router picked that set itself (the same as the second without
+    replay). Sets, not ordered lists: the experts' outputs are summed, so order is moot."""
+
+    counts: torch.Tensor
+
+    @classmethod
+    def empty(cls, layers: int) -> RoutingAgreement:
+        return cls(torch.zeros(layers, 3, dtype=torch.float64))
+
+    def add(
+        self,
+        recorded: torch.Tensor,
+        used: torch.Tensor,
+        own: torch.Tensor,
+        known: torch.Tensor,
+    ) -> None:
+        """`recorded`, `used`, `own`: [B, L, layers, k] expert ids; `known` [B, L] bool, the
+        tokens that have a recorded routing."""
+        keep = known.bool()
+        rec = recorded[keep]  # [tokens, layers, k]
+        self.counts[:, 0] += float(keep.sum())
+        self.counts[:, 1] += same_sets(rec, used[keep].to(rec)).sum(0).double().cpu()
+        self.counts[:, 2] += same_sets(rec, own[keep].to(rec)).sum(0).double().cpu()
+
+    @property
+    def tokens(self) -> int:
+        return int(self.counts[0, 0]) if len(self.counts) else 0
+
+    def mean(self, *, router: bool = False) -> float | None:
+        """Agreement over every layer's tokens (of the router's own picks with `router`)."""
+        n = float(self.counts[:, 0].sum())
+        return float(self.counts[:, 2 if router else 1].sum()) / n if n else None
+
+    def worst_layer(self) -> float | None:
+        """The lowest per-layer agreement of the experts used."""
+        if not self.tokens:
+            return None
+        return float((self.counts[:, 1] / self.counts[:, 0]).min())
+
+    def summary(self) -> dict[str, Any] | None:
+        """Per layer, as JSON (`mismatch.jsonl`); None without a compared token."""
+        if not self.tokens:
+            return None
+        n = self.counts[:, 0]
+        return {
+            "tokens": self.tokens,
+            "agreement": (self.counts[:, 1] / n).tolist(),
+            "router_agreement": (self.counts[:, 2] / n).tolist(),
+        }
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether the top-k sets of `a` and `b` ([..., k] ids) are equal, per token (and layer)."""
+    return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+
+
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None

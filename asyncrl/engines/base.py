@@ -40,6 +40,10 @@ class Generation:
     """Prompt tokens whose keys came from the engine's prefix cache instead of a prefill (0 when
     the engine keeps none or does not say)."""
 
+    routed_experts: np.ndarray | None = None
+    """uint16 [prompt + response tokens − 1, MoE layers, top-k]: the experts each fed token was
+    routed to (`rollout.capture_routing`; `protocol.Sample.routed_experts`); None: not captured."""
+
 
 class EngineError(RuntimeError):
     """Generation failed for some prompts after retries; the caller dead-letters them.
@@ -131,19 +135,28 @@ class Rescoring(Protocol):
 
 
 def build_engine(
-    cfg: EngineConfig, *, model_path: str, lora: LoraConfig | None = None
+    cfg: EngineConfig,
+    *,
+    model_path: str,
+    lora: LoraConfig | None = None,
+    capture_routing: bool = False,
 ) -> RolloutEngine:
     """The engine `cfg.type` names, serving the Hugging Face model in the local directory
-    `model_path` on the device its config names, serving the adapter of `lora` (`model.lora`);
+    `model_path` on the device its config names, serving the adapter of `lora` (`model.lora`),
+    recording each token's experts with `capture_routing` (an MoE model);
     heavy imports happen here."""
     match cfg:
         case TorchEngineConfig():
             from asyncrl.engines.torch_engine import TorchEngine
 
-            return TorchEngine.from_config(cfg, model_path=model_path, lora=lora)
+            return TorchEngine.from_config(
+                cfg, model_path=model_path, lora=lora, capture_routing=capture_routing
+            )
         case SglangEngineConfig():
             from asyncrl.sglang.engine import SglangEngine
 
-            return SglangEngine.from_config(cfg, model_path=model_path, lora=lora)
+            return SglangEngine.from_config(
+                cfg, model_path=model_path, lora=lora, capture_routing=capture_routing
+            )
         case _:
             assert_never(cfg)

@@ -1,4 +1,5 @@
-"""An offline tiny model for the quickstart: a char-level Qwen2 that half-knows `a+b=`.
+"""An offline tiny model for the quickstart: a char-level Qwen2 (or, with `moe`, a Qwen3-MoE of
+8 experts, top-2) that half-knows `a+b=`.
 
 RL sharpens a half-learned skill; it does not teach one from nothing in a CPU-sized budget. So
 the model is warmed up on the arithmetic task's train split with 40% of the answers off by 1..3
@@ -14,16 +15,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from asyncrl.engines.config import SamplingParams
@@ -45,6 +49,7 @@ class TinyModelInfo(TypedDict):
 
     digits: int
     seed: int
+    architecture: str
     params: int
     warmup_steps: int
     reached_target: bool
@@ -69,38 +74,65 @@ def build_tokenizer(vocab: Sequence[str] = VOCAB) -> PreTrainedTokenizerFast:
     )
 
 
+# What the dense and the MoE tiny models share: a char vocabulary, hidden 64, 2 layers, 4 heads
+# / 2 kv heads, tied embeddings.
+_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+)
+
+
 def new_tiny_model(seed: int = 0, vocab_size: int = len(VOCAB)) -> Qwen2ForCausalLM:
-    """A randomly initialised 124k-parameter Qwen2: hidden 64, 2 layers, 4 heads / 2 kv heads."""
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
+    """A randomly initialised 124k-parameter Qwen2 (MLP width 256)."""
+    config = Qwen2Config(vocab_size=vocab_size, intermediate_size=256, **_SHAPE)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
 
 
-def save_random_tiny_model(out_dir: str | Path, seed: int = 0, chars: str | None = None) -> Path:
+def new_tiny_moe(seed: int = 0, vocab_size: int = len(VOCAB)) -> Qwen3MoeForCausalLM:
+    """A randomly initialised 224k-parameter Qwen3-MoE: 8 experts of width 64 per layer, top-2
+    with renormalised weights."""
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        **_SHAPE,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Qwen3MoeForCausalLM(config)
+
+
+def save_random_tiny_model(
+    out_dir: str | Path, seed: int = 0, chars: str | None = None, *, moe: bool = False
+) -> Path:
     """An untrained tiny model and its tokenizer in `out_dir` (for tests and benchmarks); `chars`
-    replaces the arithmetic characters of the vocabulary (a task with other text)."""
+    replaces the arithmetic characters of the vocabulary (a task with other text); `moe`: the
+    Qwen3-MoE one."""
     out = Path(out_dir)
     vocab = VOCAB if chars is None else (*SPECIAL_TOKENS, *dict.fromkeys(chars))
-    new_tiny_model(seed, len(vocab)).save_pretrained(out)
+    (new_tiny_moe if moe else new_tiny_model)(seed, len(vocab)).save_pretrained(out)
     build_tokenizer(vocab).save_pretrained(out)
     return out
 
 
 def build_tiny_model(
-    out_dir: str | Path, digits: int = 2, seed: int = 0, *, max_steps: int = 3000
+    out_dir: str | Path,
+    digits: int = 2,
+    seed: int = 0,
+    *,
+    max_steps: int = 3000,
+    moe: bool = False,
 ) -> TinyModelInfo:
     """Build, warm up and save the quickstart model in `out_dir`; return its info record.
 
@@ -111,34 +143,42 @@ def build_tiny_model(
     an RL run evaluates on; `seed` drives initialisation and batch order.
     """
     out = Path(out_dir)
+    architecture = _architecture(moe)
     if (out / INFO_FILE).exists():
-        return _cached(out, digits, seed)
+        return _cached(out, digits, seed, architecture)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists but holds no complete tiny model ({INFO_FILE})")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         staging = Path(tmp) / "model"
-        info = _build(staging, digits, seed, max_steps)
+        info = _build(staging, digits, seed, max_steps, moe)
         try:
             staging.rename(out)
         except OSError:
             if not (out / INFO_FILE).exists():
                 raise
-            return _cached(out, digits, seed)  # another builder finished first
+            return _cached(out, digits, seed, architecture)  # another builder finished first
     return info
 
 
-def _cached(out: Path, digits: int, seed: int) -> TinyModelInfo:
+def _architecture(moe: bool) -> str:
+    return "qwen3_moe" if moe else "qwen2"
+
+
+def _cached(out: Path, digits: int, seed: int, architecture: str) -> TinyModelInfo:
     info = cast(TinyModelInfo, json.loads((out / INFO_FILE).read_text()))
-    if (info["digits"], info["seed"]) != (digits, seed):
+    # Records written before the MoE variant existed are all Qwen2.
+    have = (info["digits"], info["seed"], info.get("architecture", "qwen2"))
+    if have != (digits, seed, architecture):
         raise ValueError(
-            f"{out} holds a tiny model for digits={info['digits']}, seed={info['seed']}; "
-            f"asked for digits={digits}, seed={seed}"
+            f"{out} holds a tiny model for digits={have[0]}, seed={have[1]}, "
+            f"architecture={have[2]}; asked for digits={digits}, seed={seed}, "
+            f"architecture={architecture}"
         )
     return info
 
 
-def _build(out: Path, digits: int, seed: int, max_steps: int) -> TinyModelInfo:
+def _build(out: Path, digits: int, seed: int, max_steps: int, moe: bool) -> TinyModelInfo:
     start = time.perf_counter()
     threads = torch.get_num_threads()
     # Matmuls this small do not pay for a second thread; on a busy 2-core machine two threads
@@ -148,7 +188,7 @@ def _build(out: Path, digits: int, seed: int, max_steps: int) -> TinyModelInfo:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             tokenizer = build_tokenizer()
-            model = new_tiny_model(seed)
+            model: PreTrainedModel = new_tiny_moe(seed) if moe else new_tiny_model(seed)
             task = ArithmeticTask(ArithmeticTaskConfig(digits=digits), tokenizer)
             engine = TorchEngine(model, eos_token_ids=[EOS_ID], seed=seed)
             # Answers have at most digits + 1 characters, then <eos>.
@@ -166,6 +206,7 @@ def _build(out: Path, digits: int, seed: int, max_steps: int) -> TinyModelInfo:
     info: TinyModelInfo = {
         "digits": digits,
         "seed": seed,
+        "architecture": _architecture(moe),
         "params": sum(p.numel() for p in model.parameters()),
         "warmup_steps": steps,
         "reached_target": reached,
@@ -198,7 +239,7 @@ class _Scorer:
 
 
 def _warm_up(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     scorer: _Scorer,
     seed: int,
     max_steps: int,

@@ -16,6 +16,7 @@ Batch layout, with prefix KV (rows right-aligned, `.` padding, `c` cached, `f` f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import threading
@@ -30,6 +31,7 @@ from asyncrl.device import resolve_device
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
+from asyncrl.engines.routing import Routing, moe_shape, routing_hooks
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs, sequence_logprobs
 from asyncrl.lora import synced, wrap
 from asyncrl.model import LoraConfig
@@ -52,7 +54,17 @@ class TorchEngine:
         version: int = 0,
         prefix_cache_tokens: int = 0,
         prefix_cache_stale: bool = False,
+        capture_routing: bool = False,
     ) -> None:
+        if capture_routing and moe_shape(model) is None:
+            raise ValueError(
+                "rollout.capture_routing needs a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, "
+                f"Mixtral); {type(model).__name__} has no top-k router"
+            )
+        if capture_routing and prefix_cache_tokens:
+            # Cached prompt tokens are not fed again, so their routing would be unknown.
+            raise ValueError("rollout.capture_routing needs rollout.engine.prefix_cache_tokens=0")
+        self.capture_routing = capture_routing
         self.model = model
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -77,7 +89,12 @@ class TorchEngine:
 
     @classmethod
     def from_config(
-        cls, cfg: TorchEngineConfig, *, model_path: str, lora: LoraConfig | None = None
+        cls,
+        cfg: TorchEngineConfig,
+        *,
+        model_path: str,
+        lora: LoraConfig | None = None,
+        capture_routing: bool = False,
     ) -> TorchEngine:
         """With `lora`, the base carries the trainer's adapter layout, unmerged (`asyncrl.lora`):
         weight updates then cover the adapter only."""
@@ -97,6 +114,7 @@ class TorchEngine:
             seed=cfg.seed,
             prefix_cache_tokens=cfg.prefix_cache_tokens,
             prefix_cache_stale=cfg.prefix_cache_stale,
+            capture_routing=capture_routing,
         )
 
     @property
@@ -153,12 +171,16 @@ class TorchEngine:
             self._set_busy(True)
             training = self.model.training
             self.model.eval()
+            hooks = routing_hooks(self.model) if self.capture_routing else contextlib.nullcontext()
             try:
-                for start in range(0, len(order), self.max_batch_size):
-                    chunk = order[start : start + self.max_batch_size]
-                    batch = [prompts[i] for i in chunk]
-                    generations = self._generate_batch(batch, params, stop_ids, min_new_tokens)
-                    results.update(zip(chunk, generations, strict=True))
+                with hooks as routing:
+                    for start in range(0, len(order), self.max_batch_size):
+                        chunk = order[start : start + self.max_batch_size]
+                        batch = [prompts[i] for i in chunk]
+                        generations = self._generate_batch(
+                            batch, params, stop_ids, min_new_tokens, routing
+                        )
+                        results.update(zip(chunk, generations, strict=True))
             finally:
                 self.model.train(training)
                 self._set_busy(False)
@@ -248,7 +270,10 @@ class TorchEngine:
         params: SamplingParams,
         stop_ids: torch.Tensor,
         min_new_tokens: int,
+        routing: Routing | None,
     ) -> list[Generation]:
+        """With `routing` (hooks on the routers), each fed token's experts are kept: the
+        prompt's from the prefill, then one response token's per decode step."""
         device = self._generator.device
         version = self._step_version(0)
         cached = [self._match_prefix(p, version) for p in prompts]
@@ -290,6 +315,8 @@ class TorchEngine:
         head_rows = set(heads)
         from_cache = [0 if r in head_rows else u for r, u in enumerate(used)]
 
+        routes: list[torch.Tensor] = []
+        response_routes: torch.Tensor | None = None
         tokens = torch.zeros(rows, steps, dtype=torch.long, device=device)
         logprobs = torch.zeros(rows, steps, dtype=torch.float32, device=device)
         versions = torch.zeros(rows, steps, dtype=torch.int32, device=device)
@@ -307,6 +334,14 @@ class TorchEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
+            if routing is not None:
+                seen = routing.stacked(len(active))  # [active rows, fed columns, layers, k]
+                if not t:
+                    routes = [seen[r, seen.shape[1] - len(p) :] for r, p in enumerate(prompts)]
+                    response_routes = seen.new_zeros(rows, steps, *seen.shape[2:])
+                else:
+                    assert response_routes is not None
+                    response_routes[active, t - 1] = seen[:, 0]
             logits = out.logits[:, -1]
             if t < min_new_tokens:
                 logits = logits.index_fill(-1, stop_ids, float("-inf"))
@@ -344,6 +379,11 @@ class TorchEngine:
                 versions=versions_np[r, :n].copy(),
                 finish="stop" if stop else "length",
                 cached_tokens=from_cache[r],
+                routed_experts=(
+                    None
+                    if response_routes is None
+                    else _routes(routes[r], response_routes[r, : n - 1])
+                ),
             )
             for r, (n, stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))
         ]
@@ -415,6 +455,11 @@ class TorchEngine:
         for i, r in enumerate(active[rows].tolist()):
             entry = CachedPrefix(kv[i, width - len(prompts[r]) :].clone(), oldest[r])
             self._prefixes.put(prompts[r] + response[i], entry)
+
+
+def _routes(prompt: torch.Tensor, response: torch.Tensor) -> np.ndarray:
+    """One row per fed token: the prompt's, then every response token's but the last."""
+    return torch.cat([prompt, response]).cpu().numpy().astype(np.uint16)
 
 
 def _columns(used: list[int], width: int, device: torch.device) -> torch.Tensor:

@@ -99,6 +99,17 @@ class StepRecord:
     None (key absent): none."""
     audit_logprob_abs_diff_high_prob: float | None = field(default=None, metadata=_OMIT_NONE)
     """The same over audited tokens of behaviour probability ≥ 0.1; None (key absent): none."""
+    routing_tokens: int | None = field(default=None, metadata=_OMIT_NONE)
+    """Mixture-of-experts models: tokens with a recorded rollout routing (prompt and response,
+    `rollout.capture_routing`), all ranks; None (key absent): none."""
+    routing_agreement: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Fraction of those tokens × MoE layers whose experts in the trainer's forward had the
+    rollout's top-k set (1.0 under `algo.routing_replay`); None (key absent): no such token."""
+    routing_agreement_router: float | None = field(default=None, metadata=_OMIT_NONE)
+    """The same for the experts the trainer's router picked itself (equal to
+    `routing_agreement` without replay); None (key absent): no such token."""
+    routing_agreement_worst_layer: float | None = field(default=None, metadata=_OMIT_NONE)
+    """The lowest per-layer `routing_agreement`; None (key absent): no such token."""
 
     @property
     def throughput(self) -> float | None:

@@ -35,6 +35,7 @@ PHASES = (
 POOLS = ROLES
 PROMPT_SOURCES = ("prefilled", "cached")
 MISMATCH_SCOPES = ("trained", "audit", "audit_low_prob", "audit_high_prob")
+ROUTING_SCOPES = ("used", "router", "worst_layer")
 OUTCOMES = tuple(c.outcome for c in RunCounter)
 """`asyncrl_run_groups` mirrors the run-accounting hash in Redis: field `prompts_released` →
 outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`."""
@@ -429,6 +430,22 @@ METRICS: tuple[Metric, ...] = (
         "rollout",
         label=("reason", FAILED_GROUP_REASONS),
         roles=("rollout",),
+    ),
+    Metric(
+        "routing_agreement",
+        "asyncrl_routing_agreement",
+        "gauge",
+        "Mixture-of-experts models: fraction of the step's recorded tokens and MoE layers whose "
+        "top-k expert set in the trainer's forward equals the rollout engine's (used: 1 under "
+        "algo.routing_replay; router: what the trainer's router picked itself; worst_layer: "
+        "the lowest layer's used agreement).",
+        "trainer r0",
+        label=("scope", ROUTING_SCOPES),
+        step_fields=(
+            ("used", "routing_agreement"),
+            ("router", "routing_agreement_router"),
+            ("worst_layer", "routing_agreement_worst_layer"),
+        ),
     ),
 )
 

@@ -34,6 +34,11 @@ class RolloutConfig(Section):
     (`trainer.dtype`, one full forward) with the weights that generated them, shipped as
     `audit_logprobs` for the trainer's lag-0 mismatch figures (`asyncrl mismatch`). A sample
     whose weights were swapped since is not audited. 0: no audit, no cost. Builtin engine only."""
+    capture_routing: bool = False
+    """Record, per token and MoE layer, the top-k experts the engine routed it to (prompt and
+    response tokens), shipped as `routed_experts` for routing replay (`algo.routing_replay`) and
+    the routing-agreement figures. Needs a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE,
+    Mixtral); an SGLang server must run with `--enable-return-routed-experts`."""
 
     @model_validator(mode="after")
     def _audit_engine(self) -> RolloutConfig:

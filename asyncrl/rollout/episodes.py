@@ -136,6 +136,9 @@ class _Episode:
     """What `reset` returned, rendered: joins the response before the first turn, with that
     turn's version (none is known before it)."""
     episodic: bool = False
+    routed: np.ndarray | None = None
+    """The last turn's routed experts: its prompt is the whole context, so they cover every
+    token of the sample (earlier turns' tokens as that turn's prefill routed them)."""
 
     def __post_init__(self) -> None:
         self.episodic = self.env is not None
@@ -150,6 +153,7 @@ class _Episode:
         self.context.extend(gen.token_ids.tolist())
         self.turns += 1
         self.finish = gen.finish
+        self.routed = gen.routed_experts
 
     def observe(self, ids: list[int]) -> None:
         self.context.extend(ids)
@@ -167,8 +171,12 @@ class _Episode:
 
     def sample(self, reward: float) -> Sample:
         mask = np.concatenate(self.mask)
+        ids = np.concatenate(self.ids).astype(np.int32)
+        routed = self.routed
+        if routed is not None and len(routed) != len(self.group.item.prompt_ids) + len(ids) - 1:
+            routed = None  # tokens joined after the last turn (a final observation): not routed
         return Sample(
-            response_ids=np.concatenate(self.ids).astype(np.int32),
+            response_ids=ids,
             logprobs=np.concatenate(self.logprobs).astype(np.float32),
             versions=np.concatenate(self.versions).astype(np.int32),
             reward=float(reward),
@@ -176,6 +184,7 @@ class _Episode:
             meta={"turns": self.turns} if self.episodic else {},
             # One-turn samples keep the wire as it was: no mask means every token is trained on.
             loss_mask=None if mask.all() else mask,
+            routed_experts=routed,
         )
 
 

@@ -95,7 +95,12 @@ class RolloutWorker:
         model_dir = ensure_model(cfg, wait_s=600.0 if cfg.model.build_tiny else 0.0)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.task = build_task(cfg.task, self.tokenizer)
-        self.engine = build_engine(engine_cfg, model_path=str(model_dir), lora=cfg.model.lora)
+        self.engine = build_engine(
+            engine_cfg,
+            model_path=str(model_dir),
+            lora=cfg.model.lora,
+            capture_routing=cfg.rollout.capture_routing,
+        )
         self.metrics.redis_up.set(1)
         # Safe to retry: subscribers make their Redis calls before they start any thread.
         self.subscriber: WeightSubscriber = self.redis.call(

@@ -11,6 +11,12 @@ source, not against a running server:
         "weight_version": "7", "weight_versions": [{"version": "6", "start": 0, "end": 3},
                                                    {"version": "7", "start": 3, "end": n}]}}]
 
+With `rollout.capture_routing` (an MoE model) requests add `"return_routed_experts": true` and
+replies carry `meta_info.routed_experts`: base64 of little-endian int32 expert ids, flat over
+[prompt + completion tokens − 1, MoE layers, top-k] (SGLang's `--enable-return-routed-experts`,
+`state_capturer/routed_experts.py`); the layers and top-k come from the model's config. A reply
+without them, or of another size or with ids outside the experts, is malformed.
+
 Per-token versions come from `weight_versions` (spans over the response tokens) where the server
 reports them (SGLang main since mid-2026 and `asyncrl serve`); a server that reports only
 `weight_version` (SGLang 0.5.x) has it assigned to every token of the request. That value is
@@ -41,6 +47,8 @@ short `reason`, which the worker turns into dead-lettered prompts; it never ends
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import random
 import subprocess
@@ -52,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.engines.base import EngineError, Generation
+from asyncrl.engines.routing import MoeShape, moe_shape_of_config
 from asyncrl.sglang.client import (
     RequestFailure,
     Server,
@@ -122,8 +131,35 @@ def _versions(meta: Mapping[str, Any], n: int) -> np.ndarray:
     return versions
 
 
-def parse_generation(item: Any, greedy: bool) -> Generation:
-    """One reply item → Generation; RequestFailure if it is malformed or was aborted."""
+def parse_routed_experts(meta: Mapping[str, Any], moe: MoeShape, rows: int) -> np.ndarray:
+    """`meta_info.routed_experts` as uint16 [rows, layers, top-k]; RequestFailure (malformed)
+    unless it is base64 of exactly that many int32 ids, each an expert of the model."""
+    text = meta.get("routed_experts")
+    if not isinstance(text, str):
+        raise malformed(
+            "reply has no routed_experts (start the server with --enable-return-routed-experts)"
+        )
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise malformed("routed_experts is not base64") from None
+    per_token = moe.layers * moe.top_k
+    if len(raw) != 4 * rows * per_token:
+        raise malformed(
+            f"routed_experts holds {len(raw)} bytes, expected {rows} tokens x {moe.layers} "
+            f"layers x top-{moe.top_k} int32"
+        )
+    ids = np.frombuffer(raw, dtype="<i4")
+    if ids.size and (ids.min() < 0 or ids.max() >= moe.num_experts):
+        raise malformed(f"routed_experts has ids outside [0, {moe.num_experts})")
+    return ids.astype(np.uint16).reshape(rows, moe.layers, moe.top_k)
+
+
+def parse_generation(
+    item: Any, greedy: bool, routing: tuple[MoeShape, int] | None = None
+) -> Generation:
+    """One reply item → Generation; RequestFailure if it is malformed or was aborted. With
+    `routing` (the model's MoE shape, the prompt's length) its routed experts too."""
     if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict):
         raise malformed(f"reply item has no meta_info: {item!r:.200}")
     meta = item["meta_info"]
@@ -164,6 +200,9 @@ def parse_generation(item: Any, greedy: bool) -> Generation:
         versions=_versions(meta, n),
         finish=kind,
         cached_tokens=cached if isinstance(cached, int) and cached > 0 else 0,
+        routed_experts=(
+            None if routing is None else parse_routed_experts(meta, routing[0], routing[1] + n - 1)
+        ),
     )
 
 
@@ -176,10 +215,13 @@ class SglangEngine:
         cfg: SglangEngineConfig,
         urls: list[str],
         procs: list[subprocess.Popen[bytes]],
+        moe: MoeShape | None = None,
         *,
         lora: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.moe = moe
+        """Set: ask for each token's routed experts, of this shape."""
         self.urls = [u.rstrip("/") for u in urls]
         self.pool = ServerPool(self.urls, cfg.health_interval_s, cfg.health_timeout_s)
         self._procs = procs
@@ -190,14 +232,31 @@ class SglangEngine:
 
     @classmethod
     def from_config(
-        cls, cfg: SglangEngineConfig, *, model_path: str, lora: LoraConfig | None = None
+        cls,
+        cfg: SglangEngineConfig,
+        *,
+        model_path: str,
+        lora: LoraConfig | None = None,
+        capture_routing: bool = False,
     ) -> SglangEngine:
+        moe = None
+        if capture_routing:
+            from transformers import AutoConfig
+
+            moe = moe_shape_of_config(AutoConfig.from_pretrained(model_path))
+            if moe is None:
+                raise ValueError(
+                    "rollout.capture_routing needs a mixture-of-experts model (Qwen3-MoE, "
+                    f"Qwen2-MoE, Mixtral) at {model_path}"
+                )
+            args = {**cfg.server_args, "enable_return_routed_experts": True}
+            cfg = cfg.model_copy(update={"server_args": args})
         if cfg.launch:
             procs = launch_servers(cfg, model_path, lora)
             urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(cfg.servers)]
-            return cls(cfg, urls, procs, lora=lora is not None)
+            return cls(cfg, urls, procs, moe, lora=lora is not None)
         assert cfg.urls is not None  # the config's validator guarantees one or the other
-        return cls(cfg, cfg.urls, [], lora=lora is not None)
+        return cls(cfg, cfg.urls, [], moe, lora=lora is not None)
 
     @property
     def version(self) -> int:
@@ -275,6 +334,7 @@ class SglangEngine:
             "return_logprob": True,
             "logprob_start_len": -1,
             "stream": False,
+            **({"return_routed_experts": True} if self.moe is not None else {}),
         }
         failure: RequestFailure | None = None
         for attempt in range(self.cfg.retries + 1):
@@ -290,7 +350,10 @@ class SglangEngine:
                     raise malformed(
                         f"{type(reply).__name__} reply for a batch of {len(prompts)} prompts"
                     )
-                gens = [parse_generation(item, greedy) for item in reply]
+                gens = [
+                    parse_generation(item, greedy, None if self.moe is None else (self.moe, len(p)))
+                    for item, p in zip(reply, prompts, strict=True)
+                ]
                 if adapter is not None:
                     for gen in gens:
                         gen.versions[:] = adapter

@@ -15,11 +15,14 @@ log-prob entries are `[logprob, token_id, text or None]`, the first prompt token
 None; `logprob_start_len` -1 means the last prompt token. `stream` sends the finished
 generation as one SSE chunk per token (cumulative `text` and `output_ids`, as SGLang does
 without `--incremental-streaming-output`): the builtin engine does not hand out tokens while
-it decodes.
+it decodes. `return_routed_experts` (a server started with `--enable-return-routed-experts`,
+an MoE model) puts `meta_info.routed_experts` in the reply as SGLang does: base64 of int32 ids,
+flat over [prompt + completion tokens − 1, MoE layers, top-k].
 """
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -44,6 +47,7 @@ GENERATE_KEYS = {
     "rid",
     "log_metrics",
     "lora_path",
+    "return_routed_experts",
 }
 GENERATE_NEUTRAL: dict[str, Any] = {
     "image_data": None,
@@ -60,7 +64,6 @@ GENERATE_NEUTRAL: dict[str, Any] = {
     "bootstrap_port": None,
     "bootstrap_room": None,
     "return_hidden_states": False,
-    "return_routed_experts": False,
     "background": False,
     "no_logs": False,
 }
@@ -124,6 +127,8 @@ class Model:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     max_positions: int | None
+    routed_experts: bool = False
+    """The engine records each token's experts (`--enable-return-routed-experts`)."""
 
     def encode(self, text: str, key: str) -> list[int]:
         if self.tokenizer is None:
@@ -200,6 +205,8 @@ class Job:
     lora: str | None = None
     """The adapter to generate with (SGLang's `lora_path`: a loaded adapter's name); None: the
     base model."""
+    routed: bool = False
+    """Reply with the routed experts."""
 
     @property
     def scores(self) -> bool:
@@ -218,6 +225,8 @@ class Output:
     finish: dict[str, Any]
     text: str
     cached: int = 0
+    routed: Any = None
+    """uint16 [prompt + tokens − 1, layers, k] routed experts of the kept tokens, or None."""
     logp: torch.Tensor | None = None
     """From the scoring pass: `sampling_logprobs` after each position of prompt + tokens."""
 
@@ -338,6 +347,13 @@ def parse_generate(body: Body, model: Model) -> GenerateRequest:
             top,
             typed(body, "return_text_in_logprobs", bool, False, "return_text_in_logprobs"),
         )
+    routed = typed(body, "return_routed_experts", bool, False, "return_routed_experts")
+    if routed and not model.routed_experts:
+        raise ApiError(
+            "return_routed_experts: start the server with --enable-return-routed-experts "
+            "(a mixture-of-experts model)",
+            "return_routed_experts",
+        )
     rids = body.get("rid")
     rid_list = [rids] * len(prompts) if not isinstance(rids, list) else rids
     if len(rid_list) != len(prompts):
@@ -351,7 +367,7 @@ def parse_generate(body: Body, model: Model) -> GenerateRequest:
     jobs = []
     for prompt, (spec, _), rid, lora in zip(prompts, specs, rid_list, lora_list, strict=True):
         check_length(model, prompt, spec)
-        jobs += [Job(prompt, spec, logprobs, request_id(rid, j, n), lora) for j in range(n)]
+        jobs += [Job(prompt, spec, logprobs, request_id(rid, j, n), lora, routed) for j in range(n)]
     stream = typed(body, "stream", bool, False, "stream")
     return GenerateRequest(jobs, single and n == 1, stream)
 
@@ -399,7 +415,10 @@ def finish(job: Job, gen: Generation | None, model: Model) -> Output:
             text = text[: text.find(matched)]
         else:
             text = model.decode(tokens[:-1], spec.skip_special)
-    return Output(tokens, logprobs, versions, finish, text, gen.cached_tokens)
+    routed = gen.routed_experts
+    if routed is not None:  # a stop string may have cut tokens: theirs go too
+        routed = routed[: len(job.prompt) + len(tokens) - 1]
+    return Output(tokens, logprobs, versions, finish, text, gen.cached_tokens, routed)
 
 
 def top_entries(logp: torch.Tensor, k: int, model: Model, text: bool) -> list[list[Any]]:
@@ -432,6 +451,9 @@ def item(job: Job, out: Output, model: Model, version: int) -> dict[str, Any]:
     }
     if spans:
         meta["weight_versions"] = spans
+    if job.routed and out.routed is not None:
+        ids = out.routed.astype("<i4").tobytes()
+        meta["routed_experts"] = base64.b64encode(ids).decode()
     lp = job.logprobs
     if lp is not None:
         texts = model.token_texts(out.tokens) if lp.text else [None] * len(out.tokens)

@@ -90,6 +90,7 @@ class ServeApp:
             engine.eos_token_ids,
             int(config.vocab_size),
             getattr(config, "max_position_embeddings", None),
+            engine.capture_routing,
         )
         self._cond = threading.Condition()
         self._paused = False
@@ -551,13 +552,15 @@ def make_server(
     port: int = 0,
     dtype: str = "float32",
     seed: int = 0,
+    routed_experts: bool = False,
 ) -> _Server:
     """A server (not yet serving) for the model directory `model_path`, whose weights are
-    version 0 as everywhere in asyncrl; port 0 picks a free one."""
+    version 0 as everywhere in asyncrl; port 0 picks a free one; `routed_experts` records each
+    token's experts for requests that ask (an MoE model)."""
     from transformers import AutoTokenizer
 
     cfg = TorchEngineConfig.model_validate({"device": "cpu", "dtype": dtype, "seed": seed})
-    engine = TorchEngine.from_config(cfg, model_path=model_path)
+    engine = TorchEngine.from_config(cfg, model_path=model_path, capture_routing=routed_experts)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):  # a model without tokenizer files: replies carry no text
@@ -573,6 +576,7 @@ def main(args: argparse.Namespace) -> int:
         port=args.port,
         dtype=args.dtype,
         seed=args.seed,
+        routed_experts=args.enable_return_routed_experts,
     )
     # One line on stdout, flushed: how a parent that asked for port 0 learns the port.
     print(f"asyncrl serve: listening on http://{args.host}:{server.server_port}", flush=True)

@@ -34,6 +34,9 @@ class Row:
     loss_mask: np.ndarray  # float32, 1 for trained response tokens
     advantage: float
     reward: float
+    routed: np.ndarray | None = None
+    """uint16 [length − 1, MoE layers, k]: the rollout's experts of each fed token; None: not
+    captured."""
 
     @property
     def length(self) -> int:
@@ -83,6 +86,7 @@ def group_rows(groups: list[TrajectoryGroup], algo: AlgoConfig, max_new_tokens: 
                 loss_mask=mask * float(k),
                 advantage=float(a),
                 reward=float(s.reward),
+                routed=s.routed_experts,
             )
         )
     return rows
@@ -99,6 +103,8 @@ class MicroBatch:
     behav_logp: torch.Tensor  # [B, L-1]
     versions: torch.Tensor  # [B, L-1] int, -1 off the response
     advantages: torch.Tensor  # [B]
+    routed: torch.Tensor | None = None  # [B, L, layers, k] the rollout's experts; None: no row has
+    routed_mask: torch.Tensor | None = None  # [B, L] bool, the positions `routed` covers
 
 
 def collate(rows: list[Row], device: torch.device | str = "cpu") -> MicroBatch:
@@ -118,6 +124,7 @@ def collate(rows: list[Row], device: torch.device | str = "cpu") -> MicroBatch:
         vers[i, lo:hi] = r.versions
     t = torch.from_numpy
     ids_t = t(ids).to(device)
+    routed, routed_mask = _routed(rows, longest, device)
     return MicroBatch(
         input_ids=ids_t,
         attention_mask=t(attn).to(device),
@@ -126,4 +133,23 @@ def collate(rows: list[Row], device: torch.device | str = "cpu") -> MicroBatch:
         behav_logp=t(behav).to(device),
         versions=t(vers).to(device),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
+        routed=routed,
+        routed_mask=routed_mask,
     )
+
+
+def _routed(
+    rows: list[Row], longest: int, device: torch.device | str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows' recorded experts, right-padded like the tokens, and where they are known (every
+    fed position of a row that has them; not a row's last token, which no engine fed)."""
+    shape = next((r.routed.shape[1:] for r in rows if r.routed is not None), None)
+    if shape is None:
+        return None, None
+    routed = np.zeros((len(rows), longest, *shape), np.int64)
+    known = np.zeros((len(rows), longest), np.bool_)
+    for i, r in enumerate(rows):
+        if r.routed is not None:
+            routed[i, : len(r.routed)] = r.routed
+            known[i, : len(r.routed)] = True
+    return torch.from_numpy(routed).to(device), torch.from_numpy(known).to(device)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.device import resolve_device
+from asyncrl.engines.routing import moe_shape
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
 from asyncrl.runstate import TRAJECTORIES_GROUP, Keys
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
@@ -411,7 +412,14 @@ def build(cfg: Config) -> TrainerParts:
     state.step = resumed.step
     state.version = first_version(cfg, client, redis_guard, keys, resumed, ranks, device)
 
-    limits = Limits(max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(model_dir))
+    moe = moe_shape(model)
+    limits = Limits(
+        max_message_bytes=cfg.queue.max_message_bytes,
+        vocab_size=vocab_size(model_dir),
+        num_experts=None if moe is None else moe.num_experts,
+        moe_layers=None if moe is None else moe.layers,
+        moe_top_k=None if moe is None else moe.top_k,
+    )
     heartbeat = Heartbeat(
         client,
         keys.worker("trainer", name),

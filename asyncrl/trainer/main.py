@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.algo.mismatch import LOW_PROB, audit_table, summarise
 from asyncrl.lora import synced
@@ -350,6 +350,7 @@ class Trainer:
             audit_logprob_abs_diff=stats.audit.abs_diff_mean(),
             audit_logprob_abs_diff_low_prob=stats.audit.abs_diff_mean(low_prob=True),
             audit_logprob_abs_diff_high_prob=stats.audit.abs_diff_mean(low_prob=False),
+            **_routing_fields(stats),
         )
 
     def _mismatch_line(self, stats: StepStats) -> dict[str, object]:
@@ -365,6 +366,11 @@ class Trainer:
             "low_prob": LOW_PROB,
             "trained": summarise(stats.mismatch),
             "audit": summarise(stats.audit),
+            **(
+                {"routing": {"replay": self.cfg.algo.routing_replay, **summary}}
+                if stats.routing is not None and (summary := stats.routing.summary())
+                else {}
+            ),
         }
 
     def _publish(self) -> float:
@@ -438,3 +444,17 @@ class Trainer:
 
 def run_trainer(cfg: Config) -> int:
     return Trainer(cfg).run()
+
+
+def _routing_fields(stats: StepStats) -> dict[str, Any]:
+    """The step line's routing-agreement figures; none for a dense model or without a recorded
+    routing."""
+    routing = stats.routing
+    if routing is None or not routing.tokens:
+        return {}
+    return {
+        "routing_tokens": routing.tokens,
+        "routing_agreement": routing.mean(),
+        "routing_agreement_router": routing.mean(router=True),
+        "routing_agreement_worst_layer": routing.worst_layer(),
+    }

@@ -36,7 +36,13 @@ import torch.distributed as dist
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.correction import behaviour_mask_weights, behaviour_weights
 from asyncrl.algo.losses import aggregate, gspo_loss, kl_penalty, ppo_loss
-from asyncrl.algo.mismatch import MismatchTable, mismatch_table, response_positions
+from asyncrl.algo.mismatch import (
+    MismatchTable,
+    RoutingAgreement,
+    mismatch_table,
+    response_positions,
+)
+from asyncrl.engines.routing import moe_shape, routing_hooks
 from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
 from asyncrl.lora import adapter_disabled
 from asyncrl.trainer.batch import MicroBatch, Row, collate
@@ -64,13 +70,30 @@ class StepStats:
     """The workers' audit (`audited`) against behaviour log-probs: lag 0 only, all ranks."""
     skipped: bool = False
     """The loss or the gradient norm was not finite: the optimizer did not step."""
+    routing: RoutingAgreement | None = None
+    """Rollout against trainer routing per MoE layer, all ranks; None for a dense model."""
 
 
 def token_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, sampling: SamplingParams
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    sampling: SamplingParams,
+    *,
+    replay: bool = False,
+    agreement: RoutingAgreement | None = None,
 ) -> torch.Tensor:
-    """Log-prob of each target token under the sampling distribution, [B, L-1]."""
-    out = sequence_logprobs(model, mb.input_ids, sampling)
+    """Log-prob of each target token under the sampling distribution, [B, L-1]. For rows with
+    a recorded routing, `replay` routes their tokens as the rollout did (R3) and `agreement`
+    gets the comparison of the two routings."""
+    if mb.routed is None or mb.routed_mask is None or agreement is None:
+        out = sequence_logprobs(model, mb.input_ids, sampling)
+    else:
+        with routing_hooks(model, mb.routed if replay else None, mb.routed_mask) as routing:
+            out = sequence_logprobs(model, mb.input_ids, sampling)
+        rows = len(mb.input_ids)
+        agreement.add(
+            mb.routed, routing.stacked(rows), routing.stacked(rows, own=True), mb.routed_mask
+        )
     # Off-response positions may hold -inf under top-k/top-p; they are masked, keep them finite.
     return torch.where(mb.mask > 0, out, torch.zeros_like(out))
 
@@ -133,13 +156,15 @@ def train_step(
     sums = dict(loss=0.0, clip=0.0, w=0.0, capped=0.0, diff=0.0, lag0=0.0, kept=0.0, kept_seqs=0.0)
     trained_weights: list[torch.Tensor] = []
     mismatch = MismatchTable.empty()
+    moe = moe_shape(model)
+    agreement = RoutingAgreement.empty(moe.layers) if moe is not None else None
     for i in range(n_bins):
         idx = bins[i] if i < len(bins) else []
         mb_rows = [rows[j] for j in idx] or [_DUMMY_ROW]
         mb = collate(mb_rows, device)
         if not idx:
             mb.mask.zero_()
-        logp = token_logprobs(model, mb, sampling)
+        logp = token_logprobs(model, mb, sampling, replay=algo.routing_replay, agreement=agreement)
         prox = logp.detach()
         weights = _correction(prox, mb, algo)
         # Masking rejects tokens: they leave the loss mask (verl's modified response_mask).
@@ -237,7 +262,16 @@ def train_step(
         mismatch=_all_reduce_table(mismatch, world),
         audit=_all_reduce_table(audited or MismatchTable.empty(), world),
         skipped=skipped,
+        routing=_all_reduce_agreement(agreement, world),
     )
+
+
+def _all_reduce_agreement(
+    agreement: RoutingAgreement | None, world: dist.ProcessGroup | None
+) -> RoutingAgreement | None:
+    if agreement is not None and world is not None:
+        dist.all_reduce(agreement.counts, group=world)
+    return agreement
 
 
 def _all_reduce_table(table: MismatchTable, world: dist.ProcessGroup | None) -> MismatchTable:
