@@ -13,8 +13,8 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
-from typing import cast
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -251,6 +251,8 @@ def test_workers_find_the_publisher_after_redis_comes_back_empty(
     params = make_params(1)
     pub.publish(params.items(), 0)
     harness.hold(["a"], 0, fingerprint(params))
+    # a writes its first version after its report: a restart in between would fail that write.
+    assert harness.first_version("a") == 0
     restart_empty(harness.server, tmp_path / "redis-empty")
     harness.spawn("b")  # joins after the loss: only the rendezvous fields can lead it
     harness.hold(["b"], 0, fingerprint(params))

@@ -13,9 +13,13 @@ and the figures are medians.
 
 - broadcast: `BroadcastPublisher.publish` of the model's parameters (fp32 masters) to one
   receiver process whose `BroadcastSubscriber` stages them into a `TorchEngine` of
-  `--engine-dtype`; timed from publish until the receiver's engine holds the version. Raw: one
-  `broadcast` of a flat uint8 tensor of the same bytes over a plain gloo group to another
-  process. Trainer blocking is what `publish()` returned.
+  `--engine-dtype`; timed from publish until the receiver's engine holds the version (`sync_s`:
+  the receiver's check and the engine's copy included; `send_s` is the publisher's own
+  `weight_sync_seconds`, until the last bucket left). Raw: one `broadcast` of a flat uint8
+  tensor of the same bytes over a plain gloo group to another process. Trainer blocking is
+  `publish()` plus `copied()` once the version is held, where the trainer's optimizer step
+  calls it after a forward and backward (`--copy deferred`, the trainer's way), or the copy
+  inside `publish()` (`--copy inline`).
 - store: `StorePublisher` → `StoreSubscriber` (safetensors file, fsync, announce, load,
   checksum, stage), timed the same way. Raw: `safetensors.torch.save_file` + fsync +
   `load_file` of the same tensors.
@@ -252,7 +256,7 @@ def part_sync(args: argparse.Namespace, transport: str) -> dict[str, Any]:
         if transport == "broadcast":
             cmds.append([*me, "--transport", "raw", "--rounds", str(rounds)])
             cmds[-1] += ["--nbytes", str(param_bytes)]
-        rows: list[tuple[float, float, float, float]] = []
+        rows: list[tuple[float, float, float, float, float]] = []
         held: dict[str, Any] = {}
         pub_hwm = 0.0
         with _processes(cmds):
@@ -262,9 +266,12 @@ def part_sync(args: argparse.Namespace, transport: str) -> dict[str, Any]:
                 group = _raw_group(client, 0)
             for version in range(1, rounds + 1):  # the engine starts at version 0
                 start = time.perf_counter()
-                blocking_s = pub.publish(params, version)
+                blocking_s = pub.publish(params, version, defer_copy=args.copy == "deferred")
                 held = _wait_held(client, "w0", version)
                 asyncrl_s = time.perf_counter() - start
+                # Where the trainer's optimizer step would wait: by then its forward and
+                # backward (longer than the copy at every size) have run.
+                blocking_s += pub.copied()
                 record = records.get(timeout=300)
                 assert record.ok, record
                 if version == 1:
@@ -281,7 +288,7 @@ def part_sync(args: argparse.Namespace, transport: str) -> dict[str, Any]:
                     load_file(path)
                     raw_s = time.perf_counter() - start
                     path.unlink()
-                rows.append((asyncrl_s, raw_s, blocking_s, record.bytes_sent))
+                rows.append((asyncrl_s, raw_s, blocking_s, record.bytes_sent, record.sync_s))
                 print(
                     f"  {args.size} {transport} round {version}: asyncrl {asyncrl_s:.3f}s "
                     f"(send {record.sync_s:.3f}s)  raw {raw_s:.3f}s  "
@@ -293,6 +300,7 @@ def part_sync(args: argparse.Namespace, transport: str) -> dict[str, Any]:
     sync_s = median([r[0] for r in timed])
     raw_s = median([r[1] for r in timed])
     blocking_s = median([r[2] for r in timed])
+    send_s = median([r[4] for r in timed])
     return {
         "params": sum(t.numel() for _, t in params),
         "param_mb": round(param_bytes / MB, 1),
@@ -302,6 +310,8 @@ def part_sync(args: argparse.Namespace, transport: str) -> dict[str, Any]:
         "mb_s": round(param_bytes / MB / sync_s, 1),
         "raw_mb_s": round(param_bytes / MB / raw_s, 1),
         "ratio": round(raw_s / sync_s, 3),
+        "send_s": round(send_s, 4),
+        "send_ratio": round(raw_s / send_s, 3),
         "blocking_s": round(blocking_s, 4),
         "blocking_frac": round(blocking_s / sync_s, 3),
         "trainer_rss_mb": round(pub_hwm - base, 1),
@@ -508,71 +518,89 @@ def part_train(args: argparse.Namespace) -> dict[str, Any]:
 # queue
 
 
+def _asyncrl_queue_round(client: Any, stream: str, group: Any, n: int) -> None:
+    """n groups encoded, added, read (decoded and validated) and acked, as worker and trainer
+    do."""
+    from asyncrl.protocol import decode_group, stream_fields
+    from asyncrl.queue import Consumer, Producer
+    from asyncrl.runstate import Counter
+
+    producer = Producer(client, stream)
+    consumer: Consumer[Any] = Consumer(
+        client,
+        stream,
+        "trainer",
+        "trainer-0",
+        dlq=f"{stream}:dlq",
+        counters_key=f"{stream}:counters",
+        is_alive=bool,
+        decode=lambda f: decode_group(f[b"data"]),
+    )
+    for _ in range(n):
+        producer.add(stream_fields(group))
+    done = 0
+    while done < n:
+        got = consumer.read(count=16, block_ms=100)
+        consumer.ack([d.id for d in got], counters={Counter.GROUPS_TRAINED: len(got)})
+        done += len(got)
+
+
+def _raw_queue_round(client: Any, stream: str, fields: dict[Any, Any], n: int) -> None:
+    """The same bytes through plain redis-py calls: no codec, no checks, no counters."""
+    client.xgroup_create(stream, "trainer", id="0", mkstream=True)
+    for _ in range(n):
+        client.xadd(stream, fields)
+    done = 0
+    while done < n:
+        reply = client.xreadgroup("trainer", "trainer-0", {stream: ">"}, count=16, block=100)
+        ids = [entry_id for entry_id, _ in reply[0][1]]
+        client.xack(stream, "trainer", *ids)
+        done += len(ids)
+
+
+def _codec_s(group: Any, n: int) -> float:
+    from asyncrl.protocol import decode_group, encode_group
+
+    start = time.perf_counter()
+    for _ in range(n):
+        decode_group(encode_group(group))
+    return time.perf_counter() - start
+
+
 def part_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
     import redis
     from bench_codec import make_group  # a sibling: the script's folder is importable
 
     from asyncrl.launch.redis_server import RedisServer
-    from asyncrl.protocol import decode_group, stream_fields
-    from asyncrl.queue import Consumer, Producer
-    from asyncrl.runstate import Counter
+    from asyncrl.protocol import stream_fields
 
-    lengths = [int(x) for x in args.queue_tokens.split(",")]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(data_dir=Path(tmp), appendonly=False).start()
         try:
             client = redis.Redis.from_url(server.url, socket_timeout=30)
-            for n_tokens in lengths:
+            for n_tokens in (int(x) for x in args.queue_tokens.split(",")):
                 group = make_group(8, n_tokens)
                 fields = stream_fields(group)
                 size = sum(len(v) for v in fields.values())
                 n = max(8, 2**17 // n_tokens)
-
-                def asyncrl_round(stream: str) -> None:
-                    producer = Producer(client, stream)
-                    consumer: Consumer[Any] = Consumer(
-                        client,
-                        stream,
-                        "trainer",
-                        "trainer-0",
-                        dlq=f"{stream}:dlq",
-                        counters_key=f"{stream}:counters",
-                        is_alive=bool,
-                        decode=lambda f: decode_group(f[b"data"]),
-                    )
-                    for _ in range(n):
-                        producer.add(stream_fields(group))
-                    done = 0
-                    while done < n:
-                        got = consumer.read(count=16, block_ms=100)
-                        consumer.ack([d.id for d in got], counters={Counter.GROUPS_TRAINED: 1})
-                        done += len(got)
-
-                def raw_round(stream: str) -> None:
-                    client.xgroup_create(stream, "trainer", id="0", mkstream=True)
-                    entry: dict[Any, Any] = fields
-                    for _ in range(n):
-                        client.xadd(stream, entry)
-                    done = 0
-                    while done < n:
-                        reply: Any = client.xreadgroup(
-                            "trainer", "trainer-0", {stream: ">"}, count=16, block=100
-                        )
-                        ids = [entry_id for entry_id, _ in reply[0][1]]
-                        client.xack(stream, "trainer", *ids)
-                        done += len(ids)
-
-                times: dict[str, list[float]] = {"asyncrl": [], "raw": []}
+                times: dict[str, list[float]] = {"asyncrl": [], "raw": [], "codec": []}
                 for r in range(args.rounds + 1):
-                    for name, run in (("asyncrl", asyncrl_round), ("raw", raw_round)):
-                        stream = f"bench:{name}:{n_tokens}:{r}"
-                        start = time.perf_counter()
-                        run(stream)
-                        if r:
-                            times[name].append(time.perf_counter() - start)
-                        client.delete(stream, f"{stream}:counters", f"{stream}:dlq")
-                a, b = median(times["asyncrl"]), median(times["raw"])
+                    stream = f"bench:{n_tokens}:{r}"
+                    start = time.perf_counter()
+                    _asyncrl_queue_round(client, f"{stream}:asyncrl", group, n)
+                    a = time.perf_counter() - start
+                    start = time.perf_counter()
+                    _raw_queue_round(client, f"{stream}:raw", fields, n)
+                    b = time.perf_counter() - start
+                    c = _codec_s(group, n)
+                    if r:
+                        times["asyncrl"].append(a)
+                        times["raw"].append(b)
+                        times["codec"].append(c)
+                    for name in ("asyncrl", "raw"):
+                        client.delete(f"{stream}:{name}", f"{stream}:{name}:counters")
+                a, b, c = (median(times[k]) for k in ("asyncrl", "raw", "codec"))
                 row = {
                     "tokens": n_tokens,
                     "message_mb": round(size / MB, 3),
@@ -580,6 +608,7 @@ def part_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "mb_s": round(n * size / MB / a, 1),
                     "raw_mb_s": round(n * size / MB / b, 1),
                     "ratio": round(b / a, 3),
+                    "codec_share": round(c / a, 3),
                 }
                 print(f"  queue {row}", file=sys.stderr)
                 out.append(row)
@@ -612,6 +641,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(args: argparse.Namespace, part: str, size: str, flops: float) -> Any:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", part, "--size", size]
     cmd += ["--rounds", str(args.rounds), "--engine-dtype", args.engine_dtype]
+    cmd += ["--copy", args.copy]
     cmd += ["--bucket-mb", str(args.bucket_mb), "--train-tokens", str(args.train_tokens)]
     cmd += ["--queue-tokens", args.queue_tokens, "--peak-flops", str(flops)]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
@@ -652,7 +682,10 @@ def plot(result: dict[str, Any], prefix: str) -> None:
                 continue
             ax.plot(xs, [sizes[s][part][ours] for s in sizes if part in sizes[s]], "o-", label=part)
             ax.plot(
-                xs, [sizes[s][part][raw] for s in sizes if part in sizes[s]], "x--", label=f"raw {part}"
+                xs,
+                [sizes[s][part][raw] for s in sizes if part in sizes[s]],
+                "x--",
+                label=f"raw {part}",
             )
         ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel=series[0][1])
         ax.legend()
@@ -681,6 +714,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--copy", default="deferred", choices=["deferred", "inline"])
     parser.add_argument("--train-tokens", type=int, default=512, help="tokens per train step")
     parser.add_argument("--queue-tokens", default="256,1024,4096,16384")
     parser.add_argument("--plot", help="save log-log pngs as PREFIX_{sync,train,queue}.png")

@@ -376,7 +376,9 @@ class BackgroundPublisher(ABC):
             self._cond.wait_for(lambda: not self._copying)
         return time.perf_counter() - start
 
-    def _copy(self, buffer: FlatBuffer, named: list[tuple[str, torch.Tensor]]) -> torch.Event | None:
+    def _copy(
+        self, buffer: FlatBuffer, named: list[tuple[str, torch.Tensor]]
+    ) -> torch.Event | None:
         """Fill `buffer`; the event that completes with the copies. On an accelerator they are
         only queued, behind the optimizer step and ahead of the next one: the trainer goes on,
         the sender waits for the event."""

@@ -22,8 +22,9 @@ PUBLISH on the channel of the same name (the doorbell subscribers block on).
     send           {"epoch": e, "seq": n, "version": v}: the n-th send of epoch e starts now
     sent_version   last version delivered to every member
     join:{id}      subscriber {id} wants weights (JSON: host, pid, incarnation — random per
-                   subscriber — and the floating `dtype` its engine keeps, if it said); it counts as live while the key `{Keys.weights}:lease:{id}` exists
-                   (TTL lease_s, refreshed every lease_s/3)
+                   subscriber —, and the floating `dtype` its engine keeps if it said); it counts
+                   as live while the key `{Keys.weights}:lease:{id}` exists (TTL lease_s,
+                   refreshed every lease_s/3)
 
 Forming epoch e: the publisher proposes it to the live subscribers, waits until each has set
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
