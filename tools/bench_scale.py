@@ -518,46 +518,6 @@ def part_train(args: argparse.Namespace) -> dict[str, Any]:
 # queue
 
 
-def _asyncrl_queue_round(client: Any, stream: str, group: Any, n: int) -> None:
-    """n groups encoded, added, read (decoded and validated) and acked, as worker and trainer
-    do."""
-    from asyncrl.protocol import decode_group, stream_fields
-    from asyncrl.queue import Consumer, Producer
-    from asyncrl.runstate import Counter
-
-    producer = Producer(client, stream)
-    consumer: Consumer[Any] = Consumer(
-        client,
-        stream,
-        "trainer",
-        "trainer-0",
-        dlq=f"{stream}:dlq",
-        counters_key=f"{stream}:counters",
-        is_alive=bool,
-        decode=lambda f: decode_group(f[b"data"]),
-    )
-    for _ in range(n):
-        producer.add(stream_fields(group))
-    done = 0
-    while done < n:
-        got = consumer.read(count=16, block_ms=100)
-        consumer.ack([d.id for d in got], counters={Counter.GROUPS_TRAINED: len(got)})
-        done += len(got)
-
-
-def _raw_queue_round(client: Any, stream: str, fields: dict[Any, Any], n: int) -> None:
-    """The same bytes through plain redis-py calls: no codec, no checks, no counters."""
-    client.xgroup_create(stream, "trainer", id="0", mkstream=True)
-    for _ in range(n):
-        client.xadd(stream, fields)
-    done = 0
-    while done < n:
-        reply = client.xreadgroup("trainer", "trainer-0", {stream: ">"}, count=16, block=100)
-        ids = [entry_id for entry_id, _ in reply[0][1]]
-        client.xack(stream, "trainer", *ids)
-        done += len(ids)
-
-
 def _codec_s(group: Any, n: int) -> float:
     from asyncrl.protocol import decode_group, encode_group
 
@@ -569,7 +529,8 @@ def _codec_s(group: Any, n: int) -> float:
 
 def part_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
     import redis
-    from bench_codec import make_group  # a sibling: the script's folder is importable
+    from bench_codec import make_group  # siblings: the script's folder is importable
+    from bench_queue import asyncrl_round, raw_round
 
     from asyncrl.launch.redis_server import RedisServer
     from asyncrl.protocol import stream_fields
@@ -588,10 +549,10 @@ def part_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for r in range(args.rounds + 1):
                     stream = f"bench:{n_tokens}:{r}"
                     start = time.perf_counter()
-                    _asyncrl_queue_round(client, f"{stream}:asyncrl", group, n)
+                    asyncrl_round(client, f"{stream}:asyncrl", fields, n, 16, group)
                     a = time.perf_counter() - start
                     start = time.perf_counter()
-                    _raw_queue_round(client, f"{stream}:raw", fields, n)
+                    raw_round(client, f"{stream}:raw", fields, n, 16)
                     b = time.perf_counter() - start
                     c = _codec_s(group, n)
                     if r:
@@ -740,7 +701,7 @@ def main() -> None:
     flops = run_child(args, "flops", "1m", 1.0) if "train" in parts else 1.0
     result: dict[str, Any] = {"peak_flops": round(flops), "engine_dtype": args.engine_dtype}
     result["sizes"] = {}
-    for size in sizes:
+    for size in sizes if any(p in parts for p in PARTS) else []:
         result["sizes"][size] = {}
         for part in (p for p in PARTS if p in parts):
             print(f"{size} {part} ...", file=sys.stderr)
