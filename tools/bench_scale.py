@@ -620,6 +620,19 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merged(lines: list[str]) -> dict[str, Any]:
+    """One result of several runs' JSON lines; a later run's figures win."""
+    result: dict[str, Any] = {"sizes": {}}
+    for line in lines:
+        run = json.loads(line)
+        for size, parts in run.get("sizes", {}).items():
+            result["sizes"].setdefault(size, {}).update(parts)
+        for key, value in run.items():
+            if key != "sizes":
+                result[key] = value
+    return result
+
+
 def plot(result: dict[str, Any], prefix: str) -> None:
     """Log-log figures of the ladder, if matplotlib is installed (it is optional)."""
     try:
@@ -631,6 +644,9 @@ def plot(result: dict[str, Any], prefix: str) -> None:
         print("matplotlib is not installed: no plots", file=sys.stderr)
         return
     sizes = result["sizes"]
+    n_params = {
+        s: r["params"] for s, parts in sizes.items() for r in parts.values() if "params" in r
+    }
     charts = {
         "sync": [("broadcast", "mb_s", "raw_mb_s"), ("store", "mb_s", "raw_mb_s")],
         "train": [("train", "tokens_s", "bare_tokens_s")],
@@ -638,7 +654,7 @@ def plot(result: dict[str, Any], prefix: str) -> None:
     for name, series in charts.items():
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for part, ours, raw in series:
-            xs = [SIZES_PARAMS[s] for s in sizes if part in sizes[s]]
+            xs = [n_params[s] for s in sizes if part in sizes[s]]
             if not xs:
                 continue
             ax.plot(xs, [sizes[s][part][ours] for s in sizes if part in sizes[s]], "o-", label=part)
@@ -665,9 +681,6 @@ def plot(result: dict[str, Any], prefix: str) -> None:
         plt.close(fig)
 
 
-SIZES_PARAMS: dict[str, int] = {}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1m,10m,50m,150m", help=f"of {','.join(SIZES)}")
@@ -679,6 +692,9 @@ def main() -> None:
     parser.add_argument("--train-tokens", type=int, default=512, help="tokens per train step")
     parser.add_argument("--queue-tokens", default="256,1024,4096,16384")
     parser.add_argument("--plot", help="save log-log pngs as PREFIX_{sync,train,queue}.png")
+    parser.add_argument(
+        "--replot", nargs="+", metavar="OUT", help="merge earlier runs' outputs (their last line)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--size", default="1m", help=argparse.SUPPRESS)
     parser.add_argument("--peak-flops", type=float, default=1.0, help=argparse.SUPPRESS)
@@ -693,6 +709,13 @@ def main() -> None:
         return receiver(args)
     if args.child:
         return child(args)
+    if args.replot:
+        result = merged([Path(f).read_text().strip().splitlines()[-1] for f in args.replot])
+        if args.plot:
+            plot(result, args.plot)
+        print(table(result))
+        print(json.dumps(result))
+        return
     parts = args.parts.split(",")
     sizes = args.sizes.split(",")
     unknown = sorted(set(sizes) - set(SIZES)) + sorted(set(parts) - {*PARTS, "queue"})
@@ -705,10 +728,7 @@ def main() -> None:
         result["sizes"][size] = {}
         for part in (p for p in PARTS if p in parts):
             print(f"{size} {part} ...", file=sys.stderr)
-            r = run_child(args, part, size, flops)
-            result["sizes"][size][part] = r
-            if "params" in r:
-                SIZES_PARAMS[size] = r["params"]
+            result["sizes"][size][part] = run_child(args, part, size, flops)
     if "queue" in parts:
         result["queue"] = run_child(args, "queue", "1m", flops)
     if args.plot:
