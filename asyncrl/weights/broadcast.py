@@ -408,7 +408,8 @@ class _ReceiveBuffers:
             if buffer.numel() == nbytes and self._free(buffer):
                 return buffer
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        self._buffers = [buffer, *self._buffers[:1]]
+        # One of another size (the layout changed: a narrower dtype) is never taken again.
+        self._buffers = [buffer, *(b for b in self._buffers if b.numel() == nbytes)][:2]
         return buffer
 
 
