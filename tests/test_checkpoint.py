@@ -3,12 +3,14 @@ previous checkpoint intact (`asyncrl/trainer/checkpoint.py`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoint_proc import digests
 
@@ -39,3 +41,45 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_previous_one(
     assert f"{root / 'step_00000001'} is intact" in error, error
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
     assert digests(root / "step_00000001") == report["before"]
+
+
+def test_optimizer_state_resumes_as_the_distributed_loader_does_it_without_its_step() -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    from asyncrl.trainer.parallel import full_state, load_optimizer_state
+
+    def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        model[1].bias.requires_grad_(False)  # frozen: no optimizer state (a LoRA base)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(trainable, lr=1e-2)
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model(torch.ones(3, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    model_state, optimizer_state = full_state(model, optimizer)
+    resumed = []
+    for load in ("ours", "distributed"):
+        m, o = model_and_optimizer()
+        m.load_state_dict(model_state, strict=False)  # the frozen bias is not in it
+        # A loaded optimizer may keep the tensors it is given (as a dict fresh from torch.load).
+        state = copy.deepcopy(optimizer_state)
+        if load == "ours":
+            load_optimizer_state(m, o, state)
+        else:
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(m, o, optim_state_dict=state, options=options)
+        assert o.state_dict()["state"][0]["step"] == 1
+        step(m, o)
+        resumed.append(m)
+    ours, theirs = resumed
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)

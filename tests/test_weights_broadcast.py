@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -28,6 +29,8 @@ from asyncrl.weights import (
     build_publisher,
 )
 from asyncrl.weights.base import text
+from asyncrl.weights.broadcast import BroadcastPublisher
+from asyncrl.weights.buckets import Layout
 
 from role_procs import wait_until
 from weights_proc import (
@@ -69,6 +72,10 @@ class Harness:
     def registered(self) -> set[str]:
         fields = [text(f) for f in self.client.hkeys(KEYS.weights)]
         return {f.removeprefix("join:") for f in fields if f.startswith("join:")}
+
+    @staticmethod
+    def full_bytes(params: dict[str, torch.Tensor]) -> int:
+        return Layout.of(params.items()).total_bytes
 
     def holds(self, worker: str, version: int) -> bool:
         return version in versions(self.client, RUN, worker)
@@ -244,6 +251,8 @@ def test_workers_find_the_publisher_after_redis_comes_back_empty(
     params = make_params(1)
     pub.publish(params.items(), 0)
     harness.hold(["a"], 0, fingerprint(params))
+    # a writes its first version after its report: a restart in between would fail that write.
+    assert harness.first_version("a") == 0
     restart_empty(harness.server, tmp_path / "redis-empty")
     harness.spawn("b")  # joins after the loss: only the rendezvous fields can lead it
     harness.hold(["b"], 0, fingerprint(params))
@@ -371,3 +380,51 @@ def test_a_loopback_rendezvous_listens_on_loopback_only(harness: Harness) -> Non
     assert peers, "the subscriber's gloo pair listens somewhere"
     loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
     assert {addr for addr, _ in new | peers} <= loopback, new | peers
+
+
+def test_floats_go_in_the_dtype_every_subscriber_keeps_and_bit_exact_to_one_that_says_none(
+    harness: Harness,
+) -> None:
+    harness.spawn("a", args=("--keeps-dtype", "bfloat16"))
+    pub = harness.publish_to({"a"})
+    staging = cast(BroadcastPublisher, pub)
+    wait_until(lambda: staging._narrow_to == torch.bfloat16, 30, "a's dtype seen")
+    params = make_params(8)
+    full = harness.full_bytes(params)
+    pub.publish(params.items(), 1)
+    # fp32 masters arrive as bf16; bf16, integer and bool tensors as they are.
+    narrowed = {
+        k: t.bfloat16() if t.dtype == torch.float32 else t.clone() for k, t in params.items()
+    }
+    harness.hold(["a"], 1, fingerprint(narrowed))
+    record = harness.records.get(timeout=30)
+    assert record.ok and record.bytes_sent < 0.8 * full, (record.bytes_sent, full)
+    # A subscriber that keeps the trainer's dtypes joins: from then on nothing is cast.
+    harness.spawn("b")
+    wait_until(lambda: harness.holds("b", 1), 60, "b caught up")
+    train_step(params)
+    pub.publish(params.items(), 2)
+    harness.hold(["a", "b"], 2, fingerprint(params))
+    while (record := harness.records.get(timeout=30)).version != 2:
+        pass
+    assert record.bytes_sent == full
+
+
+def test_a_deferred_copy_sends_the_parameters_as_they_were_published(harness: Harness) -> None:
+    # a's slow callback keeps the sender busy for some publishes: then copied() makes the copy
+    # on the trainer's thread; otherwise the sender makes it. Either way changes made after
+    # copied() returned never reach a version.
+    harness.spawn("a", args=("--slow-s", "0.3"))
+    pub = harness.publish_to({"a"})
+    params = make_params(8)
+    expected = {}
+    for version in range(4):
+        pub.publish(params.items(), version, defer_copy=True)
+        expected[version] = fingerprint(params)
+        pub.copied()
+        train_step(params)
+    harness.hold(["a"], 3, expected[3])
+    for report in got(harness.client, RUN, "a"):
+        assert (report["checksum"], report["digest"]) == expected[report["version"]]
+    stats = pub.stats()
+    assert stats.sent + stats.coalesced == 4 and stats.failed == 0

@@ -18,6 +18,7 @@ from asyncrl.weights.buckets import (
     bucket_ranges,
     checksum,
     checksum_tensors,
+    wrap64,
 )
 from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
@@ -98,6 +99,32 @@ def test_checksum_wraps_like_int64() -> None:
     words = torch.tensor([2**62, 2**62, 2**62, 5], dtype=torch.int64)
     expected = (3 * 2**62 + 5 + 2**63) % 2**64 - 2**63
     assert checksum(words.view(torch.uint8)) == expected == checksum_tensors([words])
+
+
+def test_bucket_checksums_add_up_to_the_buffer_s_and_see_a_flip_in_any_bucket() -> None:
+    words = torch.randint(-(2**62), 2**62, (1000,), dtype=torch.int64)
+    flat = words.view(torch.uint8)
+    ranges = bucket_ranges(flat.numel(), 8 * 64)
+    assert wrap64(sum(checksum(flat[s:e]) for s, e in ranges)) == checksum(flat)
+    for start, _ in ranges:
+        flipped = flat.clone()
+        flipped[start] ^= 1
+        assert wrap64(sum(checksum(flipped[s:e]) for s, e in ranges)) != checksum(flat)
+
+
+def test_a_narrowed_layout_casts_wider_floats_only() -> None:
+    tensors = mixed()
+    layout = Layout.of(tensors.items(), narrow_to=torch.bfloat16)
+    dtypes = {s.name: s.dtype for s in layout.specs}
+    assert dtypes["z.fp32"] == dtypes["c.scalar"] == dtypes["a.bf16"] == torch.bfloat16
+    assert dtypes["e.fp16"] == torch.float16  # as narrow already
+    assert (dtypes["m.int64"], dtypes["b.bool"]) == (torch.int64, torch.bool)
+    assert layout.total_bytes < Layout.of(tensors.items()).total_bytes
+    buffer = FlatBuffer(layout, torch.device("cpu"))
+    buffer.pack(tensors.items())
+    assert same_bits(buffer.tensors["z.fp32"], tensors["z.fp32"].bfloat16())
+    assert same_bits(buffer.tensors["m.int64"], tensors["m.int64"])
+    assert Layout.from_bytes(layout.to_bytes()) == layout
 
 
 def test_header_round_trip_and_foreign_data_rejected() -> None:

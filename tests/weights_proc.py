@@ -1,7 +1,7 @@
 """A rollout-worker stand-in for the weight-sync tests, and the helpers those tests share.
 
     python tests/weights_proc.py --redis URL --run RUN --worker ID [--type store] [--slow-s S]
-        [--device cuda:1]
+        [--device cuda:1] [--keeps-dtype bfloat16]
 
 The process subscribes and reports every version handed over to the Redis list
 `report_key(run, worker)` as JSON {version, checksum, digest}: the checksum of all tensors and a
@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--sync-timeout-s", type=float, default=5.0)
     parser.add_argument("--lease-s", type=float, default=1.5)
     parser.add_argument("--slow-s", type=float, default=0.0, help="sleep in on_weights")
+    parser.add_argument("--keeps-dtype", help="the floating dtype the 'engine' keeps (bfloat16)")
     parser.add_argument(
         "--die-joining", action="store_true", help="SIGKILL itself once it is a member, unjoined"
     )
@@ -157,8 +158,15 @@ def main() -> None:
 
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    keeps = getattr(torch, args.keeps_dtype) if args.keeps_dtype else None
     sub = build_subscriber(
-        cfg, client, Keys(args.run), args.worker, device=args.device, on_weights=on_weights
+        cfg,
+        client,
+        Keys(args.run),
+        args.worker,
+        device=args.device,
+        on_weights=on_weights,
+        keeps_dtype=keeps,
     )
     while not stopping.is_set():
         try:

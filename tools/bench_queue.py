@@ -27,7 +27,7 @@ import redis
 from bench_codec import bench_codec, make_group  # a sibling: the script's folder is importable
 
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.protocol import stream_fields
+from asyncrl.protocol import TrajectoryGroup, decode_group, stream_fields
 from asyncrl.queue import Consumer, Producer
 from asyncrl.runstate import Counter
 
@@ -35,8 +35,15 @@ Fields = dict[str | bytes, bytes]
 
 
 def asyncrl_round(
-    client: redis.Redis, stream: str, fields: Fields, groups: int, batch: int
+    client: redis.Redis,
+    stream: str,
+    fields: Fields,
+    groups: int,
+    batch: int,
+    group: TrajectoryGroup | None = None,
 ) -> None:
+    """With `group`, each entry is encoded from it and decoded (validated) when read, as rollout
+    workers and trainers do; else `fields` go as they are."""
     producer = Producer(client, stream)
     consumer: Consumer[object] = Consumer(
         client,
@@ -46,9 +53,10 @@ def asyncrl_round(
         dlq=f"{stream}:dlq",
         counters_key=f"{stream}:counters",
         is_alive=bool,
+        decode=None if group is None else lambda f: decode_group(f[b"data"]),
     )
     for _ in range(groups):
-        producer.add(fields)
+        producer.add(fields if group is None else stream_fields(group))
     done = 0
     while done < groups:
         got = consumer.read(count=batch, block_ms=100)

@@ -72,6 +72,7 @@ class RolloutWorker:
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.tasks.base import build_task
         from asyncrl.weights import build_subscriber
+        from asyncrl.weights.base import kept_dtype
 
         self.cfg = cfg
         self.id = worker_id or default_worker_id()
@@ -112,6 +113,7 @@ class RolloutWorker:
                 device=device,
                 on_weights=self._on_weights,
                 engine=self.engine,
+                keeps_dtype=kept_dtype(self.engine),
             ),
             "start the weight subscriber",
         )

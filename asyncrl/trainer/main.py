@@ -68,6 +68,11 @@ class Trainer:
             else None
         )
         """The step's full mismatch tables (`asyncrl mismatch RUN_DIR`); rank 0 only."""
+        self._copy_wait = 0.0
+        if self.rank0 is not None:
+            # Weights are published with a deferred copy: the optimizer changes them only once
+            # the publisher has copied them (it does so while forward and backward run).
+            self.parts.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     # -- what callers and tests read -----------------------------------------------------------
 
@@ -373,6 +378,10 @@ class Trainer:
             ),
         }
 
+    def _before_optimizer_step(self, *_: object) -> None:
+        if self.rank0 is not None:
+            self._copy_wait += self.rank0.publisher.copied()
+
     def _publish(self) -> float:
         """Hand the current weights to rank 0's publisher; returns the seconds it blocked. A
         sharded model's full tensors are gathered first, with every rank taking part."""
@@ -383,7 +392,10 @@ class Trainer:
             return 0.0
         gathered = time.perf_counter() - start
         record_version(self.cfg.run.path / "checkpoints", self.version)
-        blocking = gathered + self.rank0.publisher.publish(params, self.version)
+        # The wait for the previous version's copy, in this step's optimizer step, counts too.
+        blocking = gathered + self._copy_wait
+        blocking += self.rank0.publisher.publish(params, self.version, defer_copy=True)
+        self._copy_wait = 0.0
         self.parts.redis.call(
             lambda: self.client.set(self.keys.version, self.version), "publish the version"
         )

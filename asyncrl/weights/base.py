@@ -10,7 +10,15 @@ places that do. The choices common to all transports live here, in two base clas
   are two buffers: the sender owns one (the version being sent, or the last one sent — kept to
   catch up workers that join while the trainer is busy), `publish()` fills the other. A version
   staged while another is in flight waits; a newer one staged before it left replaces it, so
-  after a slow send only the newest version goes (coalescing).
+  after a slow send only the newest version goes (coalescing). With `defer_copy` even the copy
+  leaves the trainer's thread: the sender makes it while the next step's forward and backward
+  run, and the trainer waits for it (`copied()`, from its optimizer's step pre-hook) only
+  before it changes the parameters — or makes it itself there, if the sender is still busy
+  with an older version, which costs what a plain `publish()` would have.
+- Bytes the receivers would throw away are not sent: a subscriber says which floating dtype its
+  engine keeps (`keeps_dtype`, e.g. bf16), and while every live subscriber keeps the same one,
+  wider floating tensors (fp32 masters) are cast to it as they are staged — half the bytes to
+  copy, send and check. A subscriber that says nothing gets the trainer's dtypes, bit for bit.
 - Receiving happens on the subscriber's own thread; `on_weights(tensors, version)` is called
   there with tensors the subscriber never touches again (the engine may keep them). It should
   stage and return: the sender waits for every subscriber, so a slow callback slows them all.
@@ -124,8 +132,15 @@ class PublisherStats:
 class WeightPublisher(Protocol):
     """Trainer rank 0's end. Thread-safe; `publish` is meant to be called after each step."""
 
-    def publish(self, params: Params, version: int) -> float:
-        """Stage `params` as `version` (strictly increasing); returns the seconds it blocked."""
+    def publish(self, params: Params, version: int, *, defer_copy: bool = False) -> float:
+        """Stage `params` as `version` (strictly increasing); returns the seconds it blocked.
+        With `defer_copy` it returns before `params` are copied: call `copied()` before
+        changing them."""
+        ...
+
+    def copied(self) -> float:
+        """Return once the parameters of a deferred copy are copied (at once if none is
+        pending); the seconds it blocked."""
         ...
 
     def stats(self) -> PublisherStats: ...
@@ -193,15 +208,18 @@ def build_subscriber(
     device: torch.device | str,
     on_weights: OnWeights,
     engine: RolloutEngine | None = None,
+    keeps_dtype: torch.dtype | None = None,
 ) -> WeightSubscriber:
     """`on_weights` receives the tensors of in-process transports; `engine` is the worker's
-    engine, which the SGLang member asks for its servers' URLs (it receives no tensors)."""
+    engine, which the SGLang member asks for its servers' URLs (it receives no tensors).
+    `keeps_dtype` (`kept_dtype(engine)`): the broadcast publisher may send floating tensors in
+    it; the store's files keep the trainer's dtypes (their readers are not known)."""
     match cfg:
         case BroadcastWeightsConfig():
             from asyncrl.weights.broadcast import BroadcastSubscriber
 
             return BroadcastSubscriber(
-                cfg, client, keys, worker_id, torch.device(device), on_weights
+                cfg, client, keys, worker_id, torch.device(device), on_weights, keeps_dtype
             )
         case StoreWeightsConfig():
             from asyncrl.weights.store import StoreSubscriber
@@ -213,6 +231,27 @@ def build_subscriber(
             return SglangSubscriber.for_engine(cfg, client, keys, worker_id, engine)
         case _:
             assert_never(cfg)
+
+
+def kept_dtype(engine: RolloutEngine | None) -> torch.dtype | None:
+    """The one floating dtype an in-process engine keeps its synced weights in; None for an
+    engine that keeps several, or that is not in process."""
+    from asyncrl.engines.base import InProcessWeights
+
+    if not isinstance(engine, InProcessWeights):
+        return None
+    dtypes = {t.dtype for t in engine.state_dict_for_sync().values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def floating_dtype(name: object) -> torch.dtype | None:
+    """The floating dtype a subscriber declared by name; None for anything else."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def text(value: bytes | str) -> str:
@@ -274,8 +313,13 @@ class BackgroundPublisher(ABC):
         self._spare: FlatBuffer | None = None  # replaces the front of an older layout
         self._staged: tuple[int, float] | None = None  # (version, blocking_s) waiting in _back
         self._staged_copies: torch.Event | None = None  # completes when _back is filled
+        self._deferred: list[tuple[str, torch.Tensor]] | None = None  # to copy into _back
+        self._copying = False  # the sender is copying a deferred version into _front
         self._front_version: int | None = None
         self._last_version: int | None = None
+        # Set by a transport that knows what its receivers keep (see the module docstring);
+        # read by `publish()` when it lays out the next version.
+        self._narrow_to: torch.dtype | None = None
         self._closing = False
         self._stats = PublisherStats()
         self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
@@ -289,14 +333,16 @@ class BackgroundPublisher(ABC):
         """Deliver `buffer` as `version`; return (bytes sent, receivers). Raise on failure."""
 
     def _wants_resend(self) -> bool:
-        """Polled while idle: should the front (last sent) version go out again?"""
+        """Polled while idle, from before the first version on (a transport may refresh what it
+        knows of its receivers here): should the front (last sent) version, if any, go out
+        again?"""
         return False
 
     @abstractmethod
     def _shutdown(self) -> None:
         """Release transport resources; runs on the sender thread after its last send."""
 
-    def publish(self, params: Params, version: int) -> float:
+    def publish(self, params: Params, version: int, *, defer_copy: bool = False) -> float:
         start = time.perf_counter()
         named = _named(params)
         with self._cond:
@@ -304,17 +350,17 @@ class BackgroundPublisher(ABC):
                 raise RuntimeError("publish() after close()")
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(f"version {version} is not above {self._last_version}")
-            layout = Layout.of(named)
+            layout = Layout.of(named, self._narrow_to)
             if self._back is None or self._back.layout != layout:
                 # A new layout (the first publish, too) gets both buffers at once: left to the
                 # next publish, the second one's first-touch page faults would cost more than
                 # its copy.
                 self._back = FlatBuffer(layout, self._staging_device)
                 self._spare = FlatBuffer(layout, self._staging_device)
-            self._back.pack(named)
-            # On an accelerator the copies are only queued, behind the optimizer step and ahead
-            # of the next one: the trainer goes on, the sender waits for this event.
-            self._staged_copies = copies_done(self._staging_device)
+            # A deferred copy not begun yet is superseded: it would go into the same buffer.
+            self._deferred = named if defer_copy else None
+            if not defer_copy:
+                self._staged_copies = self._copy(self._back, named)
             blocking_s = time.perf_counter() - start
             if self._staged is not None:
                 self._stats.coalesced += 1
@@ -323,6 +369,25 @@ class BackgroundPublisher(ABC):
             self._stats.published += 1
             self._cond.notify_all()
         return blocking_s
+
+    def copied(self) -> float:
+        start = time.perf_counter()
+        with self._cond:
+            if self._deferred is not None:  # the sender is busy: copy here, as publish() would
+                assert self._back is not None
+                self._staged_copies = self._copy(self._back, self._deferred)
+                self._deferred = None
+            self._cond.wait_for(lambda: not self._copying)
+        return time.perf_counter() - start
+
+    def _copy(
+        self, buffer: FlatBuffer, named: list[tuple[str, torch.Tensor]]
+    ) -> torch.Event | None:
+        """Fill `buffer`; the event that completes with the copies. On an accelerator they are
+        only queued, behind the optimizer step and ahead of the next one: the trainer goes on,
+        the sender waits for the event."""
+        buffer.pack(named)
+        return copies_done(self._staging_device)
 
     def stats(self) -> PublisherStats:
         with self._cond:
@@ -353,7 +418,16 @@ class BackgroundPublisher(ABC):
             self._front = front
             job, self._staged = self._staged, None
             self._front_version = job[0]
+            deferred, self._deferred = self._deferred, None
+            self._copying = deferred is not None
             copies, self._staged_copies = self._staged_copies, None
+        if deferred is not None:
+            try:
+                copies = self._copy(front, deferred)
+            finally:
+                with self._cond:
+                    self._copying = False
+                    self._cond.notify_all()
         if copies is not None:
             copies.synchronize()
         return job
@@ -366,7 +440,7 @@ class BackgroundPublisher(ABC):
                     self._deliver(*job)
                 elif self._closing:
                     break
-                elif self._front_version is not None and self._wants_resend():
+                elif self._wants_resend() and self._front_version is not None:
                     self._deliver(self._front_version, 0.0)
             except Exception as exc:
                 # The thread must outlive Redis hiccups and bugs alike: log, pause, go on.
@@ -416,9 +490,11 @@ class BackgroundSubscriber(ABC, Generic[C]):
         worker_id: str,
         device: torch.device,
         on_weights: OnWeights,
+        keeps_dtype: torch.dtype | None = None,
     ) -> None:
         self._client, self._keys, self._id, self._device = client, keys, worker_id, device
         self._on_weights = on_weights
+        self._keeps_dtype = keeps_dtype
         self._close_timeout_s = 3 * cfg.sync_timeout_s
         self._doorbell = Doorbell(client, keys.weights)
         self._cond = threading.Condition()

@@ -22,8 +22,9 @@ PUBLISH on the channel of the same name (the doorbell subscribers block on).
     send           {"epoch": e, "seq": n, "version": v}: the n-th send of epoch e starts now
     sent_version   last version delivered to every member
     join:{id}      subscriber {id} wants weights (JSON: host, pid, incarnation — random per
-                   subscriber); it counts as live while the key `{Keys.weights}:lease:{id}` exists
-                   (TTL lease_s, refreshed every lease_s/3)
+                   subscriber —, and the floating `dtype` its engine keeps if it said); it counts
+                   as live while the key `{Keys.weights}:lease:{id}` exists (TTL lease_s,
+                   refreshed every lease_s/3)
 
 Forming epoch e: the publisher proposes it to the live subscribers, waits until each has set
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
@@ -75,9 +76,18 @@ from asyncrl.weights.base import (
     BackgroundSubscriber,
     SyncRecord,
     announce,
+    dtype_name,
+    floating_dtype,
     read_hash,
 )
-from asyncrl.weights.buckets import FlatBuffer, Header, Layout, bucket_ranges, checksum
+from asyncrl.weights.buckets import (
+    FlatBuffer,
+    Header,
+    Layout,
+    bucket_ranges,
+    checksum,
+    wrap64,
+)
 from asyncrl.weights.config import BroadcastWeightsConfig
 from asyncrl.weights.groups import (
     Group,
@@ -147,6 +157,15 @@ class Lease:
         pipe.delete(lease_key(self._keys, self._id))
         pipe.hdel(self._keys.weights, f"join:{self._id}", f"ready:{self._id}")
         pipe.execute()
+
+
+def _record(join: str) -> dict:
+    """A `join:` record; one that does not parse declares nothing."""
+    try:
+        record = json.loads(join)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _post(group: Group, tensors: list[torch.Tensor]) -> list[dist.Work]:
@@ -232,6 +251,8 @@ class BroadcastPublisher(BackgroundPublisher):
             self._unresponsive -= renewed
             self._failures = 0  # a newcomer deserves its tries, even of a version that failed
         self._joins = {w: joins[w] for w in live}
+        declared = {floating_dtype(_record(joins[w]).get("dtype")) for w in live}
+        self._narrow_to = declared.pop() if len(declared) == 1 else None
         return live, h
 
     def _stale(self, live: list[str], h: dict[str, str]) -> bool:
@@ -387,7 +408,8 @@ class _ReceiveBuffers:
             if buffer.numel() == nbytes and self._free(buffer):
                 return buffer
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        self._buffers = [buffer, *self._buffers[:1]]
+        # One of another size (the layout changed: a narrower dtype) is never taken again.
+        self._buffers = [buffer, *(b for b in self._buffers if b.numel() == nbytes)][:2]
         return buffer
 
 
@@ -403,7 +425,8 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
         self._epoch = -1  # the last epoch whose group this subscriber built, or formed unseen
         self._acked = -1  # the last epoch it declared itself ready for
         self._seq = 0  # sends of `_epoch` taken part in
-        self._lease = Lease(self._client, self._keys, self._id, cfg.lease_s, {})
+        keeps = {} if self._keeps_dtype is None else {"dtype": dtype_name(self._keeps_dtype)}
+        self._lease = Lease(self._client, self._keys, self._id, cfg.lease_s, keeps)
 
     def close(self) -> None:
         self._lease.end()  # before the loop ends
@@ -496,8 +519,16 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
             flat = self._buffers.take(header.total_bytes)
             ranges = bucket_ranges(header.total_bytes, header.bucket_bytes)
             trailer = torch.zeros(1, dtype=torch.int64, device=self._comm)
-            _broadcast_all(group, [*(flat[s:e] for s, e in ranges), trailer])
-            if checksum(flat) != trailer.item():
+            buckets = [flat[s:e] for s, e in ranges]
+            works = _post(group, [*buckets, trailer])
+            # Each bucket is summed once it is in, while the next ones are still arriving: the
+            # check then costs one bucket's pass after the last byte, not the whole buffer's.
+            sums = []
+            for work, bucket in zip(works, buckets, strict=False):
+                work.wait()
+                sums.append(bucket.view(torch.int64).sum())
+            works[-1].wait()
+            if wrap64(sum(int(x) for x in sums)) != trailer.item():
                 raise ValueError(f"version {header.version}: checksum mismatch")
         except (RuntimeError, ValueError) as exc:
             # Withdrawing readiness reports it: the publisher rebuilds and resends.

@@ -66,13 +66,24 @@ class Layout:
     """Size of the flat buffer: a multiple of ALIGN (hence of 8, for the int64 checksum)."""
 
     @classmethod
-    def of(cls, tensors: Iterable[tuple[str, torch.Tensor]]) -> Layout:
+    def of(
+        cls, tensors: Iterable[tuple[str, torch.Tensor]], narrow_to: torch.dtype | None = None
+    ) -> Layout:
+        """With `narrow_to` (a floating dtype), wider floating tensors get slots of that dtype:
+        `FlatBuffer.pack` casts them on the way in."""
         specs: list[TensorSpec] = []
         offset = 0
         for name, tensor in sorted(tensors, key=itemgetter(0)):
             if specs and specs[-1].name == name:
                 raise ValueError(f"tensor name {name!r} appears twice")
-            spec = TensorSpec(name, tensor.dtype, tuple(tensor.shape), offset)
+            dtype = tensor.dtype
+            if (
+                narrow_to is not None
+                and dtype.is_floating_point
+                and dtype.itemsize > narrow_to.itemsize
+            ):
+                dtype = narrow_to
+            spec = TensorSpec(name, dtype, tuple(tensor.shape), offset)
             specs.append(spec)
             offset = _align(offset + spec.nbytes)
         return cls(tuple(specs), offset)
@@ -111,7 +122,8 @@ class FlatBuffer:
         self.tensors = layout.views(self.flat)
 
     def pack(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy `tensors` (same names, dtypes and shapes as the layout) into their slots."""
+        """Copy `tensors` (same names and shapes as the layout) into their slots, cast to the
+        slots' dtypes."""
         for name, tensor in tensors:
             self.tensors[name].copy_(tensor.detach())
 
@@ -126,6 +138,11 @@ def checksum(flat: torch.Tensor) -> int:
     return int(flat.view(torch.int64).sum().item())
 
 
+def wrap64(total: int) -> int:
+    """A sum of checksums (of consecutive slices of one buffer, say) as the buffer's checksum."""
+    return (total + 2**63) % 2**64 - 2**63
+
+
 def checksum_tensors(tensors: Iterable[torch.Tensor]) -> int:
     """The checksum of the flat buffer these tensors would be packed into, without packing."""
     total = 0
@@ -135,7 +152,7 @@ def checksum_tensors(tensors: Iterable[torch.Tensor]) -> int:
         if pad or raw.storage_offset() % 8:
             raw = torch.cat([raw, raw.new_zeros(pad)])
         total += int(raw.view(torch.int64).sum().item())
-    return (total + 2**63) % 2**64 - 2**63
+    return wrap64(total)
 
 
 @dataclass(frozen=True)
