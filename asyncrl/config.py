@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.configbase import Section
+from asyncrl.environments.tool_config import ToolEnvironmentConfig
 from asyncrl.model import ModelConfig
 from asyncrl.queue import QueueConfig
 from asyncrl.redis_conn import RedisConfig, redact_url
@@ -64,6 +65,8 @@ class Config(Section):
     """The model trained and served."""
     task: TaskConfig = Field(default_factory=lambda: ArithmeticTaskConfig())
     """What the prompts are and how responses are scored."""
+    environment: ToolEnvironmentConfig | None = None
+    """What multi-turn episodes talk to between turns; None: the task's own (if any)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """The rollout pool."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

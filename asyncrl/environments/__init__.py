@@ -1,0 +1,1 @@
+"""Environments of multi-turn episodes: the `Environment` protocol users implement, and tools."""

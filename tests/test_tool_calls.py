@@ -1,0 +1,379 @@
+"""Tool calls in model output: the Hermes/Qwen format parsed, tools loaded by import path with
+schemas from their signatures, and a `ToolEnvironment` episode driven directly through a real
+tokenizer whose chat template renders `tools=` and `tool` messages as Qwen2.5's does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.environments.tool_config import ToolEnvironmentConfig
+from asyncrl.environments.tools import (
+    BAD_ARGUMENTS,
+    BAD_CALL,
+    MALFORMED_JSON,
+    TOO_MANY_CALLS,
+    TOOL_ERROR,
+    TOOL_TIMEOUT,
+    UNCLOSED_CALL,
+    UNKNOWN_TOOL,
+    CallError,
+    ToolCall,
+    load_tools,
+    parse_tool_calls,
+    render_observation,
+    render_prompt,
+    tool_environments,
+)
+from asyncrl.tasks.base import PromptItem
+from asyncrl.tasks.config import ExactRewardConfig
+
+# The structure of Qwen2.5-Instruct's template (tools in the system turn, calls and responses
+# in XML tags, consecutive tool messages in one user turn), written out here: no download.
+QWEN_STYLE_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou are provided with function signatures within <tools></tools>"
+    " XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and"
+    " arguments within <tool_call></tool_call> XML tags.<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'assistant'"
+    " or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+TOOLS_MODULE = '''
+import asyncio
+import time
+from typing import Literal
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    return a + b
+
+
+async def convert(amount: float, unit: Literal["km", "mi"] = "km") -> dict:
+    """Convert a distance.
+
+    Args:
+        amount: The distance.
+        unit: The unit to convert to.
+    """
+    await asyncio.sleep(0)
+    return {"amount": amount * (1.609 if unit == "km" else 0.621), "unit": unit}
+
+
+async def hang() -> str:
+    """Never answers."""
+    await asyncio.sleep(3600)
+    return "late"
+
+
+def block(seconds: float) -> str:
+    """Blocks its thread.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "late"
+
+
+def fail(x: int) -> int:
+    """Raises.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"no luck with {x}")
+
+
+def shout(text: str) -> str:
+    """Repeats the text many times.
+
+    Args:
+        text: What to repeat.
+    """
+    return text * 100
+
+
+def undocumented(x):
+    return x
+'''
+
+ALL_TOOLS = ["add", "convert", "hang", "block", "fail", "shout"]
+
+
+@pytest.fixture(scope="module")
+def tool_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tool module outside the repo, imported by path like a user's."""
+    root = tmp_path_factory.mktemp("usertools")
+    (root / "usertools.py").write_text(textwrap.dedent(TOOLS_MODULE))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level, one token per byte, with Qwen's turn markers as special tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate([*specials, *sorted(alphabet)])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = QWEN_STYLE_TEMPLATE
+    return fast
+
+
+def _cfg(tool_dir: Path, **overrides: Any) -> ToolEnvironmentConfig:
+    fields: dict[str, Any] = {
+        "python_path": [str(tool_dir)],
+        "tools": [f"usertools:{name}" for name in ALL_TOOLS],
+        "timeout_s": 0.3,
+    }
+    return ToolEnvironmentConfig(**{**fields, **overrides})
+
+
+def _call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+ITEM = PromptItem("q0", "What is 12+34?", [], "46")
+
+
+def test_parses_several_calls_with_text_around() -> None:
+    text = f"Let me see.\n{_call('add', a=1, b=2)}\nand\n{_call('convert', amount=3.5)} done"
+    assert parse_tool_calls(text) == [
+        ToolCall("add", {"a": 1, "b": 2}),
+        ToolCall("convert", {"amount": 3.5}),
+    ]
+    assert parse_tool_calls("The answer is 46.") == []
+    # Arguments left out mean none; arguments written as a JSON string are read.
+    assert parse_tool_calls('<tool_call>{"name": "hang"}</tool_call>') == [ToolCall("hang", {})]
+    stringified = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert parse_tool_calls(stringified) == [ToolCall("add", {"a": 1})]
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', MALFORMED_JSON),
+        ("<tool_call>add(1, 2)</tool_call>", MALFORMED_JSON),
+        ('<tool_call>["add", 1]</tool_call>', BAD_CALL),
+        ('<tool_call>{"arguments": {}}</tool_call>', BAD_CALL),
+        ('<tool_call>{"name": 7}</tool_call>', BAD_CALL),
+        ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', BAD_ARGUMENTS),
+        ('<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>', BAD_ARGUMENTS),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1', UNCLOSED_CALL),
+    ],
+)
+def test_malformed_calls_become_errors_by_reason(text: str, reason: str) -> None:
+    (call,) = parse_tool_calls(text)
+    assert isinstance(call, CallError)
+    assert call.reason == reason
+    assert call.message.startswith("error: ")
+
+
+def test_a_bad_call_does_not_hide_the_good_ones() -> None:
+    calls = parse_tool_calls(f"{_call('add', a=1, b=2)}<tool_call>{{oops</tool_call>")
+    assert calls[0] == ToolCall("add", {"a": 1, "b": 2})
+    assert isinstance(calls[1], CallError) and calls[1].reason == MALFORMED_JSON
+
+
+def test_schemas_come_from_signatures_and_docstrings(tool_dir: Path) -> None:
+    tools = load_tools(["usertools:add", "usertools:convert"], [str(tool_dir)])
+    add = tools["add"].schema
+    assert add["type"] == "function"
+    assert add["function"]["description"] == "Add two integers."
+    params = add["function"]["parameters"]
+    assert params["properties"]["a"] == {"type": "integer", "description": "The first addend."}
+    assert params["required"] == ["a", "b"]
+    convert = tools["convert"].schema["function"]["parameters"]
+    assert convert["required"] == ["amount"]  # a default makes it optional
+    assert convert["properties"]["unit"]["enum"] == ["km", "mi"]
+
+
+def test_a_tool_without_a_schema_is_named(tool_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"environment\.tools\[1\] 'usertools:undocumented'"):
+        load_tools(["usertools:add", "usertools:undocumented"], [str(tool_dir)])
+
+
+def test_arguments_are_checked_against_the_schema(tool_dir: Path) -> None:
+    tools = load_tools(["usertools:add", "usertools:convert"], [str(tool_dir)])
+    add, convert = tools["add"], tools["convert"]
+    assert add.check({"a": 1, "b": 2}) is None
+    assert "missing argument(s) b" in str(add.check({"a": 1}))
+    assert "unknown argument(s) c" in str(add.check({"a": 1, "b": 2, "c": 3}))
+    assert 'a="1"' in str(add.check({"a": "1", "b": 2}))
+    assert add.check({"a": True, "b": 2}) is not None  # JSON true is no integer
+    assert convert.check({"amount": 2}) is None  # an integer is a number
+    assert convert.check({"amount": 2.0, "unit": "ft"}) is not None
+
+
+def test_config_names_the_key_of_a_bad_tool(tool_dir: Path, tmp_path: Path) -> None:
+    def load(tools: list[str]) -> None:
+        path = tmp_path / "run.yaml"
+        env = {"type": "tools", "python_path": [str(tool_dir)], "tools": tools}
+        path.write_text(json.dumps({"environment": env}))
+        load_config(path)
+
+    with pytest.raises(ConfigError, match=r"environment\.tools.*\[1\].*nosuchmodule"):
+        load(["usertools:add", "nosuchmodule:fn"])
+    with pytest.raises(ConfigError, match=r"environment\.tools.*a tool named 'add'"):
+        load(["usertools:add", "usertools:add"])
+
+
+def test_an_episode_with_tools(tool_dir: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    make = tool_environments(_cfg(tool_dir, system_prompt="Use tools."))
+    env = make()
+
+    async def episode() -> list[Any]:
+        first = await env.reset(ITEM)
+        turn1 = await env.step(
+            f"I'll add. {_call('add', a=12, b=34)}{_call('mul', a=1, b=2)}"
+            f"{_call('convert', amount=10, unit='mi')}"
+        )
+        turn2 = await env.step(_call("add", a="12", b=34) + _call("shout", text="ab"))
+        final = await env.step("46")
+        await env.close()
+        return [first, turn1, turn2, final]
+
+    first, turn1, turn2, final = asyncio.run(episode())
+    assert first == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": ITEM.prompt},
+    ]
+    # The tools reach the prompt through the template's `tools=`.
+    prompt = tokenizer.decode(render_prompt(tokenizer, first, env.tools))
+    assert '"name": "add"' in prompt and '"name": "shout"' in prompt
+    assert prompt.startswith("<|im_start|>system\nUse tools.\n\n# Tools")
+    assert prompt.endswith(f"<|im_start|>user\n{ITEM.prompt}<|im_end|>\n<|im_start|>assistant\n")
+
+    assert not turn1.done and turn1.reward is None
+    assert [m["role"] for m in turn1.observation] == ["tool"] * 3  # one per call, in order
+    contents = [m["content"] for m in turn1.observation]
+    assert contents[0] == "46"
+    assert contents[1].startswith("error: unknown tool 'mul'; available: add, convert")
+    assert json.loads(contents[2]) == {"amount": pytest.approx(6.21), "unit": "mi"}
+    assert turn1.info == {"calls": 2, "errors": {UNKNOWN_TOOL: 1}}
+
+    bad, long = (m["content"] for m in turn2.observation)
+    assert bad.startswith('error: add: argument a="12" does not fit')
+    assert long == "ab" * 100  # within max_result_chars
+    assert turn2.info == {"calls": 1, "errors": {BAD_ARGUMENTS: 1}}
+
+    # No call: the final answer, left to the task's reward.
+    assert final.done and final.observation is None and final.reward is None
+    assert final.info == {"ended": "answer"}
+    assert (env.turns, env.calls, dict(env.errors)) == (3, 3, {UNKNOWN_TOOL: 1, BAD_ARGUMENTS: 1})
+
+
+def test_observations_render_as_the_whole_conversation(
+    tool_dir: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """Prompt + turn + observation tokens are exactly the template's rendering of the whole
+    conversation, so training sees what the model will see at inference."""
+    env = tool_environments(_cfg(tool_dir))()
+    response = f"Adding. {_call('add', a=12, b=34)}{_call('add', a=1, b=1)}"
+
+    async def turn() -> tuple[Any, Any]:
+        return await env.reset(ITEM), await env.step(response)
+
+    messages, result = asyncio.run(turn())
+    tools = env.tools
+    prompt = render_prompt(tokenizer, messages, tools)
+    turn_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id]
+    observation = render_observation(tokenizer, result.observation, tools, "<|im_end|>")
+    conversation = [*messages, {"role": "assistant", "content": response}, *result.observation]
+    assert prompt + turn_ids + eos + observation == render_prompt(tokenizer, conversation, tools)
+    text = tokenizer.decode(observation)
+    assert text == (
+        "\n<|im_start|>user\n<tool_response>\n46\n</tool_response>\n<tool_response>\n2\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    # A turn cut by the token limit never sampled its end of turn: the template's is supplied.
+    cut = render_observation(tokenizer, result.observation, tools, None)
+    assert prompt + turn_ids + cut == render_prompt(tokenizer, conversation, tools)
+    assert cut == eos + observation
+
+
+def test_hanging_tools_time_out(tool_dir: Path) -> None:
+    env = tool_environments(_cfg(tool_dir, timeout_s=0.2))()
+
+    async def turn() -> Any:
+        await env.reset(ITEM)
+        return await env.step(_call("hang") + _call("block", seconds=1.0) + _call("fail", x=3))
+
+    result = asyncio.run(turn())
+    hang, block, fail = (m["content"] for m in result.observation)
+    assert hang == "error: hang gave no result in 0.2s"
+    assert block == "error: block gave no result in 0.2s"
+    assert fail == "error: fail raised RuntimeError: no luck with 3"
+    assert result.info == {"calls": 0, "errors": {TOOL_TIMEOUT: 2, TOOL_ERROR: 1}}
+    assert not result.done
+
+
+def test_turn_and_call_limits(tool_dir: Path) -> None:
+    env = tool_environments(_cfg(tool_dir, max_turns=2, max_calls_per_turn=2, max_result_chars=5))()
+
+    async def episode() -> list[Any]:
+        await env.reset(ITEM)
+        first = await env.step(_call("shout", text="x") + _call("add", a=1, b=2) * 2)
+        last = await env.step(_call("add", a=1, b=2))
+        return [first, last]
+
+    first, last = asyncio.run(episode())
+    shout, three, over = (m["content"] for m in first.observation)
+    assert (shout, three) == ("xxxxx", "3")  # cut to max_result_chars
+    assert over.startswith("error")
+    assert first.info["errors"] == {TOO_MANY_CALLS: 1}
+    # The last allowed turn ends the episode even though it calls a tool; nothing is run.
+    assert last.done and last.info == {"ended": "max_turns"}
+    assert env.calls == 2
+
+
+def test_a_configured_reward_scores_the_final_answer(tool_dir: Path) -> None:
+    make = tool_environments(_cfg(tool_dir, reward=ExactRewardConfig()))
+
+    async def answer(text: str) -> Any:
+        env = make()
+        await env.reset(ITEM)
+        return await env.step(text)
+
+    right, wrong = asyncio.run(answer(" 46 ")), asyncio.run(answer("45"))
+    assert right.done and right.reward == 1.0
+    assert wrong.done and wrong.reward == 0.0
