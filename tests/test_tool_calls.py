@@ -377,3 +377,25 @@ def test_a_configured_reward_scores_the_final_answer(tool_dir: Path) -> None:
     right, wrong = asyncio.run(answer(" 46 ")), asyncio.run(answer("45"))
     assert right.done and right.reward == 1.0
     assert wrong.done and wrong.reward == 0.0
+
+
+def test_the_example_runs_an_episode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/tool_calls: its tools have schemas, and an async one's error reaches the model."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    cfg = load_config(root / "examples/tool_calls/config.yaml").environment
+    assert cfg is not None
+    env = tool_environments(cfg)()
+
+    async def turn() -> Any:
+        await env.reset(ITEM)
+        return await env.step(
+            _call("lookup_rate", currency="EUR")
+            + _call("lookup_rate", currency="CHF")
+            + _call("multiply", a=100, b=1.08)
+        )
+
+    rate, unknown, product = (m["content"] for m in asyncio.run(turn()).observation)
+    assert (rate, product) == ("1.08", "108.0")
+    assert unknown == "error: lookup_rate raised KeyError: 'CHF'"
+    assert [t["function"]["name"] for t in env.tools] == ["add", "multiply", "lookup_rate"]
