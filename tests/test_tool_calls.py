@@ -65,6 +65,22 @@ QWEN_STYLE_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3's differences that matter here: no default system turn, and an empty think block in a
+# final assistant turn only (so the text before a tool message depends on what follows it).
+QWEN3_STYLE_TEMPLATE = (
+    QWEN_STYLE_TEMPLATE.replace("{{- 'You are a helpful assistant.' }}", "")
+    .replace(
+        "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}", ""
+    )
+    .replace(
+        "{%- if message.role == 'user' or message.role == 'assistant'",
+        "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{{- message.content + '<|im_end|>\\n' }}"
+        "{%- elif message.role == 'user'",
+    )
+)
+
 TOOLS_MODULE = '''
 import asyncio
 import time
@@ -141,8 +157,7 @@ def tool_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
+def _tokenizer(template: str) -> PreTrainedTokenizerFast:
     """Byte-level, one token per byte, with Qwen's turn markers as special tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -154,8 +169,13 @@ def tokenizer() -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
-    fast.chat_template = QWEN_STYLE_TEMPLATE
+    fast.chat_template = template
     return fast
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return _tokenizer(QWEN_STYLE_TEMPLATE)
 
 
 def _cfg(tool_dir: Path, **overrides: Any) -> ToolEnvironmentConfig:
@@ -301,11 +321,13 @@ def test_an_episode_with_tools(tool_dir: Path, tokenizer: PreTrainedTokenizerFas
     assert (env.turns, env.calls, dict(env.errors)) == (3, 3, {UNKNOWN_TOOL: 1, BAD_ARGUMENTS: 1})
 
 
-def test_observations_render_as_the_whole_conversation(
-    tool_dir: Path, tokenizer: PreTrainedTokenizerFast
-) -> None:
+@pytest.mark.parametrize(
+    "template", [QWEN_STYLE_TEMPLATE, QWEN3_STYLE_TEMPLATE], ids=["qwen2.5", "qwen3"]
+)
+def test_observations_render_as_the_whole_conversation(tool_dir: Path, template: str) -> None:
     """Prompt + turn + observation tokens are exactly the template's rendering of the whole
     conversation, so training sees what the model will see at inference."""
+    tokenizer = _tokenizer(template)
     env = tool_environments(_cfg(tool_dir))()
     response = f"Adding. {_call('add', a=12, b=34)}{_call('add', a=1, b=1)}"
 

@@ -307,29 +307,23 @@ def render_observation(
     (`<|im_end|>`), which the context already holds; None when the turn was cut by the token
     limit, and the template's end of turn is supplied.
 
-    The template is rendered with a placeholder conversation before `messages`, and the part
-    before them cut off: templates render a tool message differently after an assistant turn
-    than as the first message (Qwen's default system turn).
+    The template renders a placeholder conversation (a user turn, an assistant turn, then
+    `messages`), cut after the assistant's content: a tool message alone would render
+    differently (Qwen2.5 puts a default system turn first), and what precedes it may depend on
+    what follows (Qwen3 adds an empty `<think>` block only to a final assistant turn).
     """
-
-    def render(tail: Messages, generation: bool) -> str:
-        return str(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *tail],
-                tools=_schemas(tools),
-                tokenize=False,
-                add_generation_prompt=generation,
-            )
-        )
-
-    before, full = render([], False), render(messages, True)
-    if not full.startswith(before) or _MARK not in before:
-        raise ValueError("the chat template does not render tool messages after an assistant turn")
-    end_of_turn = before[before.rindex(_MARK) + len(_MARK) :]
-    if ended_with and end_of_turn.startswith(ended_with):
-        end_of_turn = end_of_turn[len(ended_with) :]
-    text = end_of_turn + full[len(before) :]
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *messages],
+        tools=_schemas(tools),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    _, mark, after = str(text).partition(_MARK)
+    if not mark:
+        raise ValueError("the chat template drops the content of an assistant turn")
+    if ended_with and after.startswith(ended_with):
+        after = after[len(ended_with) :]
+    return list(tokenizer(after, add_special_tokens=False)["input_ids"])
 
 
 def _schemas(
