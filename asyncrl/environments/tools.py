@@ -204,12 +204,9 @@ class ToolEnvironment:
 
     async def reset(self, item: PromptItem) -> Messages:
         self._answer = item.answer
-        system = [] if self._cfg.system_prompt is None else [self._system()]
-        return [*system, {"role": "user", "content": item.prompt}]
-
-    def _system(self) -> dict[str, str]:
-        assert self._cfg.system_prompt is not None
-        return {"role": "system", "content": self._cfg.system_prompt}
+        system = self._cfg.system_prompt
+        first = [] if system is None else [{"role": "system", "content": system}]
+        return [*first, {"role": "user", "content": item.prompt}]
 
     async def step(self, response: str) -> StepResult:
         self.turns += 1
