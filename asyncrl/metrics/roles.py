@@ -89,6 +89,7 @@ class RoleMetrics:
     audit_logprob_abs_diff: Histogram
     environment_errors: dict[str, Counter]
     rollout_groups_failed: dict[str, Counter]
+    tool_calls: dict[str, Counter]
 
     def __init__(self, role: str, worker: str) -> None:
         self.role = role

@@ -144,6 +144,7 @@ class RolloutWorker:
             batch_wait_s=rollout.turn_batch_wait_s,
             on_generate=self._on_generate,
             on_env_error=lambda reason: self.metrics.environment_errors[reason].inc(),
+            on_tool_calls=lambda outcome, n: self.metrics.tool_calls[outcome].inc(n),
         )
         self.waiting: list[Prompt] = []
         """Prompt deliveries read but not started: waiting for newer weights."""
