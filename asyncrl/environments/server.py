@@ -247,6 +247,7 @@ class EnvHTTPServer:
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
         self._done = threading.Event()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     def serve_forever(self) -> None:
         try:
@@ -278,8 +279,17 @@ class EnvHTTPServer:
         finally:
             server.close()
             await self.env.close_all()
+            # Connections end by their own code, not cancelled by `asyncio.run` (which in 3.11
+            # logs each cancelled one as an error).
+            for writer in self._connections.values():
+                writer.close()
+            if self._connections:
+                await asyncio.wait(self._connections, timeout=_CLOSE_TIMEOUT_S)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
         sock = writer.get_extra_info("socket")
         if sock is not None:
             # A reply is one write, but a delayed ACK must never hold a small one back (with
@@ -304,6 +314,7 @@ class EnvHTTPServer:
             pass  # the client went away (its timeout, or it stopped): its session stays
         finally:
             writer.close()
+            del self._connections[task]
 
     async def _answer(self, request: _Request) -> tuple[HTTPStatus, bytes]:
         env = self.env
