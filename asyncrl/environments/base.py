@@ -139,8 +139,10 @@ def render_prompt(
 ) -> list[int]:
     """Token ids of a conversation's start through the chat template, the generation prompt
     added; `tools` (JSON schemas) go where the template puts them (Qwen: the system turn)."""
+    # As transformers types `tools=` (it also takes functions, which it makes schemas of).
+    schemas: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else [*tools]
     text = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=True
+        messages, tools=schemas, tokenize=False, add_generation_prompt=True
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -8,17 +8,31 @@ from pydantic import Field, ValidationInfo, field_validator
 from asyncrl.configbase import Section
 
 
-class PythonEnvironmentConfig(Section):
+class _UserCode(Section):
+    """User code imported by path, run in the rollout worker's event loop."""
+
+    type: str
+    """Backend; each member narrows it to its tag (declared here so that it comes first)."""
+
+    python_path: list[str] = Field(default_factory=list)
+    """Directories put first on `sys.path` before the user's code is imported (relative ones
+    against the working directory)."""
+
+    @field_validator("python_path")
+    @classmethod
+    def _absolute(cls, dirs: list[str]) -> list[str]:
+        from asyncrl.tasks.plugins import absolute_dirs
+
+        return absolute_dirs(dirs)
+
+
+class PythonEnvironmentConfig(_UserCode):
     """Your own `Environment` class (`asyncrl.environments.base`), run in the rollout worker's
     event loop: one instance per episode, `Class(**kwargs)`. `python_path` and `kwargs` come
     before `path` because checking `path` needs them."""
 
     type: Literal["python"] = "python"
     """Environment backend."""
-
-    python_path: list[str] = Field(default_factory=list)
-    """Directories put first on `sys.path` before `path` is imported (relative ones against the
-    working directory)."""
 
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the class's constructor."""
@@ -29,13 +43,6 @@ class PythonEnvironmentConfig(Section):
 
     timeout_s: float = Field(default=60.0, gt=0)
     """Seconds one `reset` or `step` may take before the episode fails (`env_timeout`)."""
-
-    @field_validator("python_path")
-    @classmethod
-    def _absolute(cls, dirs: list[str]) -> list[str]:
-        from asyncrl.tasks.plugins import absolute_dirs
-
-        return absolute_dirs(dirs)
 
     @field_validator("path")
     @classmethod
@@ -81,7 +88,7 @@ class RemoteEnvironmentConfig(Section):
         return [u.rstrip("/") for u in urls]
 
 
-class ToolEnvironmentConfig(Section):
+class ToolEnvironmentConfig(_UserCode):
     """Episodes in which the policy calls tools (`asyncrl.environments.tools`), run in the
     rollout worker's event loop. The episode's prompt is the item's prompt as a user turn, after
     `system_prompt` when set, rendered by the chat template with the tools' schemas (in the
@@ -92,10 +99,6 @@ class ToolEnvironmentConfig(Section):
 
     type: Literal["tools"] = "tools"
     """Environment backend."""
-
-    python_path: list[str] = Field(default_factory=list)
-    """Directories put first on `sys.path` before the tools are imported (relative ones against
-    the working directory)."""
 
     tools: list[str] = Field(min_length=1)
     """The tools, each "package.module:function" (sync or `async def`), imported when the config
@@ -118,13 +121,6 @@ class ToolEnvironmentConfig(Section):
 
     system_prompt: str | None = None
     """A system message put before the prompt; None: the chat template's default."""
-
-    @field_validator("python_path")
-    @classmethod
-    def _absolute(cls, dirs: list[str]) -> list[str]:
-        from asyncrl.tasks.plugins import absolute_dirs
-
-        return absolute_dirs(dirs)
 
     @field_validator("tools")
     @classmethod
