@@ -271,7 +271,11 @@ class EnvHTTPServer:
             # SIGTERM (a container stopping) closes the sessions like Ctrl-C does.
             self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         server = await asyncio.start_server(
-            self._connection, sock=self.socket, limit=_MAX_HEAD_BYTES
+            # asyncio listens again on the socket, with a backlog of 100 unless told.
+            self._connection,
+            sock=self.socket,
+            backlog=_BACKLOG,
+            limit=_MAX_HEAD_BYTES,
         )
         self._started.set()
         try:
