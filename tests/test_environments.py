@@ -6,9 +6,11 @@ to the task, timeouts, malformed replies)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -27,7 +29,7 @@ from asyncrl.environments.config import RemoteEnvironmentConfig
 from asyncrl.environments.server import make_server
 from asyncrl.tasks.base import PromptItem
 
-from role_procs import CHILD_ENV
+from role_procs import CHILD_ENV, wait_until
 
 ITEM = PromptItem("12+34", "12+34=", [1, 4, 5, 13, 6, 7, 14], "46")
 
@@ -38,12 +40,14 @@ from asyncrl.environments import StepResult
 class Echo:
     live = 0
     most = 0
+    closed = 0
 
-    def __init__(self, turns=2, sleep_s=0.0):
+    def __init__(self, turns=2, sleep_s=0.0, close_log=None, silent=False):
         self.turns, self.sleep_s, self.seen = turns, sleep_s, []
+        self.close_log, self.silent = close_log, silent
 
     async def reset(self, item):
-        return f"first {item.prompt_id} {item.answer}"
+        return None if self.silent else f"first {item.prompt_id} {item.answer}"
 
     async def step(self, response):
         Echo.live += 1
@@ -64,7 +68,10 @@ class Echo:
         return StepResult([{"role": "user", "content": response}], done=False)
 
     async def close(self):
-        pass
+        Echo.closed += 1
+        if self.close_log:  # how a test counts, from outside, the sessions a server closed
+            with open(self.close_log, "a") as f:
+                f.write("closed\\n")
 """
 
 
@@ -200,11 +207,12 @@ def test_a_reply_that_is_not_json_is_malformed() -> None:
 class Process:
     """`asyncrl env-server` of `user_envs:Echo` in a process of its own, to be killed."""
 
-    def __init__(self, env_dir: Path) -> None:
+    def __init__(self, env_dir: Path, kwargs: dict[str, Any] | None = None) -> None:
         self.proc = subprocess.Popen(
             [
                 *(sys.executable, "-m", "asyncrl", "env-server", "--env", "user_envs:Echo"),
                 *("--python-path", str(env_dir), "--port", "0"),
+                *("--kwargs", json.dumps(kwargs or {})),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -426,3 +434,115 @@ def test_a_python_environment_past_its_timeout_or_malformed_fails_its_group(
     finished, failed = _drive(sched)
     assert not finished and [(f.tag, f.reason) for f in failed] == [("g", f"env_{reason}")]
     assert errors[0] == reason and sched.inflight == 0
+
+
+def _remote_scheduler(url: str, timeout_s: float = 60.0) -> Any:
+    """A scheduler whose episodes hold sessions on the env-server at `url`."""
+    from asyncrl.engines.config import SamplingParams
+    from asyncrl.engines.tiny_model import build_tokenizer
+    from asyncrl.environments import build_environments
+    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
+    from asyncrl.tasks.config import ArithmeticTaskConfig
+
+    tok = build_tokenizer()
+    task = WithEnvironment(
+        ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok),
+        build_environments(RemoteEnvironmentConfig(urls=[url], timeout_s=timeout_s)),
+    )
+    return EpisodeScheduler(_Scripted(), task, tok, SamplingParams(max_new_tokens=4))
+
+
+def _advance_until(sched: Any, cond: Any, what: str) -> list[Any]:
+    failed: list[Any] = []
+    deadline = time.monotonic() + 20
+    while not cond():
+        assert time.monotonic() < deadline, what
+        failed += sched.advance(0.02)[1]
+    return failed
+
+
+def test_closing_the_scheduler_closes_the_sessions_of_episodes_cut_short(env_dir: Path) -> None:
+    """A hard stop: episodes whose steps hang on the server are cancelled, and every session
+    is closed there (the environment's `close` ran, the server holds none)."""
+    s = Served(env_dir, kwargs={"sleep_s": 3600, "silent": True})
+    import user_envs  # the same module object the server imported
+
+    user_envs.Echo.closed = user_envs.Echo.live = 0
+    try:
+        sched = _remote_scheduler(s.url)
+        sched.start("g", ITEM, 3, "g")
+        sched.start("h", ITEM, 3, "h")
+        _advance_until(sched, lambda: user_envs.Echo.live == 6, "6 steps hanging on the server")
+        assert s.health()["sessions"] == 6
+        sched.close()
+        assert (s.health()["sessions"], user_envs.Echo.closed) == (0, 6)
+        assert sched.inflight == 6  # nothing ended: the groups are not handed back
+    finally:
+        s.stop()
+
+
+def test_a_failed_group_closes_its_sessions(env_dir: Path) -> None:
+    """Steps past the client's timeout fail the group, and each of its sessions is closed as
+    its step comes back (the scheduler goes on advancing), not only when it is closed."""
+    s = Served(env_dir, kwargs={"sleep_s": 3600, "silent": True})
+    import user_envs  # the same module object the server imported
+
+    user_envs.Echo.closed = 0
+    try:
+        sched = _remote_scheduler(s.url, timeout_s=0.3)
+        sched.start("g", ITEM, 3, "g")
+        (failed,) = _advance_until(sched, lambda: not sched.inflight, "the group failing")
+        assert failed.reason == "env_timeout"
+        _advance_until(sched, lambda: s.health()["sessions"] == 0, "sessions closed")
+        assert user_envs.Echo.closed == 3
+        sched.close()
+    finally:
+        s.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_second_sigterm_stops_a_worker_and_closes_its_sessions(
+    env_dir: Path, redis_client: Any, random_model: Path, role_config: Any, tmp_path: Path
+) -> None:
+    """A rollout worker told to stop twice leaves without finishing its episodes, which hang
+    in their tool: every session is deleted at the env-server, its prompts stay pending."""
+    from asyncrl.runstate import Keys
+
+    from role_procs import Role, arithmetic_admission, pending_prompts, stop_all
+
+    closes = tmp_path / "closed.log"
+    server = Process(env_dir, {"sleep_s": 3600, "silent": True, "close_log": str(closes)})
+    keys = Keys("hardstop")
+    config = role_config(
+        keys.run_id,
+        {
+            "rollout.prompts_per_batch": 2,
+            "task.type": "arithmetic",
+            "task.environment": {"type": "remote", "urls": [server.url]},
+        },
+    )
+    admission = arithmetic_admission(redis_client, keys, random_model, n=2, max_staleness=1)
+    worker = Role("rollout", config, tmp_path / "rollout.log", "--worker-id", "A")
+    try:
+        wait_until(
+            lambda: bool(redis_client.exists(keys.worker("rollout", "A"))),
+            180,
+            "the worker starting",
+            [worker],
+        )
+        assert admission.release(step=0, version=0) == 2
+        wait_until(lambda: server.health()["sessions"] == 4, 60, "4 sessions open", [worker])
+        # The first SIGTERM drains (the steps never return); a later one stops the worker.
+        while worker.alive():
+            worker.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.wait(1.0)
+        assert worker.proc.returncode == 0, worker.tail()
+        assert server.health()["sessions"] == 0
+        assert closes.read_text().count("closed") == 4
+        assert len(pending_prompts(redis_client, keys, "A")) == 2  # delivered again later
+        assert redis_client.xlen(keys.trajectories) == 0
+    finally:
+        stop_all([worker])
+        server.stop()

@@ -167,8 +167,15 @@ def run_mode(
     overrides = [*overrides, f"run.seed={seed}"]
     server = None
     if served:
-        server, env_url = start_env_server(load_config(cfg_path, overrides))
-        overrides.append(f'task.environment={{type: remote, urls: ["{env_url}"]}}')
+        served_cfg = load_config(cfg_path, overrides)
+        server, env_url = start_env_server(served_cfg)
+        # Each worker's episodes spend most of their time in the tool: room for all their calls.
+        rollout = served_cfg.rollout
+        calls = rollout.max_inflight_episodes or rollout.prompts_per_batch * rollout.n
+        overrides.append(
+            f'task.environment={{type: remote, urls: ["{env_url}"], '
+            f"max_sessions_per_server: {calls}}}"
+        )
     try:
         lines = launch_all(
             cfg_path,

@@ -320,6 +320,14 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "Prompt groups rollout workers dead-lettered, by reason.",
                 stacked=True,
             ),
+            _one(
+                "Tool calls",
+                f"sum by (outcome) (rate(asyncrl_tool_calls_total{RATE}))",
+                "{{outcome}}",
+                "Tool calls in model output, by outcome: ok, or why the call did not run or "
+                "failed (the model is told; the episode goes on).",
+                stacked=True,
+            ),
         ],
     ),
 ]

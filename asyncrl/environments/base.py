@@ -2,7 +2,8 @@
 
 Users implement `Environment` (three coroutines) and name the class by import path in
 `task.environment` (`type: python`), or serve it with `asyncrl env-server` and point
-`task.environment` (`type: remote`) at the servers. The rollout worker's scheduler
+`task.environment` (`type: remote`) at the servers; or they name tools the policy calls in its
+output (`type: tools`, `asyncrl.environments.tools`). The rollout worker's scheduler
 (`asyncrl.rollout.episodes`) drives every episode through it, on one event loop beside the
 generating thread:
 
@@ -54,7 +55,9 @@ class StepResult:
     reward: float | None = None
     """The episode's reward when done; None: scored by the task's reward on the last turn."""
     info: dict[str, Any] = field(default_factory=dict)
-    """Free-form details (logged, not trained on)."""
+    """Free-form details (logged, not trained on). `tool_calls`, when present, maps outcomes
+    of `asyncrl.environments.tools.TOOL_CALL_OUTCOMES` to the turn's counts of them
+    (`asyncrl_tool_calls_total`)."""
 
 
 class Environment(Protocol):
@@ -125,20 +128,64 @@ def check_step(result: object) -> StepResult:
     return result
 
 
-def render_observation(tokenizer: PreTrainedTokenizerBase, obs: Observation) -> list[int]:
-    """Token ids of an observation: text as the tokenizer reads it (no special tokens added),
-    chat messages through its chat template with the generation prompt."""
+# Stands for an assistant turn's content where `render_observation` cuts the template open.
+_MARK = "\x00asyncrl-assistant\x00"
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of a conversation's start through the chat template, the generation prompt
+    added; `tools` (JSON schemas) go where the template puts them (Qwen: the system turn)."""
+    # As transformers types `tools=` (it also takes functions, which it makes schemas of).
+    schemas: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else [*tools]
+    text = tokenizer.apply_chat_template(
+        messages, tools=schemas, tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_observation(
+    tokenizer: PreTrainedTokenizerBase, obs: Observation, ended_by: int | None = None
+) -> list[int]:
+    """Token ids of an observation after a policy turn: text as the tokenizer reads it (no
+    special tokens added); chat messages as what the chat template renders after an assistant
+    turn when the whole conversation is rendered: the end of that turn, the messages, the next
+    generation prompt. `ended_by` is the token that ended the turn (an end of turn the context
+    holds already, left out here); None when the turn was cut by the token limit, and the
+    template's end of turn is supplied. After the prompt, before any turn, chat messages follow
+    an empty assistant turn.
+
+    The template renders a placeholder conversation (a user turn, an assistant turn, then the
+    messages), cut after the assistant's content: messages alone would render differently
+    (Qwen2.5 puts a default system turn first), and what precedes them may depend on what
+    follows (Qwen3 adds an empty `<think>` block only to a final assistant turn).
+    """
     if obs is None:
         return []
     if isinstance(obs, str):
         return list(tokenizer(obs, add_special_tokens=False)["input_ids"])
-    text = tokenizer.apply_chat_template(obs, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *obs],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    _, mark, after = str(text).partition(_MARK)
+    if not mark:
+        raise ValueError("the chat template drops the content of an assistant turn")
+    ids = list(tokenizer(after, add_special_tokens=False)["input_ids"])
+    return ids[1:] if ended_by is not None and ids[:1] == [ended_by] else ids
 
 
 def build_environments(cfg: EnvironmentConfig) -> EnvironmentFactory:
     """The factory of one episode's environment under `cfg`."""
-    from asyncrl.environments.config import PythonEnvironmentConfig, RemoteEnvironmentConfig
+    from asyncrl.environments.config import (
+        PythonEnvironmentConfig,
+        RemoteEnvironmentConfig,
+        ToolEnvironmentConfig,
+    )
 
     match cfg:
         case PythonEnvironmentConfig():
@@ -151,5 +198,23 @@ def build_environments(cfg: EnvironmentConfig) -> EnvironmentFactory:
 
             pool = RemotePool(cfg)
             return lambda item, episode_id: pool.environment()
+        case ToolEnvironmentConfig():
+            from asyncrl.environments.tools import tool_environments
+
+            return tool_environments(cfg)
         case _:
             assert_never(cfg)
+
+
+def build_prompt(
+    cfg: EnvironmentConfig, tokenizer: PreTrainedTokenizerBase
+) -> Callable[[PromptItem], list[int]] | None:
+    """The token ids an episode of an item starts from under `cfg`; None: the task's own
+    `prompt_ids` (the environment's `reset` adds to them)."""
+    from asyncrl.environments.config import ToolEnvironmentConfig
+
+    if not isinstance(cfg, ToolEnvironmentConfig):
+        return None
+    from asyncrl.environments.tools import tool_prompt
+
+    return tool_prompt(cfg, tokenizer)

@@ -8,17 +8,31 @@ from pydantic import Field, ValidationInfo, field_validator
 from asyncrl.configbase import Section
 
 
-class PythonEnvironmentConfig(Section):
+class _UserCode(Section):
+    """User code imported by path, run in the rollout worker's event loop."""
+
+    type: str
+    """Backend; each member narrows it to its tag (declared here so that it comes first)."""
+
+    python_path: list[str] = Field(default_factory=list)
+    """Directories put first on `sys.path` before the user's code is imported (relative ones
+    against the working directory)."""
+
+    @field_validator("python_path")
+    @classmethod
+    def _absolute(cls, dirs: list[str]) -> list[str]:
+        from asyncrl.tasks.plugins import absolute_dirs
+
+        return absolute_dirs(dirs)
+
+
+class PythonEnvironmentConfig(_UserCode):
     """Your own `Environment` class (`asyncrl.environments.base`), run in the rollout worker's
     event loop: one instance per episode, `Class(**kwargs)`. `python_path` and `kwargs` come
     before `path` because checking `path` needs them."""
 
     type: Literal["python"] = "python"
     """Environment backend."""
-
-    python_path: list[str] = Field(default_factory=list)
-    """Directories put first on `sys.path` before `path` is imported (relative ones against the
-    working directory)."""
 
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the class's constructor."""
@@ -29,13 +43,6 @@ class PythonEnvironmentConfig(Section):
 
     timeout_s: float = Field(default=60.0, gt=0)
     """Seconds one `reset` or `step` may take before the episode fails (`env_timeout`)."""
-
-    @field_validator("python_path")
-    @classmethod
-    def _absolute(cls, dirs: list[str]) -> list[str]:
-        from asyncrl.tasks.plugins import absolute_dirs
-
-        return absolute_dirs(dirs)
 
     @field_validator("path")
     @classmethod
@@ -81,7 +88,59 @@ class RemoteEnvironmentConfig(Section):
         return [u.rstrip("/") for u in urls]
 
 
-# 19B adds its `tools` member here.
+class ToolEnvironmentConfig(_UserCode):
+    """Episodes in which the policy calls tools (`asyncrl.environments.tools`), run in the
+    rollout worker's event loop. The episode's prompt is the item's prompt as a user turn, after
+    `system_prompt` when set, rendered by the chat template with the tools' schemas (in the
+    system turn of Qwen-style templates); it replaces the task's own rendering of the prompt.
+    Each turn's `<tool_call>{json}</tool_call>` blocks are run and their results come back as
+    `tool` chat messages; a turn without a call is the final answer, scored by the task's
+    reward. `python_path` comes before `tools` because checking `tools` needs it."""
+
+    type: Literal["tools"] = "tools"
+    """Environment backend."""
+
+    tools: list[str] = Field(min_length=1)
+    """The tools, each "package.module:function" (sync or `async def`), imported when the config
+    loads. A tool's name is its function's name; its JSON schema comes from the type hints and
+    the docstring's `Args:` section (transformers' `get_json_schema`, when the role starts)."""
+
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds one tool call may take; past that the model is told it timed out
+    (`tool_timeout`). A sync tool runs on a thread, which goes on to its end unseen."""
+
+    max_turns: int = Field(default=8, ge=1)
+    """Policy turns per episode; the episode ends after this many even if the last one called
+    tools (then scored like a final answer; its calls are not run)."""
+
+    max_calls_per_turn: int = Field(default=8, ge=1)
+    """Tool calls run per turn; the model is told the others were not (`too_many_calls`)."""
+
+    max_result_chars: int = Field(default=8192, ge=1)
+    """A tool result longer than this is cut to it, so one tool cannot flood the context."""
+
+    system_prompt: str | None = None
+    """A system message put before the prompt; None: the chat template's default."""
+
+    @field_validator("tools")
+    @classmethod
+    def _resolve(cls, paths: list[str], info: ValidationInfo) -> list[str]:
+        from asyncrl.tasks.plugins import load_object
+
+        names: dict[str, str] = {}
+        for i, path in enumerate(paths):
+            try:
+                fn = load_object(path, info.data.get("python_path", []))
+            except ValueError as exc:
+                raise ValueError(f"[{i}] {exc}") from None
+            name = getattr(fn, "__name__", path)
+            if name in names:
+                raise ValueError(f"[{i}] {path!r}: a tool named {name!r} is {names[name]!r}")
+            names[name] = path
+        return paths
+
+
 EnvironmentConfig = Annotated[
-    PythonEnvironmentConfig | RemoteEnvironmentConfig, Field(discriminator="type")
+    PythonEnvironmentConfig | RemoteEnvironmentConfig | ToolEnvironmentConfig,
+    Field(discriminator="type"),
 ]

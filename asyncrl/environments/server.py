@@ -14,26 +14,32 @@ Protocol version 1 (JSON bodies only; nothing is ever unpickled):
 An error is `{"error": reason, "detail": text}`: 400 for a request that does not fit, 404 for an
 unknown session, 500 with reason `error` when the environment raised and `malformed` when its
 reply does not fit `StepResult`, 503 with `unavailable` when `--max-sessions` are open. Each
-session is one instance of the class (`Class(**kwargs)`); its coroutines run on one event loop,
-request threads wait on them. Binds to loopback unless told otherwise: there is no auth.
+session is one instance of the class (`Class(**kwargs)`). Binds to loopback unless told
+otherwise: there is no auth.
+
+One asyncio event loop does everything: it accepts connections, reads requests (HTTP/1.1,
+keep-alive, `Content-Length` bodies; enough for the client's httpx pool, not a general server)
+and runs the environments' coroutines, so a waiting session costs a timer, not a thread. An
+environment that blocks the loop stalls every session of the server (`Environment` says to
+move blocking work to a thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import traceback
 import uuid
 from collections.abc import Coroutine, Sequence
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from asyncrl import __version__
@@ -50,6 +56,11 @@ log = logging.getLogger(__name__)
 PROTOCOL = 1
 _DETAIL_CHARS = 2000
 _MAX_BODY_BYTES = 64 << 20
+_MAX_HEAD_BYTES = 64 << 10
+# A worker opens many sessions at once (a batch of prompts × n): a short backlog would reset
+# connections in such a burst.
+_BACKLOG = 4096
+_CLOSE_TIMEOUT_S = 5.0
 
 
 class _Refused(Exception):
@@ -59,7 +70,7 @@ class _Refused(Exception):
 
 
 class EnvServer:
-    """The sessions of one environment class and the loop their coroutines run on."""
+    """The sessions of one environment class; its methods run on the server's event loop."""
 
     def __init__(
         self, path: str, kwargs: dict[str, Any], max_sessions: int, python_path: Sequence[str]
@@ -69,16 +80,13 @@ class EnvServer:
         self._kwargs = kwargs
         self.max_sessions = max_sessions
         self._sessions: dict[str, Any] = {}
-        self._calls: dict[str, concurrent.futures.Future[Any]] = {}
-        self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="env-loop", daemon=True).start()
+        self._calls: dict[str, asyncio.Task[Any]] = {}
 
     @property
     def sessions(self) -> int:
         return len(self._sessions)
 
-    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         from asyncrl.tasks.base import PromptItem
 
         raw = body.get("item")
@@ -93,25 +101,24 @@ class EnvServer:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", f"bad item: {exc!r}") from None
-        with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                raise _Refused(
-                    HTTPStatus.SERVICE_UNAVAILABLE, "unavailable", f"{self.max_sessions} open"
-                )
-            session = uuid.uuid4().hex
-            self._sessions[session] = env = self._cls(**self._kwargs)
+        if len(self._sessions) >= self.max_sessions:
+            raise _Refused(
+                HTTPStatus.SERVICE_UNAVAILABLE, "unavailable", f"{self.max_sessions} open"
+            )
+        session = uuid.uuid4().hex
         try:
-            obs = check_observation(self._run(session, env.reset(item)))
+            self._sessions[session] = env = self._cls(**self._kwargs)
+            obs = check_observation(await self._run(session, env.reset(item)))
         except BaseException:
-            self._drop(session)
+            self._sessions.pop(session, None)
             raise
         return {"protocol": PROTOCOL, "session": session, "observation": obs}
 
-    def step(self, session: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def step(self, session: str, body: dict[str, Any]) -> dict[str, Any]:
         response = body.get("response")
         if not isinstance(response, str):
             raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "body needs a `response` string")
-        result = check_step(self._run(session, self._env(session).step(response)))
+        result = check_step(await self._run(session, self._env(session).step(response)))
         return {
             "observation": result.observation,
             "done": result.done,
@@ -119,16 +126,25 @@ class EnvServer:
             "info": result.info,
         }
 
-    def close(self, session: str) -> dict[str, Any]:
+    async def close(self, session: str) -> dict[str, Any]:
         env = self._env(session)
         call = self._calls.get(session)
         if call is not None:  # a step the client gave up on (its timeout) ends here
             call.cancel()
         try:
-            self._run(session, env.close())
+            await self._run(session, env.close())
         finally:
-            self._drop(session)
+            self._sessions.pop(session, None)
         return {}
+
+    async def close_all(self) -> None:
+        """At shutdown: every open session closed, best effort within a few seconds."""
+        closing = [asyncio.ensure_future(self.close(s)) for s in list(self._sessions)]
+        if closing:
+            _, stuck = await asyncio.wait(closing, timeout=_CLOSE_TIMEOUT_S)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*closing, return_exceptions=True)
 
     def _env(self, session: str) -> Any:
         env = self._sessions.get(session)
@@ -136,118 +152,203 @@ class EnvServer:
             raise _Refused(HTTPStatus.NOT_FOUND, "unavailable", f"no session {session!r}")
         return env
 
-    def _drop(self, session: str) -> None:
-        with self._lock:
-            self._sessions.pop(session, None)
-
-    def _run(self, session: str, call: Coroutine[Any, Any, Any]) -> Any:
-        """The environment's coroutine on the loop; its failure as an `EnvironmentFailure`."""
-        future = asyncio.run_coroutine_threadsafe(call, self._loop)
-        self._calls[session] = future
+    async def _run(self, session: str, call: Coroutine[Any, Any, Any]) -> Any:
+        """The environment's coroutine as a task `close` can cancel; its failure as an
+        `EnvironmentFailure`."""
+        task = asyncio.ensure_future(call)
+        self._calls[session] = task
         try:
-            return future.result()
+            return await task
         except EnvironmentFailure:
             raise
-        except concurrent.futures.CancelledError:
-            raise EnvironmentFailure("error", "cancelled: the session was closed") from None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                raise EnvironmentFailure("error", "cancelled: the session was closed") from None
+            raise  # this request itself is cancelled (the server stops)
         except Exception:
             raise EnvironmentFailure("error", traceback.format_exc()[-_DETAIL_CHARS:]) from None
         finally:
-            if self._calls.get(session) is future:
+            if self._calls.get(session) is task:
                 del self._calls[session]
 
 
-def _handler(server: EnvServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: the client pools its connections
-        # Headers and body leave in two writes: with Nagle's algorithm the body then waits for
-        # the client's delayed ACK, ~40 ms a reply (measured: 70 ms a call, 0.5 ms without).
-        disable_nagle_algorithm = True
+class _Request:
+    def __init__(self, method: str, path: str, body: bytes, keep_alive: bool) -> None:
+        self.method, self.path, self.body, self.keep_alive = method, path, body, keep_alive
 
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._answer(
-                    lambda: {
-                        "status": "ok",
-                        "sessions": server.sessions,
-                        "max_sessions": server.max_sessions,
-                    }
-                )
-            elif self.path == "/version":
-                self._answer(
-                    lambda: {"protocol": PROTOCOL, "asyncrl": __version__, "env": server.path}
-                )
+    def json(self) -> dict[str, Any]:
+        try:
+            body = json.loads(self.body or b"{}")
+        except ValueError as exc:
+            raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", f"not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "body is not an object")
+        return body
+
+
+async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
+    """The next request of a connection; None when the client closed it between requests."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "request cut short") from None
+    except asyncio.LimitOverrunError:
+        raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "request head too long") from None
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        method, path, version = lines[0].split(" ")
+    except ValueError:
+        raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", f"{lines[0]!r:.200}") from None
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip().lower()
+    if "chunked" in headers.get("transfer-encoding", ""):
+        raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "chunked bodies are not read")
+    try:
+        length = int(headers.get("content-length", "0"))
+    except ValueError:
+        raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "bad Content-Length") from None
+    if not 0 <= length <= _MAX_BODY_BYTES:
+        raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", f"body of {length} bytes")
+    body = await reader.readexactly(length) if length else b""
+    connection = headers.get("connection", "")
+    keep_alive = connection != "close" and (version == "HTTP/1.1" or connection == "keep-alive")
+    return _Request(method, path, body, keep_alive)
+
+
+def _response(status: HTTPStatus, data: bytes, keep_alive: bool) -> bytes:
+    """Head and body in one buffer: one write per reply."""
+    close = "" if keep_alive else "Connection: close\r\n"
+    head = (
+        f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n{close}\r\n"
+    )
+    return head.encode() + data
+
+
+def _error(reason: str, detail: str) -> bytes:
+    return json.dumps({"error": reason, "detail": detail}).encode()
+
+
+class EnvHTTPServer:
+    """`EnvServer` behind HTTP on a socket bound at construction (so `server_port` is known at
+    once); `serve_forever` runs the event loop on the calling thread until `shutdown`."""
+
+    def __init__(self, env: EnvServer, host: str, port: int) -> None:
+        self.env = env
+        self.socket = socket.create_server((host, port), backlog=_BACKLOG)
+        self.server_port: int = self.socket.getsockname()[1]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+
+    def serve_forever(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self._done.set()
+
+    def shutdown(self) -> None:
+        """Stop `serve_forever` (from another thread) and wait for it to return."""
+        self._started.wait()
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._done.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (a container stopping) closes the sessions like Ctrl-C does.
+            self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        server = await asyncio.start_server(
+            # asyncio listens again on the socket, with a backlog of 100 unless told.
+            self._connection,
+            sock=self.socket,
+            backlog=_BACKLOG,
+            limit=_MAX_HEAD_BYTES,
+        )
+        self._started.set()
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()
+            await self.env.close_all()
+            # Connections end by their own code, not cancelled by `asyncio.run` (which in 3.11
+            # logs each cancelled one as an error).
+            for writer in self._connections.values():
+                writer.close()
+            if self._connections:
+                await asyncio.wait(self._connections, timeout=_CLOSE_TIMEOUT_S)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            # A reply is one write, but a delayed ACK must never hold a small one back (with
+            # Nagle's algorithm a call took 70 ms instead of 0.5 ms under the threaded server).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                try:
+                    request = await _read_request(reader)
+                except _Refused as exc:  # what follows on the connection cannot be framed
+                    writer.write(_response(exc.status, _error(exc.reason, exc.detail), False))
+                    await writer.drain()
+                    return
+                if request is None:
+                    return
+                status, reply = await self._answer(request)
+                writer.write(_response(status, reply, request.keep_alive))
+                await writer.drain()
+                if not request.keep_alive:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away (its timeout, or it stopped): its session stays
+        finally:
+            writer.close()
+            del self._connections[task]
+
+    async def _answer(self, request: _Request) -> tuple[HTTPStatus, bytes]:
+        env = self.env
+        parts = request.path.split("?")[0].strip("/").split("/")
+        try:
+            reply: dict[str, Any]
+            if request.method == "GET" and parts == ["health"]:
+                reply = {"status": "ok", "sessions": env.sessions, "max_sessions": env.max_sessions}
+            elif request.method == "GET" and parts == ["version"]:
+                reply = {"protocol": PROTOCOL, "asyncrl": __version__, "env": env.path}
+            elif parts[:2] != ["v1", "sessions"]:
+                raise _Refused(HTTPStatus.NOT_FOUND, "malformed", request.path)
+            elif request.method == "POST" and len(parts) == 2:
+                reply = await env.create(request.json())
+            elif request.method == "POST" and len(parts) == 4 and parts[3] == "step":
+                reply = await env.step(parts[2], request.json())
+            elif request.method == "DELETE" and len(parts) == 3:
+                reply = await env.close(parts[2])
             else:
-                self._send(HTTPStatus.NOT_FOUND, {"error": "malformed", "detail": self.path})
-
-        def do_POST(self) -> None:
-            parts = self.path.strip("/").split("/")
-            if parts == ["v1", "sessions"]:
-                self._answer(lambda: server.create(self._body()))
-            elif len(parts) == 4 and parts[:2] == ["v1", "sessions"] and parts[3] == "step":
-                self._answer(lambda: server.step(parts[2], self._body()))
-            else:
-                self._send(HTTPStatus.NOT_FOUND, {"error": "malformed", "detail": self.path})
-
-        def do_DELETE(self) -> None:
-            parts = self.path.strip("/").split("/")
-            if len(parts) == 3 and parts[:2] == ["v1", "sessions"]:
-                self._answer(lambda: server.close(parts[2]))
-            else:
-                self._send(HTTPStatus.NOT_FOUND, {"error": "malformed", "detail": self.path})
-
-        def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > _MAX_BODY_BYTES:
-                raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", f"body of {length} bytes")
-            try:
-                body = json.loads(self.rfile.read(length) or b"{}")
-            except ValueError as exc:
-                raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", f"not JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "body is not an object")
-            return body
-
-        def _answer(self, make: Any) -> None:
-            try:
-                reply = make()
-                payload = json.dumps(reply)  # info the environment filled may not be JSON
-            except _Refused as exc:
-                self._send(exc.status, {"error": exc.reason, "detail": exc.detail})
-            except EnvironmentFailure as exc:
-                self._send(
-                    HTTPStatus.INTERNAL_SERVER_ERROR, {"error": exc.reason, "detail": exc.detail}
-                )
-            except (TypeError, ValueError) as exc:
-                failure = malformed(f"reply is not JSON: {exc}")
-                self._send(
-                    HTTPStatus.INTERNAL_SERVER_ERROR,
-                    {"error": failure.reason, "detail": failure.detail},
-                )
-            else:
-                self._write(HTTPStatus.OK, payload.encode())
-
-        def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-            self._write(status, json.dumps(body).encode())
-
-        def _write(self, status: HTTPStatus, data: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug(format, *args)
-
-    return Handler
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # A worker opens many sessions at once (a batch of prompts × n): the default backlog of 5
-    # would reset connections in such a burst.
-    request_queue_size = 1024
+                what = f"{request.method} {request.path}"
+                raise _Refused(HTTPStatus.NOT_FOUND, "malformed", what)
+            data = json.dumps(reply).encode()  # info the environment filled may not be JSON
+        except _Refused as exc:
+            return exc.status, _error(exc.reason, exc.detail)
+        except EnvironmentFailure as exc:
+            return HTTPStatus.INTERNAL_SERVER_ERROR, _error(exc.reason, exc.detail)
+        except (TypeError, ValueError) as exc:
+            failure = malformed(f"reply is not JSON: {exc}")
+            return HTTPStatus.INTERNAL_SERVER_ERROR, _error(failure.reason, failure.detail)
+        return HTTPStatus.OK, data
 
 
 def make_server(
@@ -257,10 +358,9 @@ def make_server(
     port: int = 0,
     max_sessions: int = 1024,
     python_path: Sequence[str] = (),
-) -> ThreadingHTTPServer:
-    """The server of `path` (checked first: ValueError with a one-line reason)."""
-    env = EnvServer(path, kwargs, max_sessions, python_path)
-    return _Server((host, port), _handler(env))
+) -> EnvHTTPServer:
+    """The server of `path` (checked first: ValueError with a one-line reason), bound."""
+    return EnvHTTPServer(EnvServer(path, kwargs, max_sessions, python_path), host, port)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -280,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
             args.max_sessions,
             [os.path.abspath(d) for d in args.python_path],
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: the port is taken
         print(f"asyncrl env-server: {exc}", file=sys.stderr)
         return 2
     # One line on stdout, flushed: how a parent that asked for port 0 learns the port.

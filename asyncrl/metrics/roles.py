@@ -90,6 +90,7 @@ class RoleMetrics:
     environment_errors: dict[str, Counter]
     rollout_groups_failed: dict[str, Counter]
     routing_agreement: dict[str, Gauge]
+    tool_calls: dict[str, Counter]
 
     def __init__(self, role: str, worker: str) -> None:
         self.role = role

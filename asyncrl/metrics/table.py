@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from asyncrl.environments.base import ENV_REASONS
+from asyncrl.environments.tools import TOOL_CALL_OUTCOMES
 from asyncrl.runstate import ROLES
 from asyncrl.runstate import Counter as RunCounter
 
@@ -446,6 +447,18 @@ METRICS: tuple[Metric, ...] = (
             ("router", "routing_agreement_router"),
             ("worst_layer", "routing_agreement_worst_layer"),
         ),
+    ),
+    Metric(
+        "tool_calls",
+        "asyncrl_tool_calls_total",
+        "counter",
+        "Tool calls in model output (task.environment type tools), by outcome: ok (it ran and "
+        "returned), a call that could not be parsed (malformed_json, bad_call, unclosed_call), "
+        "unknown_tool, bad_arguments, too_many_calls, or the tool raised (tool_error) or "
+        "outlived its timeout (tool_timeout). The model reads each failure; none fails a group.",
+        "rollout",
+        label=("outcome", TOOL_CALL_OUTCOMES),
+        roles=("rollout",),
     ),
 )
 

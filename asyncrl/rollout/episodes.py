@@ -46,6 +46,7 @@ from asyncrl.environments.base import (
     check_step,
     render_observation,
 )
+from asyncrl.environments.tools import tool_call_counts
 from asyncrl.protocol import Sample
 from asyncrl.tasks.base import EpisodicTask, PromptItem, Task
 from asyncrl.tasks.plugins import RewardFailure
@@ -132,6 +133,9 @@ class _Episode:
     text: str = ""
     """The last turn's decoded response, scored by the task when the environment gives no
     reward."""
+    ended_by: int | None = None
+    """The token that ended the last turn (an end of turn), None when the token limit cut it:
+    what a chat observation's rendering goes on from."""
     first_observation: list[int] = field(default_factory=list)
     """What `reset` returned, rendered: joins the response before the first turn, with that
     turn's version (none is known before it)."""
@@ -154,6 +158,8 @@ class _Episode:
         self.turns += 1
         self.finish = gen.finish
         self.routed = gen.routed_experts
+        stopped = gen.finish == "stop" and len(gen.token_ids)
+        self.ended_by = int(gen.token_ids[-1]) if stopped else None
 
     def observe(self, ids: list[int]) -> None:
         self.context.extend(ids)
@@ -205,6 +211,7 @@ class EpisodeScheduler(Generic[T]):
         batch_wait_s: float = 0.0,
         on_generate: Callable[[GenerateCall], None] | None = None,
         on_env_error: Callable[[str], None] | None = None,
+        on_tool_calls: Callable[[str, int], None] | None = None,
     ) -> None:
         self._engine = engine
         self._task = task
@@ -213,6 +220,7 @@ class EpisodeScheduler(Generic[T]):
         self._sampling = sampling
         self._on_generate = on_generate
         self._on_env_error = on_env_error
+        self._on_tool_calls = on_tool_calls
         self._batch_wait_s = batch_wait_s
         # Environment steps await their tools on one event loop thread: a waiting episode costs
         # a timer, where a thread each would cost a millisecond of CPU per step in switching.
@@ -220,6 +228,9 @@ class EpisodeScheduler(Generic[T]):
         self._loop_thread: threading.Thread | None = None
         self._steps: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self._closing: set[asyncio.Task[None]] = set()  # environments being closed
+        # Environments not yet handed to `_spawn_close`, by id (an environment need not be
+        # hashable): what `close` ends when it cuts episodes short.
+        self._open: dict[int, Environment] = {}
         self._ready: list[_Episode] = []
         self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
         self._at_env = 0  # episodes inside their environment now
@@ -245,6 +256,7 @@ class EpisodeScheduler(Generic[T]):
             except Exception as exc:  # e.g. an answer the task cannot parse
                 self._fail(group, "task_error", _describe(exc))
                 return
+            self._open[id(env)] = env
             self._to_env([(_Episode(group, i, env, list(item.prompt_ids)), None)])
 
     def advance(self, wait_s: float) -> tuple[list[FinishedGroup[T]], list[FailedGroup[T]]]:
@@ -274,10 +286,13 @@ class EpisodeScheduler(Generic[T]):
         return finished, failed
 
     def close(self) -> None:
-        """Cancel the environment steps still awaiting their tools and end the loop thread."""
+        """Cancel the environment steps still awaiting their tools, close every environment
+        still open (episodes cut short: a session on an env-server is deleted), best effort
+        within a few seconds, and end the loop thread."""
         if self._loop is None:
             return
-        cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(), self._loop)
+        left, self._open = list(self._open.values()), {}
+        cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(left), self._loop)
         try:
             cancelled.result(timeout=_CLOSE_TIMEOUT_S)
         except TimeoutError:
@@ -289,12 +304,14 @@ class EpisodeScheduler(Generic[T]):
             self._loop.close()
         self._loop = self._loop_thread = None
 
-    async def _cancel_steps(self) -> None:
+    async def _cancel_steps(self, left: list[Environment]) -> None:
         for task in self._steps:
             task.cancel()
         await asyncio.gather(*self._steps, return_exceptions=True)
-        # Ended episodes release what they hold (a session on an env-server) before the loop
-        # goes; a close that hangs is cut off.
+        for env in left:
+            self._spawn_close(env)
+        # Episodes release what they hold (a session on an env-server) before the loop goes; a
+        # close that hangs is cut off.
         if self._closing:
             _, stuck = await asyncio.wait(self._closing, timeout=_CLOSE_TIMEOUT_S / 2)
             for task in stuck:
@@ -326,9 +343,15 @@ class EpisodeScheduler(Generic[T]):
                 break
         self._at_env -= len(returned)
         for ep, result in returned:
+            if isinstance(result, StepResult) and self._on_tool_calls is not None:
+                for outcome, n in tool_call_counts(result.info):
+                    self._on_tool_calls(outcome, n)
+            done = isinstance(result, StepResult) and result.done
+            if ep.group.failed or done or isinstance(result, Exception):
+                self._close_env(ep)  # the episode is over: its session goes now
             if ep.group.failed:
-                self._close_env(ep)
-            elif isinstance(result, RewardFailure):
+                continue
+            if isinstance(result, RewardFailure):
                 self._fail(ep.group, result.reason, result.detail)
             elif isinstance(result, Exception):
                 failure = (
@@ -340,7 +363,6 @@ class EpisodeScheduler(Generic[T]):
                     self._on_env_error(failure.reason)
                 self._fail(ep.group, f"env_{failure.reason}", failure.detail)
             elif isinstance(result, StepResult) and result.done:
-                self._close_env(ep)
                 if result.reward is None:
                     self._score(ep, partial(self._task.score, ep.group.item, ep.text))
                 else:
@@ -348,14 +370,24 @@ class EpisodeScheduler(Generic[T]):
             else:
                 obs = result.observation if isinstance(result, StepResult) else result.first
                 try:
-                    ep.observe(render_observation(self._tokenizer, obs))
+                    ep.observe(render_observation(self._tokenizer, obs, ep.ended_by))
                 except Exception as exc:  # chat messages for a tokenizer without a template
+                    self._close_env(ep)
                     self._fail(ep.group, "env_malformed", f"rendering {obs!r:.200}: {exc}")
                     continue
                 self._make_ready(ep)
 
     def _generate(self) -> None:
         batch, self._ready = self._ready, []
+        try:
+            self._generate_turn(batch)
+        finally:
+            # `_fail` closes the environments of ready episodes; these were taken out of that list.
+            for ep in batch:
+                if ep.group.failed:
+                    self._close_env(ep)
+
+    def _generate_turn(self, batch: list[_Episode]) -> None:
         t0 = time.monotonic()
         try:
             gens: list[Generation | None] = list(
@@ -446,6 +478,7 @@ class EpisodeScheduler(Generic[T]):
 
     def _close_env(self, ep: _Episode) -> None:
         if ep.env is not None:
+            self._open.pop(id(ep.env), None)
             self._event_loop().call_soon_threadsafe(self._spawn_close, ep.env)
             ep.env = None
 

@@ -6,7 +6,10 @@ room frees up. Each group is published as soon as its n episodes have ended. Pub
 trajectory group and acking its prompt happen in one Redis transaction, so a worker killed at
 any moment leaves either a whole group or a prompt that is still pending and is re-claimed once
 its heartbeat expires (DESIGN §9). SIGTERM drains: episodes in flight are finished and their
-groups published; prompts read but not started stay pending for another worker. A worker that
+groups published; prompts read but not started stay pending for another worker. A second
+SIGTERM (or Ctrl-C) stops at once: episodes in flight are abandoned, their prompts stay pending
+and are delivered again, and their environments are closed (sessions on env-servers deleted,
+best effort within a few seconds). A worker that
 is told to stop while Redis is unreachable stops waiting for it: what it has not published stays
 pending and is delivered again.
 """
@@ -84,6 +87,8 @@ class RolloutWorker:
             # holds ends the worker at once.
             serve(cfg.metrics.host, cfg.metrics.port, self._health)
         self.stopping = False
+        self.abandoning = False
+        """A second SIGTERM: leave without finishing the episodes in flight."""
         # The worker's own Redis calls wait out outages like the queue's do, until SIGTERM.
         self.redis = RedisGuard(
             reconnect_max_s=cfg.redis.reconnect_max_s,
@@ -151,6 +156,7 @@ class RolloutWorker:
             batch_wait_s=rollout.turn_batch_wait_s,
             on_generate=self._on_generate,
             on_env_error=lambda reason: self.metrics.environment_errors[reason].inc(),
+            on_tool_calls=lambda outcome, n: self.metrics.tool_calls[outcome].inc(n),
         )
         self.waiting: list[Prompt] = []
         """Prompt deliveries read but not started: waiting for newer weights."""
@@ -194,6 +200,7 @@ class RolloutWorker:
         return True, "ok"
 
     def _on_sigterm(self, *_: object) -> None:
+        self.abandoning = self.stopping
         self.stopping = True
 
     def run(self) -> int:
@@ -212,7 +219,7 @@ class RolloutWorker:
             self._wait_engine_version(target)
         log.info("rollout %s ready at version %d", self.id, self.engine.version)
         try:
-            while not self.stopping or self.episodes.inflight:
+            while not self.stopping or (self.episodes.inflight and not self.abandoning):
                 if not self.stopping:
                     self._admit()
                 if not self.episodes.inflight:
@@ -235,6 +242,16 @@ class RolloutWorker:
                 exc,
             )
         finally:
+            # Stopping already: a later SIGTERM must not kill the exit (Python restores the
+            # default disposition of handled signals while it finalises).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if self.episodes.inflight:
+                log.warning(
+                    "rollout %s: %d episode(s) in flight abandoned; their prompts stay pending "
+                    "and are delivered again",
+                    self.id,
+                    self.episodes.inflight,
+                )
             self.heartbeat.stop()
             self.episodes.close()
             try:

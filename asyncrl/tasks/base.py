@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, assert_never, overload, runtime_checkable
 
 import numpy as np
 
+from asyncrl.environments.base import render_prompt
 from asyncrl.protocol import plain_value_problem
 from asyncrl.tasks.config import (
     AgenticTaskConfig,
@@ -84,17 +85,32 @@ class EpisodicTask(Task, Protocol):
 class WithEnvironment:
     """A task whose episodes talk to the environment of `task.environment`: the task gives the
     items and scores a last turn the environment leaves unscored; the environment gives the
-    turns. Anything else is the task's."""
+    turns, and may make the prompt (`prompt`: an item's token ids, in place of the task's; a
+    tool environment puts its tools' schemas there). Anything else is the task's."""
 
-    def __init__(self, task: Task, environments: EnvironmentFactory) -> None:
+    def __init__(
+        self,
+        task: Task,
+        environments: EnvironmentFactory,
+        prompt: Callable[[PromptItem], list[int]] | None = None,
+    ) -> None:
         self._task = task
         self._environments = environments
+        self._prompt = prompt
 
     def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
-        return self._task.train_items(seed, epoch)
+        return self._prompted(self._task.train_items(seed, epoch))
 
     def eval_items(self) -> Sequence[PromptItem]:
-        return self._task.eval_items()
+        return self._prompted(self._task.eval_items())
+
+    def _prompted(self, items: Sequence[PromptItem]) -> Sequence[PromptItem]:
+        prompt = self._prompt
+        if prompt is None:
+            return items
+        return LazyItems(
+            lambda i: replace(items[i], prompt_ids=prompt(items[i])), np.arange(len(items))
+        )
 
     def score(self, item: PromptItem, response_text: str) -> float:
         return self._task.score(item, response_text)
@@ -144,9 +160,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -
     `chat`, else plainly (with the tokenizer's special tokens)."""
     if not chat:
         return list(tokenizer(prompt)["input_ids"])
-    turn = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return render_prompt(tokenizer, [{"role": "user", "content": prompt}])
 
 
 class ArithmeticTask:
@@ -256,16 +270,10 @@ class RecordsTask:
 
     def _item(self, row: _Row) -> PromptItem:
         if isinstance(row.prompt, list):
-            ids = self._render(row.prompt)
+            ids = render_prompt(self._tokenizer, row.prompt)
             return PromptItem(row.prompt_id, row.prompt[-1]["content"], ids, row.answer)
         ids = encode_prompt(self._tokenizer, row.prompt, self._chat)
         return PromptItem(row.prompt_id, row.prompt, ids, row.answer)
-
-    def _render(self, messages: Messages) -> list[int]:
-        text = self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _load(self, split: str, source: str, records: Records) -> list[_Row]:
         fields = (self._cfg.prompt_field, self._cfg.answer_field)
@@ -422,9 +430,10 @@ def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
     task = _build_task(cfg, tokenizer)
     if cfg.environment is None:
         return task
-    from asyncrl.environments import build_environments
+    from asyncrl.environments.base import build_environments, build_prompt
 
-    return WithEnvironment(task, build_environments(cfg.environment))
+    env = cfg.environment
+    return WithEnvironment(task, build_environments(env), build_prompt(env, tokenizer))
 
 
 def _build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
