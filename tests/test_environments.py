@@ -166,7 +166,7 @@ def test_a_step_past_its_timeout_fails_and_close_ends_the_session(served: Served
     t0 = time.monotonic()
     with pytest.raises(EnvironmentFailure) as failed:
         asyncio.run(episode())
-    assert failed.value.reason == "timeout" and time.monotonic() - t0 < 10
+    assert failed.value.reason == "timeout" and time.monotonic() - t0 < 30  # not hung
     assert served.health()["sessions"] == 0  # the hung call was cancelled with its session
 
 

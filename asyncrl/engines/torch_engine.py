@@ -20,7 +20,7 @@ import contextlib
 import copy
 import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import cast
 
 import numpy as np
@@ -190,20 +190,14 @@ class TorchEngine:
     def score(self, seqs: list[list[int]], params: SamplingParams) -> list[torch.Tensor]:
         """Per sequence, the `sampling_logprobs` of the next token after each of positions
         0..n-2 ([n-1, V], one unpadded forward each), under the current weights."""
-        with self._generate_lock:
-            self._set_busy(True)
-            training = self.model.training
+        with self._scoring():
             self.model.eval()
-            try:
-                device = self._generator.device
-                out = []
-                for seq in seqs:
-                    logits = self.model(input_ids=torch.tensor([seq], device=device)).logits
-                    out.append(sampling_logprobs(logits[0, :-1], params).cpu())
-                return out
-            finally:
-                self.model.train(training)
-                self._set_busy(False)
+            device = self._generator.device
+            out = []
+            for seq in seqs:
+                logits = self.model(input_ids=torch.tensor([seq], device=device)).logits
+                out.append(sampling_logprobs(logits[0, :-1], params).cpu())
+            return out
 
     def rescore(
         self, sequences: list[tuple[list[int], int]], params: SamplingParams, dtype: str
@@ -211,23 +205,30 @@ class TorchEngine:
         """`Rescoring`: one full forward per sequence, as the trainer computes. With `dtype`
         other than the engine's, the weights are a copy cast to it (made once per version):
         the engine's own rounded weights, so the audit measures the compute path alone."""
+        with self._scoring():
+            version = self._version
+            model = self._scoring_model(getattr(torch, dtype))
+            model.eval()
+            device = self._generator.device
+            out = []
+            with torch.inference_mode():
+                for ids, n_prompt in sequences:
+                    logp = sequence_logprobs(model, torch.tensor([ids], device=device), params)
+                    out.append(logp[0, n_prompt - 1 :].float().cpu().numpy())
+        return version, out
+
+    @contextlib.contextmanager
+    def _scoring(self) -> Iterator[None]:
+        """Forwards outside generation (`score`, `rescore`): under the generate lock, with no
+        weight swap under them; the model's train/eval mode restored."""
         with self._generate_lock:
-            self._set_busy(True)  # no weight swap under the forward
+            self._set_busy(True)
             training = self.model.training
             try:
-                version = self._version
-                model = self._scoring_model(getattr(torch, dtype))
-                model.eval()
-                device = self._generator.device
-                out = []
-                with torch.inference_mode():
-                    for ids, n_prompt in sequences:
-                        logp = sequence_logprobs(model, torch.tensor([ids], device=device), params)
-                        out.append(logp[0, n_prompt - 1 :].float().cpu().numpy())
+                yield
             finally:
                 self.model.train(training)
                 self._set_busy(False)
-        return version, out
 
     def _scoring_model(self, dtype: torch.dtype) -> torch.nn.Module:
         if next(self.model.parameters()).dtype == dtype:

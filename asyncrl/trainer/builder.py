@@ -83,6 +83,9 @@ class RankZero:
     run_gauges: RunGauges
     jsonl: JsonlWriter | None
     """The metrics.jsonl writer; None with `metrics.jsonl: false`."""
+    mismatch_log: JsonlWriter | None
+    """The step's full mismatch tables (`asyncrl mismatch RUN_DIR`); None with
+    `metrics.jsonl: false`."""
     trackers: TrackerFeed | None
     """The experiment trackers fed the same records; None without `metrics.trackers`."""
 
@@ -339,6 +342,7 @@ def build_rank_zero(
     """The weight publisher and the metrics outputs of rank 0."""
     from asyncrl.metrics.jsonl import JsonlWriter
     from asyncrl.metrics.poller import RunGauges
+    from asyncrl.metrics.record import MISMATCH_LOG
     from asyncrl.metrics.trackers import RunInfo, TrackerFeed
     from asyncrl.weights import build_publisher
 
@@ -352,11 +356,12 @@ def build_rank_zero(
         cfg.weights, client, keys, device=device, on_record=on_sync, lora=cfg.model.lora
     )
     jsonl = JsonlWriter(cfg.run.path / "metrics.jsonl") if cfg.metrics.jsonl else None
+    mismatch_log = JsonlWriter(cfg.run.path / MISMATCH_LOG) if cfg.metrics.jsonl else None
     run = RunInfo(cfg.run.id, cfg.run.path, cfg.redacted())
     trackers = TrackerFeed(cfg.metrics.trackers, run) if cfg.metrics.trackers else None
     metrics.staleness_bound.set(max_staleness)
     run_gauges = RunGauges(metrics, client, keys).start()
-    return RankZero(admission, publisher, run_gauges, jsonl, trackers)
+    return RankZero(admission, publisher, run_gauges, jsonl, mismatch_log, trackers)
 
 
 def redis_health(client: redis.Redis) -> tuple[bool, str]:

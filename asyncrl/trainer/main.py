@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.algo.mismatch import LOW_PROB, audit_table, summarise
 from asyncrl.lora import synced
-from asyncrl.metrics.jsonl import JsonlWriter
-from asyncrl.metrics.record import MISMATCH_LOG, EvalRecord, StepRecord
+from asyncrl.metrics.record import EvalRecord, StepRecord
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.queue import Stopped
 from asyncrl.runstate import Counter
@@ -62,12 +61,6 @@ class Trainer:
         )
         self.evaluator: Evaluator | None = None
         self.t0 = time.monotonic()
-        self.mismatch_log = (
-            JsonlWriter(cfg.run.path / MISMATCH_LOG)
-            if self.rank0 is not None and cfg.metrics.jsonl
-            else None
-        )
-        """The step's full mismatch tables (`asyncrl mismatch RUN_DIR`); rank 0 only."""
         self._copy_wait = 0.0
         if self.rank0 is not None:
             # Weights are published with a deferred copy: the optimizer changes them only once
@@ -161,8 +154,8 @@ class Trainer:
                 self.rank0.run_gauges.stop()
                 if self.rank0.trackers is not None:
                     self.rank0.trackers.close()
-            if self.mismatch_log is not None:
-                self.mismatch_log.close()
+                if self.rank0.mismatch_log is not None:
+                    self.rank0.mismatch_log.close()
         return 0
 
     def _on_sigterm(self, *_: object) -> None:
@@ -297,8 +290,8 @@ class Trainer:
             self.rank0.jsonl.write(line)
         if self.rank0.trackers is not None:
             self.rank0.trackers.log(record)
-        if self.mismatch_log is not None:
-            self.mismatch_log.write(self._mismatch_line(stats))
+        if self.rank0.mismatch_log is not None:
+            self.rank0.mismatch_log.write(self._mismatch_line(stats))
         # Only `asyncrl status` reads it: SIGTERM in an outage skips it, the step is complete.
         with contextlib.suppress(Stopped):
             self.parts.redis.call(
