@@ -396,7 +396,7 @@ def _array(d: dict[str, Any], key: str, dtype: np.dtype, where: str) -> np.ndarr
         raise ValidationError(
             "malformed", f"{where}{key}: {len(raw)} bytes is not a multiple of {dtype.itemsize}"
         )
-    return np.frombuffer(raw, dtype=dtype)
+    return np.frombuffer(raw, dtype)  # positional: a keyword costs 0.2 µs, an array
 
 
 def _answer(d: dict[str, Any]) -> Any:
@@ -519,13 +519,29 @@ def _check_meta(meta: Any, limits: Limits, where: str) -> None:
         )
 
 
+def _within(ids: np.ndarray, vocab: int | None) -> bool:
+    """Whether every id lies in [0, vocab) (vocab None: is >= 0). Signed integers are read as
+    unsigned, where a negative one is at least 2**(bits - 1): one pass instead of a min and a max."""
+    if ids.dtype.kind != "i":
+        return bool(ids.min() >= 0 and (vocab is None or ids.max() < vocab))
+    sign = 2 ** (8 * ids.dtype.itemsize - 1)
+    unsigned = ids.view(ids.dtype.str.replace("i", "u"))
+    return int(unsigned.max()) < (sign if vocab is None else min(vocab, sign))
+
+
+def _logprobs_ok(values: np.ndarray) -> bool:
+    """Whether all values are finite and <= 0, in two reductions that allocate nothing: NaN makes
+    both fail, +inf and positives fail the max, -inf the min."""
+    return bool(values.max() <= 0 and values.min() > -np.inf)
+
+
 def _check_ids(
     ids: np.ndarray, limits: Limits, where: str, sample_of: Callable[[int], int] | None = None
 ) -> None:
     """Reject an id no model can embed: negative, or not below `limits.vocab_size`. `sample_of`
     maps an index into concatenated responses back to its sample, for the message."""
     vocab = limits.vocab_size
-    if not len(ids) or (ids.min() >= 0 and (vocab is None or ids.max() < vocab)):
+    if not len(ids) or _within(ids, vocab):
         return
     bad = ids < 0 if vocab is None else (ids < 0) | (ids >= vocab)
     first = int(np.argmax(bad))
@@ -598,12 +614,9 @@ def validate_group(
     if not sum(lengths):
         return
 
-    # ends[i] is where sample i stops in the concatenation; searchsorted maps a flat token index
-    # back to its sample for the error message.
-    ends = np.cumsum(lengths)
-
     def sample_of(flat_index: int) -> int:
-        return int(np.searchsorted(ends, flat_index, side="right"))
+        """The sample of a token of the concatenation, for an error message."""
+        return int(np.searchsorted(np.cumsum(lengths), flat_index, side="right"))
 
     response_ids = np.concatenate([s.response_ids for s in g.samples])
     _check_ids(response_ids, limits, "response_ids", sample_of)
@@ -611,36 +624,38 @@ def validate_group(
     # Audited log-probs run the same checks as the behaviour ones, under the same reason codes.
     audited = [s.audit_logprobs for s in g.samples if s.audit_logprobs is not None]
     for a in audited:
-        if not np.isfinite(a).all():
-            raise ValidationError("logprob_not_finite", "audit_logprobs has NaN or inf")
-        if len(a) and a.max() > 0:
+        if len(a) and not _logprobs_ok(a):
+            if not np.isfinite(a).all():
+                raise ValidationError("logprob_not_finite", "audit_logprobs has NaN or inf")
             raise ValidationError("logprob_positive", "audit_logprobs has a value > 0")
     logprobs = np.concatenate([s.logprobs for s in g.samples])
-    finite = np.isfinite(logprobs)
-    if not finite.all():
-        i = sample_of(int(np.argmin(finite)))
-        raise ValidationError("logprob_not_finite", f"samples[{i}].logprobs has NaN or inf")
-    if logprobs.max() > 0:
+    if not _logprobs_ok(logprobs):
+        finite = np.isfinite(logprobs)
+        if not finite.all():
+            i = sample_of(int(np.argmin(finite)))
+            raise ValidationError("logprob_not_finite", f"samples[{i}].logprobs has NaN or inf")
         i = sample_of(int(np.argmax(logprobs > 0)))
         raise ValidationError("logprob_positive", f"samples[{i}].logprobs has a value > 0")
 
-    versions = np.concatenate([s.versions for s in g.samples])
-    if versions.min() < 0:
+    # In the concatenation a decrease between two samples (where one ends and the next begins)
+    # is none within a sample: counting those from the samples' ends tells whether the one pass
+    # over the tokens found any other. A non-decreasing sample has its extremes at its ends.
+    runs = [s.versions for s in g.samples if len(s.versions)]
+    firsts, lasts = [int(v[0]) for v in runs], [int(v[-1]) for v in runs]
+    versions = np.concatenate(runs)
+    between = sum(b < a for a, b in zip(lasts, firsts[1:], strict=False))
+    decreasing = int(np.count_nonzero(versions[1:] < versions[:-1])) != between
+    low, high = (versions.min(), versions.max()) if decreasing else (min(firsts), max(lasts))
+    if low < 0:
         i = sample_of(int(np.argmin(versions)))
         raise ValidationError("version_negative", f"samples[{i}].versions has a value < 0")
-    if current_version is not None and versions.max() > current_version:
+    if current_version is not None and high > current_version:
         i = sample_of(int(np.argmax(versions)))
         raise ValidationError(
-            "version_ahead",
-            f"samples[{i}].versions has {int(versions.max())} > current {current_version}",
+            "version_ahead", f"samples[{i}].versions has {int(high)} > current {current_version}"
         )
-    steps = np.diff(versions)
-    # steps[k] compares tokens k and k+1; the steps that cross from one sample into the next
-    # (at ends[i] - 1) are not a decrease within a sample.
-    crossings = ends[:-1] - 1
-    steps[crossings[(crossings >= 0) & (crossings < len(steps))]] = 0
-    if steps.min(initial=0) < 0:
-        i = sample_of(int(np.argmin(steps)) + 1)
+    if decreasing:
+        i = next(i for i, s in enumerate(g.samples) if (s.versions[1:] < s.versions[:-1]).any())
         raise ValidationError("versions_decreasing", f"samples[{i}].versions decrease")
 
     masks = [s.loss_mask for s in g.samples if s.loss_mask is not None and len(s.loss_mask)]
