@@ -6,6 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from asyncrl import protocol
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -498,3 +499,16 @@ def test_validation_error_is_a_value_error_that_pickles() -> None:
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_samples"):
         Limits(max_samples=0)
+
+
+@pytest.mark.parametrize(
+    ("group", "kwargs", "reason"),
+    [case[1:] for case in BAD_GROUPS],
+    ids=[case[0] for case in BAD_GROUPS],
+)
+def test_bad_group_checked_sample_by_sample_is_rejected_alike(
+    monkeypatch: pytest.MonkeyPatch, group: TrajectoryGroup, kwargs: dict[str, Any], reason: str
+) -> None:
+    # Long groups are checked on each sample's own arrays; every group here takes that path.
+    monkeypatch.setattr(protocol, "_CONCAT_MAX_TOKENS", 0)
+    assert reason_of(encode_group(group), **kwargs) == reason

@@ -234,3 +234,73 @@ def test_token_ids_decode_only_inside_the_vocabulary(path: tuple[Any, ...], ids:
         assert not inside and exc.reason == "token_out_of_range", exc
     else:
         assert inside
+
+
+def _first_broken_rule(samples: list[Sample], vocab: int, current: int | None) -> str | None:
+    """The token rules of `validate_group`, written out one value at a time in their order."""
+    ids = [int(t) for s in samples for t in s.response_ids]
+    logprobs = [float(x) for s in samples for x in s.logprobs]
+    versions = [int(v) for s in samples for v in s.versions]
+    rules = [
+        ("token_out_of_range", any(not 0 <= t < vocab for t in ids)),
+        ("logprob_not_finite", not all(np.isfinite(x) for x in logprobs)),
+        ("logprob_positive", any(x > 0 for x in logprobs)),
+        ("version_negative", any(v < 0 for v in versions)),
+        ("version_ahead", current is not None and any(v > current for v in versions)),
+        (
+            "versions_decreasing",
+            any(
+                b < a for s in samples for a, b in zip(s.versions[:-1], s.versions[1:], strict=True)
+            ),
+        ),
+    ]
+    return next((reason for reason, broken in rules if broken), None)
+
+
+# Valid values drawn four times as often as each broken one, so that groups also get past the
+# earlier rules to the later ones.
+_IDS = [0, 5, 15] * 4 + [-(2**31), -1, 16, 2**31 - 1]
+_LOGPROBS = [-1.5, -0.0, 0.0, -3e38] * 4 + [1e-30, 0.5, np.nan, np.inf, -np.inf]
+_VERSIONS = [0, 1, 2, 3] * 4 + [-1, 9, 2**31 - 1]
+_token_arrays = st.integers(0, 6).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.sampled_from(_IDS), min_size=n, max_size=n),
+        st.lists(st.sampled_from(_LOGPROBS), min_size=n, max_size=n),
+        # Mostly non-decreasing, as engines write them; a sample may still start below the
+        # previous one's end, which is no decrease within a sample.
+        st.lists(st.sampled_from(_VERSIONS), min_size=n, max_size=n).map(sorted)
+        | st.lists(st.sampled_from(_VERSIONS), min_size=n, max_size=n),
+    )
+)
+
+
+@FUZZ
+@given(st.lists(_token_arrays, min_size=1, max_size=4), st.sampled_from([None, 2, 3, 9]))
+def test_token_rules_match_their_plain_reading_on_both_paths(
+    arrays: list[tuple[list[int], list[float], list[int]]], current: int | None
+) -> None:
+    samples = [
+        Sample(
+            response_ids=np.array(ids, np.int32),
+            logprobs=np.array(lps, np.float32),
+            versions=np.array(vs, np.int32),
+            reward=0.0,
+            finish="stop",
+        )
+        for ids, lps, vs in arrays
+    ]
+    group = _valid_group()
+    group.samples = samples
+    expected = _first_broken_rule(samples, 16, current)
+    saved = protocol._CONCAT_MAX_TOKENS
+    try:
+        for split in (False, True):  # concatenated, and sample by sample as long groups are
+            protocol._CONCAT_MAX_TOKENS = 0 if split else saved
+            try:
+                validate_group(group, current_version=current, limits=VOCAB_16)
+                got = None
+            except ValidationError as exc:
+                got = exc.reason
+            assert got == expected, (split, got, expected)
+    finally:
+        protocol._CONCAT_MAX_TOKENS = saved
