@@ -89,15 +89,15 @@ class _TakenLogprobs(torch.autograd.Function):
 
     Autograd over the whole tensor keeps a float32 [tokens × vocab] log-softmax alive for
     backward and makes several more of that size in it (the gather's scattered gradient, the
-    softmax's, the temperature's, the slice's): about 6 copies of the logits at once, a third
-    of a 150 M-parameter model's training memory with Qwen's 152 k vocabulary. Here forward
+    softmax's, the temperature's, the slice's): about 6 copies of the logits at once, most of
+    a trainer's memory beyond parameters, gradients and Adam with a 152 k vocabulary. Here forward
     keeps only the logits (the model made them), and backward recomputes each piece's
     log-softmax and writes its gradient into one tensor the size of the logits. Every row's
     log-softmax is a function of that row alone, and each piece runs the same operations as the
     whole tensor did, so values and gradients are today's bit for bit."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: torch.Tensor, input_ids: torch.Tensor, params: SamplingParams
     ) -> torch.Tensor:
         batch, length, vocab = logits.shape
@@ -111,7 +111,7 @@ class _TakenLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, input_ids = ctx.saved_tensors
         batch, length, vocab = logits.shape
         targets = input_ids[:, 1:].unsqueeze(-1)
