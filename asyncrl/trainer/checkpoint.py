@@ -79,8 +79,8 @@ def _fsync_tree(path: Path) -> None:
 
 
 def _write_model(out: Path, model: Any, state: dict[str, Any]) -> None:
-    """What `save_pretrained(out, state_dict=state)` writes, without its fixed costs (its
-    per-call machinery was a third of a 10 M-parameter checkpoint): the config, the generation
+    """What `save_pretrained(out, state_dict=state)` writes, without its per-call machinery
+    (quantizers, hub, offloading, TP and peft branches, a tqdm bar): the config, the generation
     config, and the weights named and shaped as on the hub — tied aliases dropped and the
     in-memory conversions (fused MoE experts) reverted by transformers' own functions — in
     `model.safetensors`, or in shards of at most 50 GB with their index, as `save_pretrained`

@@ -97,8 +97,8 @@ def full_state(
     checkpoint, of the parameters that train (a LoRA model's adapter). Collective.
 
     An unsharded model's are its own tensors (moved to the CPU), in the distributed helper's
-    format: that helper gathers nothing here, and its walk over every parameter's names was 4-7 %
-    of a 50 M-parameter checkpoint."""
+    format: that helper gathers nothing here, and its walk over every parameter's names took
+    13-67 ms of a 50 M-parameter checkpoint."""
     names = {n for n, _ in model.named_parameters()}
     # Gathered copies no longer share storage, so the checkpoint would store tied aliases
     # (lm_head beside the embedding) twice: keep what loading expects.
