@@ -83,3 +83,49 @@ def test_optimizer_state_resumes_as_the_distributed_loader_does_it_without_its_s
     ours, theirs = resumed
     for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_model_files_are_save_pretrained_s_byte_for_byte(moe: bool, tmp_path: Path) -> None:
+    """The checkpoint writes the model with safetensors directly: the files are what
+    `save_pretrained` writes (the tied lm_head dropped; the MoE experts, fused in memory, split
+    back per expert as on the hub), and an unsharded model's `full_state` is the distributed
+    helper's."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from asyncrl.engines.tiny_model import new_tiny_model, new_tiny_moe
+    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.trainer.parallel import full_state
+
+    model = (new_tiny_moe if moe else new_tiny_model)(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[1, 5, 6]])).logits.sum().backward()
+    optimizer.step()
+    model_state, optimizer_state = full_state(model, optimizer)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    their_model, their_optimizer = get_state_dict(model, optimizer, options=options)
+    assert set(their_model) - set(model_state) == {"lm_head.weight"}  # the tied alias
+    assert all(torch.equal(v, their_model[k]) for k, v in model_state.items())
+    assert optimizer_state["param_groups"] == their_optimizer["param_groups"]
+    assert optimizer_state["state"].keys() == their_optimizer["state"].keys()
+    for name, s in optimizer_state["state"].items():
+        assert all(torch.equal(v, their_optimizer["state"][name][k]) for k, v in s.items())
+
+    ours = save_checkpoint(
+        tmp_path / "checkpoints",
+        model,
+        model_state,
+        optimizer_state,
+        TrainerState(step=1, version=1, cursor={}, wall_seconds=0.0),
+        tokenizer_dir=None,
+        keep=1,
+    )
+    theirs = tmp_path / "save_pretrained"
+    model.save_pretrained(theirs, state_dict=dict(model_state), safe_serialization=True)
+    for f in theirs.iterdir():
+        assert (ours / f.name).read_bytes() == f.read_bytes(), f.name
+    with safe_open(ours / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys
+    assert any(".experts.0." in k for k in keys) == moe

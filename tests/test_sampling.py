@@ -1,6 +1,8 @@
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -86,3 +88,47 @@ def test_configs_and_seams_import_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["plain", "truncated"],
+)
+@pytest.mark.parametrize("chunk", [7 * 30, 2 * 16 * 30, 2**22], ids=["spans", "rows", "whole"])
+def test_sequence_logprobs_in_pieces_are_the_whole_tensor_s_bit_for_bit(
+    params: SamplingParams, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's log-probs, computed piece by piece (spans of 7 positions of one row, two
+    whole rows, everything), and their gradients equal autograd's over the whole [B, L, V]
+    tensor."""
+    import asyncrl.engines.sampling as sampling
+
+    monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 30)
+    ids = torch.randint(0, 30, (3, 17))
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> Any:
+            hidden = torch.sin(input_ids.unsqueeze(-1) * torch.arange(1.0, 9.0))
+            return SimpleNamespace(logits=head(hidden) * 3)
+
+    weights = torch.randn(3, 16)
+    results = []
+    for fn in (sampling.sequence_logprobs, _whole_tensor_logprobs):
+        head.zero_grad()
+        logp = fn(Model(), ids, params)
+        torch.where(torch.isfinite(logp), logp * weights, 0.0).sum().backward()
+        results.append((logp.detach(), head.weight.grad.clone()))
+    (ours, our_grad), (whole, whole_grad) = results
+    assert torch.equal(ours, whole)
+    assert torch.isinf(ours).any() == (params.top_k > 0)  # truncation filtered some targets
+    assert torch.equal(our_grad, whole_grad) and our_grad.abs().sum() > 0
+
+
+def _whole_tensor_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    logp = sampling_logprobs(model(input_ids=input_ids).logits[:, :-1], params)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

@@ -5,6 +5,8 @@ recorded during generation and the one the trainer recomputes are the same funct
 numbers.
 """
 
+from typing import Any
+
 import torch
 
 from asyncrl.engines.config import SamplingParams
@@ -55,6 +57,70 @@ def sequence_logprobs(
     """The trainer's forward path: one full forward of the right-padded `input_ids` [B, L]
     without an attention mask (causal attention keeps padding out of the real tokens' logits)
     and the log-prob of each next token under the sampling distribution, [B, L-1]."""
-    logits = model(input_ids=input_ids).logits[:, :-1]
-    logp = sampling_logprobs(logits, params)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logits = model(input_ids=input_ids).logits
+    if params.temperature == 0.0:  # greedy log-probs are constants: nothing to keep for backward
+        logp = sampling_logprobs(logits[:, :-1], params)
+        return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    out = _TakenLogprobs.apply(logits, input_ids, params)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+CHUNK_ELEMENTS = 2**22
+"""Logits per piece of `_TakenLogprobs` (16 MiB of fp32): its temporaries are this big, not
+[tokens × vocab]."""
+
+
+def _pieces(batch: int, length: int, vocab: int) -> list[tuple[slice, slice]]:
+    """(rows, positions) pieces of [batch, length] holding at most `CHUNK_ELEMENTS` logits
+    (one position at least): whole rows together while they fit, else spans of one row."""
+    per_row = length * vocab
+    if per_row <= CHUNK_ELEMENTS:
+        rows = CHUNK_ELEMENTS // per_row
+        return [(slice(b, b + rows), slice(0, length)) for b in range(0, batch, rows)]
+    span = max(1, CHUNK_ELEMENTS // vocab)
+    return [
+        (slice(b, b + 1), slice(p, p + span)) for b in range(batch) for p in range(0, length, span)
+    ]
+
+
+class _TakenLogprobs(torch.autograd.Function):
+    """`sampling_logprobs(logits[:, :-1]).gather(next tokens)`, computed piece by piece.
+
+    Autograd over the whole tensor keeps a float32 [tokens × vocab] log-softmax alive for
+    backward and makes several more of that size in it (the gather's scattered gradient, the
+    softmax's, the temperature's, the slice's): about 6 copies of the logits at once, most of
+    a trainer's memory beyond parameters, gradients and Adam with a 152 k vocabulary. Here forward
+    keeps only the logits (the model made them), and backward recomputes each piece's
+    log-softmax and writes its gradient into one tensor the size of the logits. Every row's
+    log-softmax is a function of that row alone, and each piece runs the same operations as the
+    whole tensor did, so values and gradients are today's bit for bit."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, input_ids: torch.Tensor, params: SamplingParams
+    ) -> torch.Tensor:
+        batch, length, vocab = logits.shape
+        targets = input_ids[:, 1:].unsqueeze(-1)
+        out = torch.empty(batch, length - 1, dtype=torch.float32, device=logits.device)
+        for rows, span in _pieces(batch, length - 1, vocab):
+            logp = sampling_logprobs(logits[rows, span], params)
+            out[rows, span] = logp.gather(-1, targets[rows, span]).squeeze(-1)
+        ctx.save_for_backward(logits, input_ids)
+        ctx.params = params
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, input_ids = ctx.saved_tensors
+        batch, length, vocab = logits.shape
+        targets = input_ids[:, 1:].unsqueeze(-1)
+        grad = torch.zeros_like(logits)
+        for rows, span in _pieces(batch, length - 1, vocab):
+            piece = logits[rows, span].detach().requires_grad_()
+            with torch.enable_grad():  # backward runs without it
+                logp = sampling_logprobs(piece, ctx.params).gather(-1, targets[rows, span])
+                (grad[rows, span],) = torch.autograd.grad(
+                    logp.squeeze(-1), piece, grad_out[rows, span]
+                )
+        return grad, None, None

@@ -78,6 +78,41 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+def _write_model(out: Path, model: Any, state: dict[str, Any]) -> None:
+    """What `save_pretrained(out, state_dict=state)` writes, without its per-call machinery
+    (quantizers, hub, offloading, TP and peft branches, a tqdm bar): the config, the generation
+    config, and the weights named and shaped as on the hub — tied aliases dropped and the
+    in-memory conversions (fused MoE experts) reverted by transformers' own functions — in
+    `model.safetensors`, or in shards of at most 50 GB with their index, as `save_pretrained`
+    splits them. A peft model keeps peft's writer: its adapter directory is small."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        return
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    model.config.save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
+    state = {k: v for k, v in state.items() if k not in (model._keys_to_ignore_on_save or ())}
+    state = revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size="50GB"
+    )
+    for name, keys in split.filename_to_tensors.items():
+        save_file({k: state[k].contiguous() for k in keys}, out / name, metadata={"format": "pt"})
+    if split.is_sharded:
+        meta = {"total_parameters": model.num_parameters(), **split.metadata}
+        index = {"metadata": meta, "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def save_checkpoint(
     root: Path,
     model: Any,
@@ -96,7 +131,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+        _write_model(tmp, model, model_state)
         if tokenizer_dir is not None:
             for f in tokenizer_dir.iterdir():
                 if f.is_file() and ("token" in f.name or f.name == "special_tokens_map.json"):

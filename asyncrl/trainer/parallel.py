@@ -10,7 +10,7 @@
 Whatever the layout, checkpoints and published weights hold full tensors, in one format, so a run
 may change its layout or rank count across a restart. Gathering full tensors from shards is a
 collective: every rank calls `full_parameters` / `full_state`, rank 0 gets the tensors (on the
-CPU) and the other ranks empty results.
+CPU) and the other ranks empty results (an unsharded model's: its own, which they ignore).
 """
 
 from __future__ import annotations
@@ -94,16 +94,34 @@ def full_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full model and optimizer state dicts (optimizer state keyed by parameter name) for a
-    checkpoint, of the parameters that train (a LoRA model's adapter). Collective."""
+    checkpoint, of the parameters that train (a LoRA model's adapter). Collective.
+
+    An unsharded model's are its own tensors (moved to the CPU), in the distributed helper's
+    format: that helper gathers nothing here, and its walk over every parameter's names took
+    13-67 ms of a 50 M-parameter checkpoint."""
+    names = {n for n, _ in model.named_parameters()}
+    # Gathered copies no longer share storage, so the checkpoint would store tied aliases
+    # (lm_head beside the embedding) twice: keep what loading expects.
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
+    if not is_sharded(model):
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad} | aliases
+        model_state = {k: v.cpu() for k, v in model.state_dict().items() if k not in frozen}
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        order = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        held = optimizer.state_dict()
+        state = {order[i]: {k: _cpu(v) for k, v in s.items()} for i, s in held["state"].items()}
+        groups = [{**g, "params": [order[i] for i in g["params"]]} for g in held["param_groups"]]
+        return model_state, {"state": state, "param_groups": groups}
+
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-    # Gathered copies no longer share storage, so `save_pretrained` would store tied aliases
-    # (lm_head beside the embedding) twice: keep what loading expects.
-    names = {n for n, _ in model.named_parameters()}
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
     return {k: v for k, v in model_state.items() if k not in aliases}, optimizer_state
+
+
+def _cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
 def load_optimizer_state(
