@@ -848,6 +848,23 @@ class Consumer(_StreamClient, Generic[T]):
             )
         return counted
 
+    def drop(self, entry_id: str, outcome: str, *, value: T | None = None) -> bool:
+        """Ack an entry whose work is given up for a known cause, not failed (no dead letter):
+        its group ends and counts `outcome` (a run counter) where it was still open, in one
+        transaction that runs only while the entry is pending for this consumer. True when
+        applied. Waits out outages; a full Redis does not hold it back (an ack frees memory)."""
+        ends: list[tuple[str, str]] = []
+        if self._groups is not None:
+            group = self._held_groups.get(entry_id) or self._groups.group_of(entry_id, None, value)
+            ends = [] if group is None else [(group, entry_id)]
+        status, _ = self._guard.call(
+            lambda: self._transact([entry_id], {}, [], ends, (outcome, "")),
+            f"drop on {self.stream}",
+        )
+        self._held.discard(entry_id)
+        self._held_groups.pop(entry_id, None)
+        return status == 1
+
     def held_groups(self) -> dict[str, str]:
         """Entry id → group of the entries handed out and not yet acked (a claiming consumer's;
         any thread may ask)."""

@@ -443,3 +443,44 @@ def test_held_out_reward_scores_every_turn_and_leaves_out_failed_items() -> None
         for q, a in (("12+34", "46"), ("12+35", "47"))
     ]
     assert held_out_reward(engine, arith, tok, single, PARAMS, samples=2) == 0.5
+
+
+def test_groups_with_a_token_older_than_the_bound_are_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`drop_older_than` gives up exactly the groups holding a token older than the bound (one
+    whose episode is at its tool mid-episode, not one whose first turn is still to come), hands
+    each back once as `stale`, closes its environments and frees its episodes."""
+    tok = build_tokenizer()
+    task = AgenticTask(
+        AgenticTaskConfig(turns=2, eval_size=1, train_size=4, tool_latency_median_s=0.3), tok
+    )
+    closed = 0
+
+    async def close(self: ArithmeticToolEnvironment) -> None:
+        nonlocal closed
+        closed += 1
+
+    monkeypatch.setattr(ArithmeticToolEnvironment, "close", close)
+    items = list(task.train_items(0, 0))[:3]
+    engine = ScriptedEngine([digit(1), EOS_ID])
+    sched: EpisodeScheduler[str] = EpisodeScheduler(engine, task, tok, PARAMS)
+    sched.start("old", items[0], 2, "old")
+    assert sched.advance(5.0) == ([], [])  # a turn 1 at version 0, gone to the tool
+    engine.version = 4
+    sched.start("new", items[1], 2, "new")
+    assert sched.advance(5.0) == ([], [])  # turns 1 at version 4 or later
+    sched.start("unstarted", items[2], 2, "unstarted")  # no token yet: nothing to judge
+    sched.drop_older_than(3)
+    sched.drop_older_than(3)  # asking again gives nothing up twice
+    done, failed = [], []
+    deadline = time.monotonic() + 30
+    while len(done) < 2:
+        assert time.monotonic() < deadline, "episodes did not finish"
+        finished, lost = sched.advance(0.05)
+        done += finished
+        failed += lost
+    sched.close()
+    assert [(f.tag, f.reason) for f in failed] == [("old", "stale")]
+    assert sorted(g.tag for g in done) == ["new", "unstarted"] and sched.inflight == 0
+    assert closed == 6  # every episode's environment, the given-up group's too

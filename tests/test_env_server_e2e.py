@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from asyncrl.environments.server import spawn
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter as RunCounter
 from asyncrl.runstate import Keys
@@ -88,29 +88,10 @@ def env_server(
     user: Path, env: str, **extra_env: str
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """`asyncrl env-server --env ENV --port 0` in its own process; (its URL, the process)."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "env-server",
-            "--env",
-            env,
-            "--python-path",
-            str(user),
-            "--port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, **CHILD_ENV, **extra_env},
-    )
+    environ = {**os.environ, **CHILD_ENV, **extra_env}
+    proc, url = spawn(env, "--python-path", str(user), environ=environ, quiet=True)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on" in line, line
-        yield line.split()[-1], proc
+        yield url, proc
     finally:
         if proc.poll() is None:
             proc.kill()

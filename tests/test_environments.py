@@ -121,16 +121,27 @@ def test_a_session_round_trip_over_http(served: Served) -> None:
     version = httpx.get(f"{served.url}/version").json()
     assert version["protocol"] == 1 and version["env"] == "user_envs:Echo"
 
+    import user_envs  # the module the in-process server imported
+
+    closed = user_envs.Echo.closed
+
     async def episode() -> list[Any]:
         env = _pool(served.url).environment()
         first = await env.reset(ITEM)
         mid = await env.step("46")
         assert served.health()["sessions"] == 1
         last = await env.step("47")
+        # The step that ends the episode ends its session: the environment is closed without
+        # a DELETE, which would find no session now.
+        assert served.health()["sessions"] == 0
+        wait_until(lambda: user_envs.Echo.closed == closed + 1, 10, "the session closed")
+        session = env._session  # a later DELETE of it, as any client may send
+        assert httpx.delete(f"{served.url}/v1/sessions/{session}").status_code == 404
         await env.close()
         return [first, mid, last]
 
     first, mid, last = asyncio.run(episode())
+    assert user_envs.Echo.closed == closed + 1
     assert first == "first 12+34 46"
     assert mid == StepResult([{"role": "user", "content": "46"}], done=False, reward=None)
     assert last == StepResult(None, done=True, reward=2.0, info={"seen": ["46", "47"]})

@@ -1,28 +1,59 @@
 """The generation side of the staleness bound (DESIGN §5): a group generated with weights older
 than its prompt's `release_version − η` would surely be dropped by the trainer, so a rollout
-worker holds such a prompt until newer weights arrive instead of wasting its generation."""
+worker holds such a prompt until newer weights arrive instead of wasting its generation; and a
+group in flight whose oldest token falls more than η versions behind the worker's weights is
+given up at once, counted dropped stale as the trainer would count it."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.protocol import decode_group
-from asyncrl.runstate import PROMPTS_GROUP, Keys
+from asyncrl.runstate import PROMPTS_GROUP, Keys, read_accounting
 from asyncrl.tasks.base import build_task
-from asyncrl.tasks.config import ArithmeticTaskConfig
+from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig, TaskConfig
 from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.weights import StoreWeightsConfig, build_publisher
+from asyncrl.weights.base import WeightPublisher
 
 from role_procs import Role, RoleConfig, stop_all, wait_until
 
 ETA = 1
 RELEASED_AT = 3
 PROMPTS = 2
+
+
+def _admission_and_publisher(
+    client: redis.Redis, keys: Keys, task: TaskConfig, model: Path, store_dir: Path
+) -> tuple[Admission, WeightPublisher, dict[str, Any]]:
+    """Admission (η = ETA, one group a step) and a store publisher, as the trainer holds them,
+    and the model's parameters to publish."""
+    admission = Admission(
+        client,
+        keys,
+        build_task(task, AutoTokenizer.from_pretrained(model)),
+        task_name=task.type,
+        n=2,
+        max_staleness=ETA,
+        groups_per_step=PROMPTS // (ETA + 1),
+        cursor=Cursor(seed=0),
+    )
+    publisher = build_publisher(
+        StoreWeightsConfig(type="store", store_dir=store_dir), client, keys, device="cpu"
+    )
+    model_params = AutoModelForCausalLM.from_pretrained(model).named_parameters()
+    return admission, publisher, dict(model_params)
+
+
+def _taken(client: redis.Redis, keys: Keys) -> int:
+    info = client.xinfo_groups(keys.prompts)
+    return sum(int(g["pending"]) for g in info if g["name"].decode() == PROMPTS_GROUP)
 
 
 def _xreadgroup_calls(client: redis.Redis) -> int:
@@ -46,20 +77,9 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
             "weights.sync_timeout_s": 30.0,  # a hold lasts at most 60 s: never reached here
         },
     )
-    admission = Admission(
-        redis_client,
-        keys,
-        build_task(ArithmeticTaskConfig(), AutoTokenizer.from_pretrained(random_model)),
-        task_name="arithmetic",
-        n=2,
-        max_staleness=ETA,
-        groups_per_step=PROMPTS // (ETA + 1),
-        cursor=Cursor(seed=0),
+    admission, publisher, params = _admission_and_publisher(
+        redis_client, keys, ArithmeticTaskConfig(), random_model, store_dir
     )
-    publisher = build_publisher(
-        StoreWeightsConfig(type="store", store_dir=store_dir), redis_client, keys, device="cpu"
-    )
-    params = dict(AutoModelForCausalLM.from_pretrained(random_model).named_parameters())
     logs = tmp_path / "logs"
     worker = Role("rollout", config, logs / "w.log", "--worker-id", "w")
     try:
@@ -69,11 +89,7 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
         # Released by a trainer at version 3 to a worker still at version 0: 3 − η > 0.
         assert admission.release(step=0, version=RELEASED_AT) == PROMPTS
 
-        def taken() -> int:
-            info = redis_client.xinfo_groups(keys.prompts)
-            return sum(int(g["pending"]) for g in info if g["name"].decode() == PROMPTS_GROUP)
-
-        wait_until(lambda: taken() == PROMPTS, 60, "the worker reading the prompts", [worker])
+        wait_until(lambda: _taken(redis_client, keys) == PROMPTS, 60, "prompts read", [worker])
         reads = _xreadgroup_calls(redis_client)
         time.sleep(2.0)
         assert redis_client.xlen(keys.trajectories) == 0, "generated with weights too old"
@@ -94,3 +110,54 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
     for _, fields in redis_client.xrange(keys.trajectories):
         for sample in decode_group(fields[b"data"]).samples:
             assert sample.versions.min() >= RELEASED_AT - ETA, sample.versions
+
+
+@pytest.mark.slow
+def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_stale(
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
+) -> None:
+    """Two-turn episodes whose tool takes 4 s: their first turns are generated at version 0,
+    then the worker gets version ETA + 1 while they wait. The trainer would drop them, so the
+    worker gives them up then, without waiting out the tool: no trajectory, no dead letter, the
+    prompts acked, the groups ended and counted `groups_dropped_stale`, the accounts balanced."""
+    keys = Keys("genbound-mid")
+    store_dir = tmp_path / "weights"
+    task = AgenticTaskConfig(turns=2, tool_latency_median_s=4.0, tool_latency_sigma=0.0)
+    config = role_config(
+        keys.run_id,
+        {
+            "task": task.model_dump(),
+            "rollout.n": 2,
+            "rollout.sampling.max_new_tokens": 4,
+            "algo.max_staleness": ETA,
+            "weights.type": "store",
+            "weights.store_dir": str(store_dir),
+        },
+    )
+    admission, publisher, params = _admission_and_publisher(
+        redis_client, keys, task, random_model, store_dir
+    )
+    worker = Role("rollout", config, tmp_path / "logs" / "w.log", "--worker-id", "w")
+    try:
+        wait_until(
+            lambda: bool(redis_client.exists(keys.worker("rollout", "w"))), 180, "start", [worker]
+        )
+        assert admission.release(step=0, version=0) == PROMPTS
+        wait_until(lambda: _taken(redis_client, keys) == PROMPTS, 60, "the prompts read", [worker])
+        time.sleep(1.0)  # first turns generated (milliseconds); the episodes at their tool
+        publisher.publish(params.items(), ETA + 1)
+        wait_until(
+            lambda: read_accounting(redis_client, keys)[0].groups_dropped_stale == PROMPTS,
+            30,
+            "the groups given up",
+            [worker],
+        )
+        counters, in_flight = read_accounting(redis_client, keys)
+        assert in_flight == 0 and counters.is_balanced(in_flight), counters
+        assert _taken(redis_client, keys) == 0
+        assert redis_client.xlen(keys.trajectories) == 0
+        assert redis_client.xlen(keys.dlq) == 0
+        assert worker.stop() == 0, worker.tail()
+    finally:
+        stop_all([worker])
+        publisher.close()

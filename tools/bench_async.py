@@ -71,6 +71,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import Config, load_config
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.environments.server import spawn
 from asyncrl.evaluate import held_out_reward
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics.record import StepRecord
@@ -95,31 +96,14 @@ def start_env_server(cfg: Config, latency: bool = True) -> tuple[subprocess.Pope
             "latency_median_s": getattr(task, "tool_latency_median_s", 0.0),
             "latency_sigma": getattr(task, "tool_latency_sigma", 0.0),
         }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "env-server",
-            "--env",
-            TOOL,
-            "--kwargs",
-            json.dumps(kwargs),
-            "--port",
-            "0",
-            "--max-sessions",
-            "100000",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    return spawn(
+        TOOL,
+        "--kwargs",
+        json.dumps(kwargs),
+        "--max-sessions",
+        "100000",
+        environ={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"env-server did not start: {line!r}")
-    return proc, line.split()[-1]
 
 
 def http_hop_s(cfg: Config) -> float:

@@ -114,18 +114,18 @@ class RemotePool:
                 conn = server.idle.pop()
             else:
                 try:
-                    conn = await asyncio.wait_for(
-                        asyncio.open_connection(server.host, server.port, ssl=server.https or None),
-                        self.cfg.connect_timeout_s,
-                    )
+                    async with asyncio.timeout(self.cfg.connect_timeout_s):
+                        conn = await asyncio.open_connection(
+                            server.host, server.port, ssl=server.https or None
+                        )
                 except (OSError, TimeoutError) as exc:
                     raise EnvironmentFailure("unavailable", f"{url}: connect: {exc!r}") from None
             reader, writer = conn
             try:
                 writer.write(request)
-                status, content, keep = await asyncio.wait_for(
-                    _read_reply(reader), self.cfg.timeout_s
-                )
+                # A timer, not `wait_for`'s task per call (a third of the client's CPU).
+                async with asyncio.timeout(self.cfg.timeout_s):
+                    status, content, keep = await _read_reply(reader)
             except TimeoutError:
                 writer.close()
                 raise EnvironmentFailure(
@@ -207,6 +207,8 @@ class RemoteEnvironment:
             self._url, "POST", f"/v1/sessions/{self._session}/step", {"response": response}
         )
         info = data.get("info", {})
+        if data.get("done") is True:
+            self._url = None  # the server ended the session with the episode: nothing to close
         return check_step(
             StepResult(
                 observation=data.get("observation"),

@@ -89,6 +89,7 @@ class RoleMetrics:
     audit_logprob_abs_diff: Histogram
     environment_errors: dict[str, Counter]
     rollout_groups_failed: dict[str, Counter]
+    rollout_groups_dropped_stale: Counter
     routing_agreement: dict[str, Gauge]
     tool_calls: dict[str, Counter]
 

@@ -55,9 +55,10 @@ FAILED_GROUP_REASONS = (
     *(f"env_{r}" for r in ENV_REASONS),
     "other",
 )
-"""Every `FailedGroup.reason` (`asyncrl.rollout.episodes`): the label of
-`asyncrl_rollout_groups_failed_total`; `other` for a reason added elsewhere and not listed here,
-so that counting never fails a worker."""
+"""Every `FailedGroup.reason` (`asyncrl.rollout.episodes`) but `stale` (counted by
+`asyncrl_rollout_groups_dropped_stale_total`): the label of
+`asyncrl_rollout_groups_failed_total`; `other` for a reason added elsewhere and not listed
+here, so that counting never fails a worker."""
 
 BASE_LABELS = ("role", "worker")
 
@@ -430,6 +431,15 @@ METRICS: tuple[Metric, ...] = (
         "Prompt groups a rollout worker gave up and dead-lettered, by reason.",
         "rollout",
         label=("reason", FAILED_GROUP_REASONS),
+        roles=("rollout",),
+    ),
+    Metric(
+        "rollout_groups_dropped_stale",
+        "asyncrl_rollout_groups_dropped_stale_total",
+        "counter",
+        "Prompt groups a rollout worker gave up before they ended, their oldest token already "
+        "more than max_staleness versions behind its weights (the trainer would drop them).",
+        "rollout",
         roles=("rollout",),
     ),
     Metric(

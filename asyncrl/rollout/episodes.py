@@ -70,6 +70,9 @@ class GenerateCall:
 
 
 _CLOSE_TIMEOUT_S = 10.0
+STALE = "stale"
+"""The `FailedGroup.reason` of a group `drop_older_than` gave up: no failure, dropped not
+dead-lettered."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -101,7 +104,8 @@ class FailedGroup(Generic[T]):
     call of a `reward.type: python` function that raised, timed out or returned no finite
     number (wherever it was called), or `env_{reason}` for a failed environment call
     (`asyncrl.environments.base.ENV_REASONS`: its code raised, it timed out, its reply did not
-    fit the protocol, no env-server could take or keep the episode)."""
+    fit the protocol, no env-server could take or keep the episode); `stale` for a group
+    `EpisodeScheduler.drop_older_than` gave up (the trainer would drop it)."""
     detail: str
 
 
@@ -112,6 +116,8 @@ class _Group(Generic[T]):
     samples: list[Sample | None]
     created_at: float
     failed: bool = False
+    oldest: int | None = None
+    """The version of its oldest generated token (None before the first)."""
 
     @property
     def done(self) -> bool:
@@ -148,6 +154,9 @@ class _Episode:
         self.episodic = self.env is not None
 
     def add_turn(self, gen: Generation) -> None:
+        if not self.turns and len(gen.versions):  # versions only grow along an episode
+            first, group = int(gen.versions[0]), self.group
+            group.oldest = first if group.oldest is None else min(group.oldest, first)
         if self.first_observation and not self.turns:
             self._masked(self.first_observation, int(gen.versions[0]) if len(gen.versions) else 0)
         self.ids.append(gen.token_ids)
@@ -284,6 +293,15 @@ class EpisodeScheduler(Generic[T]):
         self._groups = [g for g in self._groups if not g.done and not g.failed]
         failed, self._failed = self._failed, []
         return finished, failed
+
+    def drop_older_than(self, version: int) -> None:
+        """Give up every group holding a token generated before `version`, handed back by the
+        next `advance` as failed with reason `STALE`: trained at the engine's version or later,
+        with `version` = that version − η, each would be dropped stale, so its episodes stop
+        costing generation and environment time (a long multi-turn tail's most of all)."""
+        for g in self._groups:
+            if not g.failed and not g.done and g.oldest is not None and g.oldest < version:
+                self._fail(g, STALE, f"oldest token of version {g.oldest}, bound {version}")
 
     def close(self) -> None:
         """Cancel the environment steps still awaiting their tools, close every environment

@@ -40,6 +40,7 @@ from asyncrl.provenance import prompt_groups
 from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.episodes import (
+    STALE,
     EpisodeScheduler,
     FailedGroup,
     FinishedGroup,
@@ -218,6 +219,7 @@ class RolloutWorker:
             self.subscriber.wait_for_version(target, timeout_s=self.cfg.weights.sync_timeout_s * 10)
             self._wait_engine_version(target)
         log.info("rollout %s ready at version %d", self.id, self.engine.version)
+        dropped_at = self.engine.version  # the version groups were last checked for staleness
         try:
             while not self.stopping or (self.episodes.inflight and not self.abandoning):
                 if not self.stopping:
@@ -232,6 +234,9 @@ class RolloutWorker:
                 # With room for more groups, come back soon to read them; else only a returning
                 # environment step (or SIGTERM, checked every second) has anything to do.
                 room = self._room() >= self.cfg.rollout.n
+                if self.engine.version != dropped_at:
+                    dropped_at = self.engine.version
+                    self.episodes.drop_older_than(dropped_at - self.max_lag)
                 finished, failed = self.episodes.advance(0.05 if room else 1.0)
                 self._publish(finished, failed)
         except Stopped as exc:
@@ -318,6 +323,10 @@ class RolloutWorker:
         """Dead-letter the failed groups; publish the finished ones and ack their prompts in one
         transaction."""
         for f in failed:
+            if f.reason == STALE:  # the trainer would drop it: counted so, no dead letter
+                self.consumer.drop(f.tag.id, Counter.GROUPS_DROPPED_STALE, value=f.tag.value)
+                self.metrics.rollout_groups_dropped_stale.inc()
+                continue
             self.consumer.dead_letter(f.tag.id, f.tag.fields, f.reason, f.detail)
             by_reason = self.metrics.rollout_groups_failed
             (by_reason.get(f.reason) or by_reason["other"]).inc()
