@@ -81,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     env_server.add_argument("--host", default="127.0.0.1")
     env_server.add_argument("--port", type=int, default=8300, help="0 picks a free port")
     env_server.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
+    env_server.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=1800.0,
+        help="close a session no call has used for this long: its worker is gone (0: never)",
+    )
 
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
     plot.add_argument("run_dir")

@@ -181,6 +181,77 @@ def test_a_step_past_its_timeout_fails_and_close_ends_the_session(served: Served
     assert served.health()["sessions"] == 0  # the hung call was cancelled with its session
 
 
+def test_a_session_no_call_used_for_the_idle_timeout_is_closed(env_dir: Path) -> None:
+    """A worker SIGKILLed mid-episode leaves its sessions open: the server closes each after
+    `idle_timeout_s` without a call — not one whose call is still running."""
+    import user_envs
+
+    s = Served(env_dir, idle_timeout_s=0.4)
+    closed = user_envs.Echo.closed
+    try:
+
+        async def episodes() -> None:
+            pool = _pool(s.url, timeout_s=60)
+            idle, busy = pool.environment(), pool.environment()
+            await idle.reset(ITEM)
+            await busy.reset(ITEM)
+            running = asyncio.ensure_future(busy.step("hang"))  # in flight past the timeout
+            await asyncio.sleep(0)
+            deadline = time.monotonic() + 20
+            while s.health()["sessions"] > 1:
+                assert time.monotonic() < deadline, "the idle session was not closed"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # a few more sweeps: the busy one stays
+            assert s.health()["sessions"] == 1 and not running.done()
+            with pytest.raises(EnvironmentFailure) as gone:
+                await idle.step("46")
+            assert gone.value.reason == "unavailable"  # 404: no such session any more
+            running.cancel()
+
+        asyncio.run(episodes())
+        assert user_envs.Echo.closed == closed + 1
+    finally:
+        s.stop()
+
+
+def test_an_env_server_exports_its_metrics_to_a_prometheus_scrape(env_dir: Path) -> None:
+    """`GET /metrics` of a real `asyncrl env-server` process, parsed by prometheus_client: the
+    requests of one episode and a refused step by outcome, its calls timed, no session left."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from asyncrl.environments.server import spawn
+
+    environ = {**os.environ, **CHILD_ENV}
+    proc, url = spawn("user_envs:Echo", "--python-path", str(env_dir), environ=environ, quiet=True)
+    try:
+
+        async def episode() -> None:
+            env = _pool(url).environment()
+            await env.reset(ITEM)
+            await env.step("46")
+            await env.step("47")  # done: the session ends with it
+            with pytest.raises(EnvironmentFailure):
+                await env._pool.call(url, "POST", "/v1/sessions/nope/step", {"response": "x"})
+
+        asyncio.run(episode())
+        scrape = httpx.get(f"{url}/metrics")
+    finally:
+        proc.terminate()
+        proc.wait()
+    assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
+    samples = {
+        (s.name, s.labels.get("outcome")): s.value
+        for family in text_string_to_metric_families(scrape.text)
+        for s in family.samples
+    }
+    assert samples["asyncrl_env_server_requests_total", "ok"] == 3
+    assert samples["asyncrl_env_server_requests_total", "refused"] == 1
+    assert samples["asyncrl_env_server_requests_total", "error"] == 0
+    assert samples["asyncrl_env_server_call_seconds_count", None] == 3  # reset and two steps
+    assert samples["asyncrl_env_server_sessions", None] == 0
+    assert samples["asyncrl_env_server_sessions_closed_idle_total", None] == 0
+
+
 class _Garbage(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = (
@@ -312,6 +383,8 @@ def test_env_server_option_errors_are_one_line_exit_2(env_dir: Path) -> None:
     assert len(bad.stderr.strip().splitlines()) == 1
     bad = asyncrl("env-server", "--env", "user_envs:Echo", "--kwargs", "[1]")
     assert bad.returncode == 2 and "not a JSON object" in bad.stderr
+    bad = asyncrl("env-server", "--env", "user_envs:Echo", "--idle-timeout-s", "nan")
+    assert bad.returncode == 2 and "--idle-timeout-s" in bad.stderr
 
 
 def test_config_errors_name_the_key(env_dir: Path) -> None:

@@ -10,16 +10,18 @@ loopback and is stopped by its handle.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,10 +191,11 @@ def _get(url: str) -> Any:
 
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[tuple[str, int]]:
-    """A Prometheus on loopback that scrapes the trainer at the metrics port it yields and the
-    rollout worker one above, every second, with the shipped alert rules loaded."""
+    """A Prometheus on loopback that scrapes the trainer at the metrics port it yields, the
+    rollout worker one above and an env-server two above, every second, with the shipped alert
+    rules loaded."""
     binary = _binary("prometheus")
-    metrics_port = free_ports(2)
+    metrics_port = free_ports(3)
     web_port = free_ports(1)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -205,6 +208,10 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, int]]:
             {
                 "job_name": "asyncrl-rollout",
                 "static_configs": [{"targets": [f"127.0.0.1:{metrics_port + 1}"]}],
+            },
+            {
+                "job_name": "asyncrl-env-server",
+                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port + 2}"]}],
             },
         ],
     }
@@ -261,35 +268,74 @@ def _alert_metrics() -> set[str]:
     return set().union(*(referenced_names(e) for e in exprs))
 
 
+def _serve_episodes(port: int) -> tuple[subprocess.Popen[str], Callable[[], None]]:
+    """An `asyncrl env-server` of the agentic tool on `port`, and a thread running episodes on
+    it until the returned function is called."""
+    from asyncrl.environments.client import RemotePool
+    from asyncrl.environments.config import RemoteEnvironmentConfig
+    from asyncrl.environments.server import spawn
+    from asyncrl.tasks.base import PromptItem
+
+    proc, url = spawn("asyncrl.tasks.agentic:ArithmeticToolEnvironment", "--port", str(port))
+    pool = RemotePool(RemoteEnvironmentConfig(urls=[url]))
+    item = PromptItem("12+34;56+78", "12+34=", [1], "12+34=46;56+78=134")
+    stop = threading.Event()
+
+    async def episodes() -> None:
+        while not stop.is_set():
+            env = pool.environment()
+            await env.reset(item)
+            await env.step("46")
+            await env.step("134")
+            await asyncio.sleep(0.05)
+
+    thread = threading.Thread(target=asyncio.run, args=(episodes(),), daemon=True)
+    thread.start()
+
+    def stop_episodes() -> None:
+        stop.set()
+        thread.join(10)
+
+    return proc, stop_episodes
+
+
 @pytest.mark.slow
 def test_every_dashboard_and_alert_series_has_data(
     prometheus: tuple[str, int], tmp_path: Path, warm_model: Path
 ) -> None:
     api, metrics_port = prometheus
     start = time.time()
-    run = asyncrl(
-        *("launch", "--role", "all", "--config", str(QUICKSTART)),
-        *("--progress", "quiet", "--fresh"),
-        "run.id=prometheus",
-        f"run.dir={tmp_path / 'run'}",
-        f"model.path={warm_model}",
-        "rollout.workers=1",
-        # 36 steps (about 8 s on 2 idle cores; 12 took 2.5 s, and a rate over a 10 s window
-        # then sometimes had one scrape to go on), an eval every 2: several 1 s scrapes see
-        # the counters grow and the eval gauge set.
-        "trainer.max_steps=36",
-        "trainer.checkpoint_every=6",
-        "trainer.eval_every=2",
-        "trainer.eval_size=100",
-        f"metrics.port={metrics_port}",
-        timeout=240,
-    )
+    # The quickstart has no environment: an env-server beside it serves episodes of the
+    # agentic tool, so that its panels have data too.
+    env_server, stop_episodes = _serve_episodes(metrics_port + 2)
+    try:
+        run = asyncrl(
+            *("launch", "--role", "all", "--config", str(QUICKSTART)),
+            *("--progress", "quiet", "--fresh"),
+            "run.id=prometheus",
+            f"run.dir={tmp_path / 'run'}",
+            f"model.path={warm_model}",
+            "rollout.workers=1",
+            # 36 steps (about 8 s on 2 idle cores; 12 took 2.5 s, and a rate over a 10 s window
+            # then sometimes had one scrape to go on), an eval every 2: several 1 s scrapes see
+            # the counters grow and the eval gauge set.
+            "trainer.max_steps=36",
+            "trainer.checkpoint_every=6",
+            "trainer.eval_every=2",
+            "trainer.eval_size=100",
+            f"metrics.port={metrics_port}",
+            timeout=240,
+        )
+    finally:
+        stop_episodes()
+        env_server.terminate()
+        env_server.wait()
     assert run.returncode == 0, run.stdout + run.stderr
     # Let Prometheus ingest the last scrapes before asking.
     time.sleep(2)
     end = time.time()
 
-    for job in ("asyncrl-trainer", "asyncrl-rollout"):
+    for job in ("asyncrl-trainer", "asyncrl-rollout", "asyncrl-env-server"):
         up = _query_range(api, f'max_over_time(up{{job="{job}"}}[1m])', start, end)
         assert any(float(v) == 1 for s in up for _, v in s["values"]), f"{job} never scraped"
 

@@ -328,6 +328,29 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "failed (the model is told; the episode goes on).",
                 stacked=True,
             ),
+            _one(
+                "Env-server sessions",
+                "sum by (instance) (asyncrl_env_server_sessions)",
+                "{{instance}}",
+                "Sessions open per env-server (at most its --max-sessions).",
+            ),
+            _one(
+                "Env-server requests",
+                f"sum by (outcome) (rate(asyncrl_env_server_requests_total{RATE}))",
+                "{{outcome}}",
+                "Session requests the env-servers answered, by outcome.",
+                stacked=True,
+            ),
+            Panel(
+                "Env-server call time",
+                "Seconds of each environment call on the env-servers (reset, step, close): "
+                "median and 99th percentile.",
+                [
+                    (_q(0.5, "asyncrl_env_server_call_seconds"), "p50"),
+                    (_q(0.99, "asyncrl_env_server_call_seconds"), "p99"),
+                ],
+                unit="s",
+            ),
         ],
     ),
 ]

@@ -11,9 +11,13 @@ Protocol version 1 (JSON bodies only; nothing is ever unpickled):
 
 A step that answers `done: true` ends its session: the server closes the environment after the
 reply, so a finished episode costs no DELETE (a fifth of an episode's calls with three turns);
-a DELETE after it answers 404 like any unknown session. DELETE is for episodes cut short.
+a DELETE after it answers 404 like any unknown session. DELETE is for episodes cut short. A
+session no call has used for `--idle-timeout-s` (default 30 min) is closed too: the worker that
+held it died without a word (SIGKILL, a lost node), and its sessions must not fill the server.
     GET    /health                    → 200 {"status": "ok", "sessions": n, "max_sessions": m}
     GET    /version                   → 200 {"protocol": 1, "asyncrl": version, "env": path}
+    GET    /metrics                   → Prometheus text (`asyncrl_env_server_*`: sessions open,
+                                        requests by outcome, call seconds, idle sessions closed)
 
 An error is `{"error": reason, "detail": text}`: 400 for a request that does not fit, 404 for an
 unknown session, 500 with reason `error` when the environment raised and `malformed` when its
@@ -47,14 +51,18 @@ from collections.abc import Coroutine, Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from asyncrl import __version__
 from asyncrl.environments.base import (
+    ENV_REASONS,
     EnvironmentFailure,
     check_observation,
     check_step,
     malformed,
 )
 from asyncrl.environments.local import check_class
+from asyncrl.metrics.roles import REGISTRY, RoleMetrics
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +86,22 @@ class EnvServer:
     """The sessions of one environment class; its methods run on the server's event loop."""
 
     def __init__(
-        self, path: str, kwargs: dict[str, Any], max_sessions: int, python_path: Sequence[str]
+        self,
+        path: str,
+        kwargs: dict[str, Any],
+        max_sessions: int,
+        python_path: Sequence[str],
+        idle_timeout_s: float = 0.0,
     ) -> None:
         self.path = path
         self._cls = check_class(path, python_path, kwargs)
         self._kwargs = kwargs
         self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.metrics = RoleMetrics("env-server", socket.gethostname())
+        self.metrics.env_server_sessions.set_function(lambda: len(self._sessions))
         self._sessions: dict[str, Any] = {}
+        self._used: dict[str, float] = {}  # session → loop time its last call ended
         self._calls: dict[str, asyncio.Task[Any]] = {}
         self._ending: set[asyncio.Task[None]] = set()  # finished episodes' closes
 
@@ -117,6 +134,7 @@ class EnvServer:
             obs = check_observation(await self._run(session, env.reset(item)))
         except BaseException:
             self._sessions.pop(session, None)
+            self._used.pop(session, None)
             raise
         return {"protocol": PROTOCOL, "session": session, "observation": obs}
 
@@ -143,12 +161,25 @@ class EnvServer:
             await self._run(session, env.close())
         finally:
             self._sessions.pop(session, None)
+            self._used.pop(session, None)
         return {}
+
+    async def close_idle(self) -> int:
+        """Close the sessions no call has used for `idle_timeout_s`; how many."""
+        since = asyncio.get_running_loop().time() - self.idle_timeout_s
+        idle = [s for s, t in self._used.items() if t < since and s not in self._calls]
+        self.metrics.env_server_sessions_closed_idle.inc(len(idle))
+        results = await asyncio.gather(*(self.close(s) for s in idle), return_exceptions=True)
+        for session, result in zip(idle, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("closing idle session %s: %s", session, result)
+        return len(idle)
 
     def _end(self, session: str) -> None:
         """A finished episode's session: gone now, its environment closed in the background
         (a slow teardown does not hold the reply back)."""
         env = self._sessions.pop(session, None)
+        self._used.pop(session, None)
         if env is not None:
             task = asyncio.ensure_future(self._close_finished(session, env))
             self._ending.add(task)
@@ -184,6 +215,7 @@ class EnvServer:
         `EnvironmentFailure`."""
         task = asyncio.ensure_future(call)
         self._calls[session] = task
+        started = asyncio.get_running_loop().time()
         try:
             return await task
         except EnvironmentFailure:
@@ -198,6 +230,10 @@ class EnvServer:
         finally:
             if self._calls.get(session) is task:
                 del self._calls[session]
+            now = asyncio.get_running_loop().time()
+            self.metrics.env_server_call_seconds.observe(now - started)
+            if session in self._sessions:
+                self._used[session] = now
 
 
 class _Request:
@@ -248,11 +284,13 @@ async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
     return _Request(method, path, body, keep_alive)
 
 
-def _response(status: HTTPStatus, data: bytes, keep_alive: bool) -> bytes:
+def _response(
+    status: HTTPStatus, data: bytes, keep_alive: bool, content_type: str = "application/json"
+) -> bytes:
     """Head and body in one buffer: one write per reply."""
     close = "" if keep_alive else "Connection: close\r\n"
     head = (
-        f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: application/json\r\n"
+        f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(data)}\r\n{close}\r\n"
     )
     return head.encode() + data
@@ -305,9 +343,12 @@ class EnvHTTPServer:
             limit=_MAX_HEAD_BYTES,
         )
         self._started.set()
+        reaper = asyncio.ensure_future(self._close_idle()) if self.env.idle_timeout_s > 0 else None
         try:
             await self._stop.wait()
         finally:
+            if reaper is not None:
+                reaper.cancel()
             server.close()
             await self.env.close_all()
             # Connections end by their own code, not cancelled by `asyncio.run` (which in 3.11
@@ -316,6 +357,19 @@ class EnvHTTPServer:
                 writer.close()
             if self._connections:
                 await asyncio.wait(self._connections, timeout=_CLOSE_TIMEOUT_S)
+
+    async def _close_idle(self) -> None:
+        # Looked for a few times per timeout: a session outlives it by at most a quarter.
+        every = min(self.env.idle_timeout_s / 4, 60.0)
+        while True:
+            await asyncio.sleep(every)
+            closed = await self.env.close_idle()
+            if closed:
+                log.warning(
+                    "closed %d session(s) no call used for %gs (their workers are gone?)",
+                    closed,
+                    self.env.idle_timeout_s,
+                )
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -336,8 +390,14 @@ class EnvHTTPServer:
                     return
                 if request is None:
                     return
-                status, reply = await self._answer(request)
-                writer.write(_response(status, reply, request.keep_alive))
+                if request.method == "GET" and request.path.split("?")[0] == "/metrics":
+                    metrics = generate_latest(REGISTRY)
+                    writer.write(
+                        _response(HTTPStatus.OK, metrics, request.keep_alive, CONTENT_TYPE_LATEST)
+                    )
+                else:
+                    status, reply = await self._answer(request)
+                    writer.write(_response(status, reply, request.keep_alive))
                 await writer.drain()
                 if not request.keep_alive:
                     return
@@ -368,14 +428,19 @@ class EnvHTTPServer:
                 what = f"{request.method} {request.path}"
                 raise _Refused(HTTPStatus.NOT_FOUND, "malformed", what)
             data = json.dumps(reply).encode()  # info the environment filled may not be JSON
+            answer, outcome = (HTTPStatus.OK, data), "ok"
         except _Refused as exc:
-            return exc.status, _error(exc.reason, exc.detail)
+            answer, outcome = (exc.status, _error(exc.reason, exc.detail)), "refused"
         except EnvironmentFailure as exc:
-            return HTTPStatus.INTERNAL_SERVER_ERROR, _error(exc.reason, exc.detail)
+            answer = HTTPStatus.INTERNAL_SERVER_ERROR, _error(exc.reason, exc.detail)
+            outcome = exc.reason if exc.reason in ENV_REASONS else "error"
         except (TypeError, ValueError) as exc:
             failure = malformed(f"reply is not JSON: {exc}")
-            return HTTPStatus.INTERNAL_SERVER_ERROR, _error(failure.reason, failure.detail)
-        return HTTPStatus.OK, data
+            answer = HTTPStatus.INTERNAL_SERVER_ERROR, _error(failure.reason, failure.detail)
+            outcome = failure.reason
+        if parts[:2] == ["v1", "sessions"]:
+            env.metrics.env_server_requests[outcome].inc()
+        return answer
 
 
 def make_server(
@@ -385,9 +450,11 @@ def make_server(
     port: int = 0,
     max_sessions: int = 1024,
     python_path: Sequence[str] = (),
+    idle_timeout_s: float = 0.0,
 ) -> EnvHTTPServer:
     """The server of `path` (checked first: ValueError with a one-line reason), bound."""
-    return EnvHTTPServer(EnvServer(path, kwargs, max_sessions, python_path), host, port)
+    env = EnvServer(path, kwargs, max_sessions, python_path, idle_timeout_s)
+    return EnvHTTPServer(env, host, port)
 
 
 def spawn(
@@ -421,6 +488,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("not a JSON object")
         if args.max_sessions < 1:
             raise ValueError("--max-sessions: must be at least 1")
+        if not args.idle_timeout_s >= 0:  # NaN too
+            raise ValueError("--idle-timeout-s: must be 0 (never) or more")
         httpd = make_server(
             args.env,
             kwargs,
@@ -428,6 +497,7 @@ def main(args: argparse.Namespace) -> int:
             args.port,
             args.max_sessions,
             [os.path.abspath(d) for d in args.python_path],
+            args.idle_timeout_s,
         )
     except (ValueError, OSError) as exc:  # OSError: the port is taken
         print(f"asyncrl env-server: {exc}", file=sys.stderr)

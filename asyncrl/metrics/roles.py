@@ -90,6 +90,10 @@ class RoleMetrics:
     environment_errors: dict[str, Counter]
     rollout_groups_failed: dict[str, Counter]
     rollout_groups_dropped_stale: Counter
+    env_server_sessions: Gauge
+    env_server_requests: dict[str, Counter]
+    env_server_call_seconds: Histogram
+    env_server_sessions_closed_idle: Counter
     routing_agreement: dict[str, Gauge]
     tool_calls: dict[str, Counter]
 

@@ -434,6 +434,43 @@ METRICS: tuple[Metric, ...] = (
         roles=("rollout",),
     ),
     Metric(
+        "env_server_sessions",
+        "asyncrl_env_server_sessions",
+        "gauge",
+        "Sessions open on an env-server (at most --max-sessions).",
+        "env-server",
+        roles=("env-server",),
+    ),
+    Metric(
+        "env_server_requests",
+        "asyncrl_env_server_requests_total",
+        "counter",
+        "Session requests an env-server answered (create, step, close), by outcome: ok, "
+        "refused (a request that does not fit, an unknown session, the server full), or how "
+        "the environment failed.",
+        "env-server",
+        label=("outcome", ("ok", "refused", *ENV_REASONS)),
+        roles=("env-server",),
+    ),
+    Metric(
+        "env_server_call_seconds",
+        "asyncrl_env_server_call_seconds",
+        "histogram",
+        "Seconds of each environment call (reset, step, close) on an env-server.",
+        "env-server",
+        buckets=(0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0),
+        roles=("env-server",),
+    ),
+    Metric(
+        "env_server_sessions_closed_idle",
+        "asyncrl_env_server_sessions_closed_idle_total",
+        "counter",
+        "Sessions an env-server closed because no call used them for --idle-timeout-s (their "
+        "workers gone without closing them).",
+        "env-server",
+        roles=("env-server",),
+    ),
+    Metric(
         "rollout_groups_dropped_stale",
         "asyncrl_rollout_groups_dropped_stale_total",
         "counter",
