@@ -508,3 +508,35 @@ def test_the_example_runs_an_episode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (rate, product) == ("1.08", "108.0")
     assert unknown == "error: lookup_rate raised KeyError: 'CHF'"
     assert list(load_tools(cfg.tools, cfg.python_path)) == ["add", "multiply", "lookup_rate"]
+
+
+def test_a_dataset_prompt_of_chat_messages_keeps_every_message(
+    tool_dir: Path, tmp_path: Path
+) -> None:
+    """A dataset row whose prompt is a conversation starts its tool episodes from all of it,
+    its own system message kept in place of the configured one."""
+    from asyncrl.tasks.base import build_task
+
+    tokenizer = _tokenizer(QWEN_STYLE_TEMPLATE)
+    messages = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "And 12+34?"},
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": messages, "answer": "46"}) + "\n")
+    env = {
+        "type": "tools",
+        "python_path": [str(tool_dir)],
+        "tools": ["usertools:add"],
+        "system_prompt": "the configured one",
+    }
+    overrides = ["task.type=dataset", f"task.train_file={data}"]
+    cfg = load_config(None, [*overrides, f"task.environment={json.dumps(env)}"])
+    (item,) = build_task(cfg.task, tokenizer).train_items(0, 0)
+    schemas = [t.schema for t in load_tools(["usertools:add"], [str(tool_dir)]).values()]
+    assert item.prompt_ids == render_prompt(tokenizer, messages, schemas)
+    text = tokenizer.decode(item.prompt_ids)
+    assert "What is 1+1?" in text and "And 12+34?" in text and "configured" not in text
+    assert item.prompt == "And 12+34?"

@@ -90,9 +90,10 @@ class RemoteEnvironmentConfig(Section):
 
 class ToolEnvironmentConfig(_UserCode):
     """Episodes in which the policy calls tools (`asyncrl.environments.tools`), run in the
-    rollout worker's event loop. The episode's prompt is the item's prompt as a user turn, after
-    `system_prompt` when set, rendered by the chat template with the tools' schemas (in the
-    system turn of Qwen-style templates); it replaces the task's own rendering of the prompt.
+    rollout worker's event loop. The episode's prompt is the item's chat messages when its task
+    gave them (a dataset's message rows, every message kept), else its prompt as a user turn,
+    after `system_prompt` when set, rendered by the chat template with the tools' schemas (in
+    the system turn of Qwen-style templates); it replaces the task's own rendering.
     Each turn's `<tool_call>{json}</tool_call>` blocks are run and their results come back as
     `tool` chat messages; a turn without a call is the final answer, scored by the task's
     reward. `python_path` comes before `tools` because checking `tools` needs it."""
@@ -120,7 +121,8 @@ class ToolEnvironmentConfig(_UserCode):
     """A tool result longer than this is cut to it, so one tool cannot flood the context."""
 
     system_prompt: str | None = None
-    """A system message put before the prompt; None: the chat template's default."""
+    """A system message put before the prompt, unless the item's messages begin with a system
+    message of their own (that one is kept); None: the chat template's default."""
 
     @field_validator("tools")
     @classmethod

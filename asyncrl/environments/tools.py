@@ -289,13 +289,15 @@ def tool_environments(cfg: ToolEnvironmentConfig) -> EnvironmentFactory:
 def tool_prompt(
     cfg: ToolEnvironmentConfig, tokenizer: PreTrainedTokenizerBase
 ) -> Callable[[PromptItem], list[int]]:
-    """The token ids an episode starts from: the system prompt (when configured) and the item's
-    prompt as a user turn, the tools' schemas where the template puts them."""
+    """The token ids an episode starts from: the system prompt (when configured, and the item
+    brings none) and the item's messages, or its prompt as a user turn; the tools' schemas
+    where the template puts them."""
     schemas = [t.schema for t in load_tools(cfg.tools, cfg.python_path).values()]
     system = [] if cfg.system_prompt is None else [{"role": "system", "content": cfg.system_prompt}]
 
     def prompt(item: PromptItem) -> list[int]:
-        user = {"role": "user", "content": item.prompt}
-        return render_prompt(tokenizer, [*system, user], schemas)
+        turns = item.messages or [{"role": "user", "content": item.prompt}]
+        own_system = turns[0].get("role") == "system"
+        return render_prompt(tokenizer, [*([] if own_system else system), *turns], schemas)
 
     return prompt

@@ -48,6 +48,11 @@ class PromptItem:
     """Reference answer handed to the reward as the task gives it: a string, or a plain value
     (number, bool, list, string-keyed map of those) that travels on the wire unchanged."""
 
+    messages: list[dict[str, str]] | None = None
+    """The prompt as chat messages, where the task gave it so (a dataset row of messages;
+    `prompt` is then the last one's content): what a tools environment renders its prompt
+    from. Not sent to rollout workers, which get `prompt_ids`."""
+
 
 class Task(Protocol):
     """A source of prompts and a scorer of responses.
@@ -271,7 +276,8 @@ class RecordsTask:
     def _item(self, row: _Row) -> PromptItem:
         if isinstance(row.prompt, list):
             ids = render_prompt(self._tokenizer, row.prompt)
-            return PromptItem(row.prompt_id, row.prompt[-1]["content"], ids, row.answer)
+            last = row.prompt[-1]["content"]
+            return PromptItem(row.prompt_id, last, ids, row.answer, messages=row.prompt)
         ids = encode_prompt(self._tokenizer, row.prompt, self._chat)
         return PromptItem(row.prompt_id, row.prompt, ids, row.answer)
 
