@@ -623,3 +623,39 @@ def test_add_counted_adds_nothing_to_a_full_redis_and_does_not_wait(tmp_path: Pa
         assert client.xlen(STREAM) == 0 and counter(client, Counter.PROMPTS_RELEASED) == 0
         assert client.hlen("q:open") == 0 and client.hlen("q:cursor") == 0
         client.close()
+
+
+def test_drop_ends_its_group_and_counts_it_once(redis_client: redis.Redis) -> None:
+    """`Consumer.drop` (a rollout worker giving up a group sure to be dropped stale): the entry
+    acked, its open group ended and counted, no dead letter; dropping it again, or dropping an
+    entry another consumer holds, changes nothing."""
+    from asyncrl.queue import Groups
+
+    released = "q:released"
+    ids = add(redis_client, 2)
+    redis_client.hset(released, mapping=dict.fromkeys(ids, ""))
+
+    def held_by(name: str) -> Consumer[Any]:
+        return Consumer(
+            redis_client,
+            STREAM,
+            GROUP,
+            name,
+            QueueConfig(),
+            dlq=DLQ,
+            counters_key=COUNTERS,
+            is_alive=lambda _: True,
+            groups=Groups(released, lambda entry_id, fields, value: entry_id, claims=False),
+        )
+
+    worker = held_by("worker")
+    assert [d.id for d in worker.read(count=2, block_ms=100)] == ids
+    stale = Counter.GROUPS_DROPPED_STALE
+    assert worker.drop(ids[0], stale) is True
+    assert pending_ids(redis_client) == ids[1:] and counter(redis_client, stale) == 1
+    assert not redis_client.hexists(released, ids[0]) and redis_client.hexists(released, ids[1])
+    assert redis_client.xlen(DLQ) == 0
+    assert worker.drop(ids[0], stale) is False  # acked already
+    assert held_by("other").drop(ids[1], stale) is False  # not its entry
+    assert counter(redis_client, stale) == 1 and pending_ids(redis_client) == ids[1:]
+    assert redis_client.hexists(released, ids[1])
