@@ -8,16 +8,16 @@ Protocol version 1 (JSON bodies only; nothing is ever unpickled):
     POST   /v1/sessions/{id}/step     {"response": text}
            → 200 {"observation": obs, "done": bool, "reward": float | null, "info": {...}}
     DELETE /v1/sessions/{id}          → 200 {}          (ends the session; cancels a call in flight)
+    GET    /health                    → 200 {"status": "ok", "sessions": n, "max_sessions": m}
+    GET    /version                   → 200 {"protocol": 1, "asyncrl": version, "env": path}
+    GET    /metrics                   → Prometheus text (`asyncrl_env_server_*`: sessions open,
+                                        requests by outcome, call seconds, idle sessions closed)
 
 A step that answers `done: true` ends its session: the server closes the environment after the
 reply, so a finished episode costs no DELETE (a fifth of an episode's calls with three turns);
 a DELETE after it answers 404 like any unknown session. DELETE is for episodes cut short. A
 session no call has used for `--idle-timeout-s` (default 30 min) is closed too: the worker that
 held it died without a word (SIGKILL, a lost node), and its sessions must not fill the server.
-    GET    /health                    → 200 {"status": "ok", "sessions": n, "max_sessions": m}
-    GET    /version                   → 200 {"protocol": 1, "asyncrl": version, "env": path}
-    GET    /metrics                   → Prometheus text (`asyncrl_env_server_*`: sessions open,
-                                        requests by outcome, call seconds, idle sessions closed)
 
 An error is `{"error": reason, "detail": text}`: 400 for a request that does not fit, 404 for an
 unknown session, 500 with reason `error` when the environment raised and `malformed` when its
@@ -26,8 +26,8 @@ session is one instance of the class (`Class(**kwargs)`). Binds to loopback unle
 otherwise: there is no auth.
 
 One asyncio event loop does everything: it accepts connections, reads requests (HTTP/1.1,
-keep-alive, `Content-Length` bodies; enough for the client's httpx pool, not a general server)
-and runs the environments' coroutines, so a waiting session costs a timer, not a thread. An
+keep-alive, `Content-Length` bodies; enough for the worker's client and httpx, not a general
+server) and runs the environments' coroutines, so a waiting session costs a timer, not a thread. An
 environment that blocks the loop stalls every session of the server (`Environment` says to
 move blocking work to a thread).
 """
