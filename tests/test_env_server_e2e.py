@@ -138,10 +138,12 @@ def test_a_served_multi_turn_environment_trains_end_to_end(
     assert run.rc == 0, run.output[-5000:]
     assert _dead_letters(run.url, "env-trains") == []
     check_accounting(run, steps, groups)
-    # Every episode ended after its two turns at the server and was closed there.
-    closed = [json.loads(line) for line in episodes.read_text().splitlines()]
-    assert len(closed) >= steps * groups * n
-    assert {c["turns"] for c in closed} == {2}
+    # Every episode ended after its two turns at the server and was closed there, but those of
+    # groups a worker gave up early, sure to be dropped stale (η = 1 here).
+    turns = [json.loads(line)["turns"] for line in episodes.read_text().splitlines()]
+    cut = len(turns) - turns.count(2)
+    assert turns.count(2) >= steps * groups * n and set(turns) <= {0, 1, 2}
+    assert cut <= n * run.status["counters"][RunCounter.GROUPS_DROPPED_STALE], turns
     # Trained tokens per sample exceed what one turn can hold (max_new_tokens=4): both turns
     # are trained on, the observation between them is not.
     lines = step_lines(run.dir)
