@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import PROMPTS_GROUP, Keys, read_accounting
 from asyncrl.tasks.base import build_task
-from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig, TaskConfig
+from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
 from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.weights import StoreWeightsConfig, build_publisher
 from asyncrl.weights.base import WeightPublisher
@@ -27,6 +27,28 @@ from role_procs import Role, RoleConfig, stop_all, wait_until
 ETA = 1
 RELEASED_AT = 3
 PROMPTS = 2
+
+
+SLOW_ENV = """
+import asyncio
+from asyncrl.environments import StepResult
+
+class Slow:
+    def __init__(self, log):
+        self.log = log
+
+    async def reset(self, item):
+        return None
+
+    async def step(self, response):
+        with open(self.log, "a") as f:
+            f.write("step\\n")
+        await asyncio.sleep(30)
+        return StepResult(None, done=True, reward=0.0)
+
+    async def close(self):
+        pass
+"""
 
 
 def _admission_and_publisher(
@@ -116,17 +138,25 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
 def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_stale(
     redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
 ) -> None:
-    """Two-turn episodes whose tool takes 4 s: their first turns are generated at version 0,
-    then the worker gets version ETA + 1 while they wait. The trainer would drop them, so the
-    worker gives them up then, without waiting out the tool: no trajectory, no dead letter, the
-    prompts acked, the groups ended and counted `groups_dropped_stale`, the accounts balanced."""
+    """Episodes whose first turn is generated at version 0, then wait on a tool that takes
+    30 s, while the worker gets version ETA + 1. The trainer would drop them, so the worker
+    gives them up then, without waiting out the tool: no trajectory, no dead letter, the prompts
+    acked, the groups ended and counted `groups_dropped_stale`, the accounts balanced."""
     keys = Keys("genbound-mid")
     store_dir = tmp_path / "weights"
-    task = AgenticTaskConfig(turns=2, tool_latency_median_s=4.0, tool_latency_sigma=0.0)
+    steps = tmp_path / "steps.log"
+    (tmp_path / "slow_env.py").write_text(SLOW_ENV)
+    task = ArithmeticTaskConfig()
+    environment = {
+        "type": "python",
+        "path": "slow_env:Slow",
+        "python_path": [str(tmp_path)],
+        "kwargs": {"log": str(steps)},
+    }
     config = role_config(
         keys.run_id,
         {
-            "task": task.model_dump(),
+            "task": {**task.model_dump(), "environment": environment},
             "rollout.n": 2,
             "rollout.sampling.max_new_tokens": 4,
             "algo.max_staleness": ETA,
@@ -143,12 +173,18 @@ def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_sta
             lambda: bool(redis_client.exists(keys.worker("rollout", "w"))), 180, "start", [worker]
         )
         assert admission.release(step=0, version=0) == PROMPTS
-        wait_until(lambda: _taken(redis_client, keys) == PROMPTS, 60, "the prompts read", [worker])
-        time.sleep(1.0)  # first turns generated (milliseconds); the episodes at their tool
+        # Every episode has its first turn (at version 0) and waits on its tool.
+        episodes = PROMPTS * 2
+        wait_until(
+            lambda: steps.exists() and len(steps.read_text().split()) == episodes,
+            60,
+            "the first turns",
+            [worker],
+        )
         publisher.publish(params.items(), ETA + 1)
         wait_until(
             lambda: read_accounting(redis_client, keys)[0].groups_dropped_stale == PROMPTS,
-            30,
+            20,  # the tool would answer only after 30 s
             "the groups given up",
             [worker],
         )
