@@ -62,6 +62,14 @@ class Harness:
         for w in workers:
             self.procs[w] = spawn(self.log_dir, self.server.url, RUN, w, *args)
 
+    def kill(self, worker: str) -> None:
+        """SIGKILL `worker` and forget what it reported: a replacement under its id must be
+        judged on its own reports, not on its predecessor's (its first version, above all)."""
+        victim = self.procs.pop(worker)
+        victim.kill()
+        victim.wait()
+        self.client.delete(report_key(RUN, worker), first_key(RUN, worker))
+
     def publish_to(self, workers: set[str]) -> WeightPublisher:
         self.publisher = build_publisher(
             CFG, self.client, KEYS, device="cpu", on_record=self.records.put
@@ -196,9 +204,7 @@ def test_a_worker_restarted_under_its_id_after_it_went_unanswered_gets_the_curre
     params = make_params(1)
     pub.publish(params.items(), 0)
     harness.hold(["a"], 0, fingerprint(params))
-    victim = harness.procs.pop("a")
-    victim.kill()
-    victim.wait()
+    harness.kill("a")
     train_step(params)
     pub.publish(params.items(), 1)
     expected = fingerprint(params)
@@ -220,6 +226,23 @@ def test_a_worker_restarted_under_its_id_after_it_went_unanswered_gets_the_curre
     assert pub.stats().published == 2
 
 
+def test_a_newcomer_that_answers_after_its_epoch_formed_without_it_is_served_at_once(
+    harness: Harness,
+) -> None:
+    # A worker slower to start than the sync timeout: registered, proposed an epoch, silent
+    # until that epoch formed without it. With one worker nothing new is published, so the
+    # version must reach it when it does answer.
+    harness.spawn("a", args=("--look-late",))
+    pub = harness.publish_to({"a"})
+    params = make_params(1)
+    pub.publish(params.items(), 0)
+    assert harness.records.get(timeout=30).receivers == 0
+    harness.hold(["a"], 0, fingerprint(params))
+    assert harness.first_version("a") == 0
+    assert harness.records.get(timeout=30).receivers == 1
+    assert pub.stats().published == 1
+
+
 def test_a_worker_restarted_under_its_id_while_its_old_lease_holds_gets_the_current_version(
     harness: Harness,
 ) -> None:
@@ -233,10 +256,7 @@ def test_a_worker_restarted_under_its_id_while_its_old_lease_holds_gets_the_curr
     pub.publish(params.items(), 0)
     harness.hold(["a"], 0, fingerprint(params))
     assert harness.records.get().ok
-    victim = harness.procs.pop("a")
-    victim.kill()
-    victim.wait()
-    harness.client.delete(report_key(RUN, "a"))
+    harness.kill("a")
     harness.spawn("a", args=slow)
     harness.hold(["a"], 0, fingerprint(params))
     assert harness.records.get(timeout=30).ok  # a resend to a group rebuilt for the newcomer

@@ -123,6 +123,23 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
+def look_late(keys: Keys, worker: str) -> None:
+    """Hold the subscriber's first look at the hash until an epoch has formed without it: it
+    was proposed to it, and the publisher gave up waiting for its answer."""
+    step = BroadcastSubscriber._step
+    looked = threading.Event()
+
+    def late_step(self: BroadcastSubscriber) -> None:
+        while not looked.is_set():
+            h = self._client.hgetall(keys.weights)
+            if b"epoch" in h and worker.encode() not in h.get(b"members", b"[]"):
+                looked.set()
+            time.sleep(0.05)
+        step(self)
+
+    BroadcastSubscriber._step = late_step  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--redis", required=True)
@@ -138,7 +155,14 @@ def main() -> None:
     parser.add_argument(
         "--die-joining", action="store_true", help="SIGKILL itself once it is a member, unjoined"
     )
+    parser.add_argument(
+        "--look-late",
+        action="store_true",
+        help="registered, first look only once an epoch has formed without it (slow to start)",
+    )
     args = parser.parse_args()
+    if args.look_late:
+        look_late(Keys(args.run), args.worker)
     if args.die_joining:
         BroadcastSubscriber._join = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     logging.basicConfig(level=logging.INFO, format=f"{args.worker} %(levelname)s %(message)s")

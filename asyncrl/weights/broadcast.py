@@ -29,7 +29,8 @@ PUBLISH on the channel of the same name (the doorbell subscribers block on).
 Forming epoch e: the publisher proposes it to the live subscribers, waits until each has set
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
 `epoch` and `members` = those ready, and all of them build the group. A subscriber that was left
-out stays registered and is proposed again at the next boundary. Building goes through a gate in
+out stays registered and is proposed again at the next boundary — or at once, once it answers
+late (a newcomer slower to start than the sync timeout says ready for the epoch it first sees). Building goes through a gate in
 the TCPStore (prefix `wsync/{e}`): each member sets `arrived/{rank}` and waits for `go`, which the
 publisher sets to 1 once all have arrived, or to 0 as soon as a missing member's lease lapses.
 A member that dies after saying ready then costs its lease (`weights.lease_s`), not the sync
@@ -266,6 +267,12 @@ class BroadcastPublisher(BackgroundPublisher):
         live, h = self._live()  # first: it may reset the failures, for a newcomer
         if self._failures >= _MAX_FAILURES:
             return False
+        # One that answered after its epoch was formed without it (a newcomer slower to start
+        # than the sync timeout) is here after all: without a new epoch now, it would wait for
+        # the next publish, which with one worker never comes.
+        self._unresponsive -= {
+            w for w in self._unresponsive if h.get(f"ready:{w}") == str(self._epoch)
+        }
         # A member that withdrew its readiness failed to receive, even if the send succeeded
         # here (in gloo's tree it may relay for a peer that died).
         self._holders -= {m for m in self._members if h.get(f"ready:{m}") != str(self._epoch)}
@@ -454,6 +461,10 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
                     h.get("backend"),
                     self._backend,
                 )
+            elif self._epoch >= 0 and self._id not in json.loads(h.get("members", "[]")):
+                # The epoch may have been proposed to this process before it looked, and formed
+                # without it: a late answer makes the publisher propose the next one to it.
+                self._client.hset(self._keys.weights, f"ready:{self._id}", str(self._epoch))
         if h.get("backend") != self._backend:
             return
         self._take_sends(h)
