@@ -91,7 +91,8 @@ class QueueConfig(Section):
     trim_every_s: float = Field(default=10.0, gt=0)
     """How often a consumer trims the entries that every group has acked."""
     memory_high_watermark: float = Field(default=0.9, gt=0, le=1)
-    """Fraction of Redis `maxmemory` at which producers pause until consumers catch up."""
+    """Fraction of Redis `maxmemory` at which producers pause until consumers catch up (read by
+    INFO: off, with a log line, for a Redis user the ACL refuses it)."""
     max_message_bytes: int = Field(default=64 * 2**20, ge=1)
     """Largest entry (sum of its field sizes) a producer may add; a bigger one is a caller error."""
     dead_letter_payload_bytes: int = Field(default=64 * 2**10, ge=0)
@@ -261,13 +262,16 @@ class MemoryGauge:
 
     INFO is sampled at most every 0.5 s, plus whenever the bytes this process has added since the
     last sample would cross the watermark: a fast producer must not overshoot it between samples.
+    A user the ACL refuses INFO (it is @dangerous, and no other permitted command tells
+    maxmemory) leaves the gauge unknown, never full: Redis's own out-of-memory refusal, which
+    `RedisGuard` waits out, is then the only brake.
     """
 
     def __init__(self, client: redis.Redis, watermark: float) -> None:
         self._client = client
         self.watermark = watermark
         self._used = 0
-        self._limit = 0.0  # 0: no maxmemory, never full
+        self._limit = 0.0  # 0: no maxmemory (or unknown), never full
         self._added = 0
         self._next_sample = 0.0
 
@@ -275,12 +279,25 @@ class MemoryGauge:
         now = time.monotonic()
         near = self._limit and self._used + self._added >= self._limit
         if now >= self._next_sample or near:
-            info = self._client.info("memory")
-            self._used = int(info["used_memory"])
-            self._limit = self.watermark * int(info.get("maxmemory", 0))
-            self._added = 0
-            self._next_sample = now + _MEMORY_SAMPLE_S
+            self._sample(now)
         return bool(self._limit) and self._used + self._added >= self._limit
+
+    def _sample(self, now: float) -> None:
+        from redis.exceptions import NoPermissionError
+
+        try:
+            info = self._client.info("memory")
+        except NoPermissionError:
+            log.warning(
+                "redis: this user may not run INFO; queue.memory_high_watermark is off (memory "
+                "unknown), writes pause only when Redis itself refuses them for memory"
+            )
+            self._next_sample = float("inf")
+            return
+        self._used = int(info["used_memory"])
+        self._limit = self.watermark * int(info.get("maxmemory", 0))
+        self._added = 0
+        self._next_sample = now + _MEMORY_SAMPLE_S
 
     def added(self, nbytes: int) -> None:
         self._added += nbytes

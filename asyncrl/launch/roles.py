@@ -59,6 +59,20 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
     except RedisAccessError as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 2
+    from redis.exceptions import NoPermissionError
+
+    try:
+        return _run_role(cfg, args)
+    except NoPermissionError as exc:
+        print(
+            f"asyncrl: redis: the ACL refused this user: {exc} (SECURITY.md, 'Redis ACL for a "
+            "run', lists what a run needs)",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _run_role(cfg: Config, args: argparse.Namespace) -> int:
     if args.role == "trainer":
         from asyncrl.trainer.checkpoint import CheckpointError
         from asyncrl.trainer.main import run_trainer

@@ -30,11 +30,12 @@ Forming epoch e: the publisher proposes it to the live subscribers, waits until 
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
 `epoch` and `members` = those ready, and all of them build the group. A subscriber that was left
 out stays registered and is proposed again at the next boundary — or at once, once it answers
-late (a newcomer slower to start than the sync timeout says ready for the epoch it first sees). Building goes through a gate in
-the TCPStore (prefix `wsync/{e}`): each member sets `arrived/{rank}` and waits for `go`, which the
-publisher sets to 1 once all have arrived, or to 0 as soon as a missing member's lease lapses.
-A member that dies after saying ready then costs its lease (`weights.lease_s`), not the sync
-timeout that the collective's own rendezvous would wait out, for everyone.
+late (a newcomer slower to start than the sync timeout says ready for the epoch it first sees).
+Building goes through a gate in the TCPStore (prefix `wsync/{e}`): each member sets
+`arrived/{rank}` and waits for `go`, which the publisher sets to 1 once all have arrived, or to 0
+as soon as a missing member's lease lapses. A member that dies after saying ready then costs its
+lease (`weights.lease_s`), not the sync timeout that the collective's own rendezvous would wait
+out, for everyone.
 
 A worker restarted under its old id is a new subscriber: it registers with a new `join:` record
 and clears the `ready:` its predecessor may have left, and it takes no part in an epoch formed
