@@ -141,6 +141,11 @@ class Keys:
         return self.prefix + "weights"
 
     @property
+    def model(self) -> str:
+        """JSON of the trainer's model identity (`asyncrl.model_identity`)."""
+        return self.prefix + "model"
+
+    @property
     def counters(self) -> str:
         return self.prefix + "counters"
 

@@ -61,8 +61,13 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
         return 2
     from redis.exceptions import NoPermissionError
 
+    from asyncrl.model_identity import ModelMismatch
+
     try:
         return _run_role(cfg, args)
+    except ModelMismatch as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
     except NoPermissionError as exc:
         print(
             f"asyncrl: redis: the ACL refused this user: {exc} (SECURITY.md, 'Redis ACL for a "

@@ -73,6 +73,7 @@ class RolloutWorker:
         from asyncrl.metrics.roles import RoleMetrics
         from asyncrl.metrics.server import serve
         from asyncrl.model import ensure_model, vocab_size
+        from asyncrl.model_identity import model_identity
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.tasks.base import build_task
         from asyncrl.weights import build_subscriber
@@ -100,6 +101,12 @@ class RolloutWorker:
         # Weights are received where the engine holds them; servers of their own hold theirs.
         device = resolve_device(engine_cfg.device if engine_cfg.type == "torch" else "cpu")
         model_dir = ensure_model(cfg, wait_s=600.0 if cfg.model.build_tiny else 0.0)
+        self.model_dir = model_dir
+        self.identity = model_identity(model_dir, cfg.model.lora)
+        self.identity_checked = False
+        """Whether the trainer's model identity was found equal to ours (`_check_model`)."""
+        # Before it starts an engine, or registers for weights no broadcast could give it.
+        self._check_model()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.task = build_task(cfg.task, self.tokenizer)
         self.engine = build_engine(
@@ -280,6 +287,18 @@ class RolloutWorker:
         held = self.episodes.inflight + len(self.waiting) * self.cfg.rollout.n
         return self.max_inflight - held
 
+    def _check_model(self) -> None:
+        """Compare our model with the trainer's until one has published it; ModelMismatch when
+        they differ. Checked before every read of prompts until then: the trainer publishes it
+        before it releases any, so no prompt of a trainer reaches a worker of another model."""
+        from asyncrl.model_identity import check_identity
+
+        if not self.identity_checked:
+            self.identity_checked = self.redis.call(
+                lambda: check_identity(self.client, self.keys, self.identity, self.model_dir),
+                "read the run's model identity",
+            )
+
     def _admit(self) -> None:
         """Read prompts while there is room (without waiting when episodes are in flight), and
         start those whose weights are fresh enough.
@@ -290,6 +309,7 @@ class RolloutWorker:
         worker whose weight sync is stuck must not hold its prompts, and with them admission's
         budget, forever: after twice `weights.sync_timeout_s` it generates anyway, and the
         trainer drops what turns out stale, which frees the budget."""
+        self._check_model()
         busy = bool(self.episodes.inflight or self.waiting)
         count = min(self.cfg.rollout.prompts_per_batch, self._room() // self.cfg.rollout.n)
         if count > 0 or not busy:

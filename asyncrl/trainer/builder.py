@@ -379,6 +379,7 @@ def build(cfg: Config) -> TrainerParts:
     from asyncrl.metrics.roles import RoleMetrics
     from asyncrl.metrics.server import serve
     from asyncrl.model import ensure_model, vocab_size
+    from asyncrl.model_identity import model_identity, publish_identity
     from asyncrl.queue import RedisGuard
     from asyncrl.redis_conn import connect
     from asyncrl.tasks.base import build_task
@@ -404,6 +405,11 @@ def build(cfg: Config) -> TrainerParts:
     )
 
     model_dir = ensure_model(cfg)
+    if ranks.rank == 0:  # before any prompt is released: workers check theirs against it
+        identity = model_identity(model_dir, cfg.model.lora)
+        redis_guard.call(
+            lambda: publish_identity(client, keys, identity), "publish the model identity"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ckpts = list_checkpoints(cfg.run.path / "checkpoints") if cfg.trainer.resume else []
     checkpoint = ckpts[-1] if ckpts else None
