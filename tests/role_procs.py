@@ -31,6 +31,17 @@ RoleConfig = Callable[[str, dict[str, Any]], Path]
 # Settings under which a rollout worker that dies or hangs is found out within about 2 s: its
 # heartbeat lapses and the prompts it holds can be claimed by another.
 QUICK_TAKEOVER = {"rollout.heartbeat_ttl_s": 1.5, "queue.claim_idle_s": 1.0}
+# A quickstart-shaped run of separate roles (`write_role_config` settings): small groups, short
+# answers, broadcast weight sync, no eval, training until stopped.
+SMALL_RUN = {
+    "rollout.n": 2,
+    "rollout.sampling.max_new_tokens": 4,
+    "trainer.groups_per_step": 2,
+    "trainer.max_steps": 10**6,
+    "trainer.checkpoint_every": 2,
+    "trainer.eval_every": 0,
+    "weights.type": "broadcast",
+}
 # The children import asyncrl from this checkout and share the test machine's cores.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -112,6 +123,14 @@ class Role:
 
     def tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def trainer_and_worker(config: Path, logs: Path) -> list[Role]:
+    """A trainer and one rollout worker, `w0`, on `config`; their logs in `logs`."""
+    return [
+        Role("trainer", config, logs / "trainer.log"),
+        Role("rollout", config, logs / "w0.log", "--worker-id", "w0"),
+    ]
 
 
 def arithmetic_admission(

@@ -15,17 +15,15 @@ from asyncrl.model import LoraConfig
 from asyncrl.model_identity import model_identity
 from asyncrl.runstate import PROMPTS_GROUP, Keys
 
-from role_procs import Role, step_lines, stop_all, wait_until, write_role_config
-
-SETTINGS = {
-    "rollout.n": 2,
-    "rollout.sampling.max_new_tokens": 4,
-    "trainer.groups_per_step": 2,
-    "trainer.max_steps": 10**6,
-    "trainer.checkpoint_every": 10**6,
-    "trainer.eval_every": 0,
-    "weights.type": "broadcast",
-}
+from role_procs import (
+    SMALL_RUN,
+    Role,
+    step_lines,
+    stop_all,
+    trainer_and_worker,
+    wait_until,
+    write_role_config,
+)
 
 
 def copy_model(src: Path, out: Path, *, layers: int | None = None, dtype: torch.dtype) -> Path:
@@ -68,16 +66,14 @@ def test_a_worker_with_a_one_layer_copy_is_refused_at_join_and_takes_no_prompt(
     redis_server: RedisServer, redis_client: redis.Redis, random_model: Path, tmp_path: Path
 ) -> None:
     keys = Keys("identity")
-    config = write_role_config(tmp_path, redis_server.url, random_model, keys.run_id, SETTINGS)
+    config = write_role_config(tmp_path, redis_server.url, random_model, keys.run_id, SMALL_RUN)
     one_layer = copy_model(random_model, tmp_path / "one-layer", layers=1, dtype=torch.float32)
     other = tmp_path / "other"
     other.mkdir()
-    other_config = write_role_config(other, redis_server.url, one_layer, keys.run_id, SETTINGS)
+    other_config = write_role_config(other, redis_server.url, one_layer, keys.run_id, SMALL_RUN)
     run_dir = tmp_path / "run"
     logs = tmp_path / "logs"
-    trainer = Role("trainer", config, logs / "trainer.log")
-    healthy = Role("rollout", config, logs / "w0.log", "--worker-id", "w0")
-    roles = [trainer, healthy]
+    roles = trainer_and_worker(config, logs)
     try:
         wait_until(lambda: len(step_lines(run_dir)) >= 1, 300, "a first step", roles)
         stranger = Role("rollout", other_config, logs / "w1.log", "--worker-id", "w1")

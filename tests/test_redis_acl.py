@@ -18,7 +18,16 @@ import redis
 from asyncrl.launch.redis_server import RedisServer, write_secret
 from asyncrl.runstate import Keys
 
-from role_procs import Role, asyncrl, step_lines, stop_all, wait_until, write_role_config
+from role_procs import (
+    SMALL_RUN,
+    Role,
+    asyncrl,
+    step_lines,
+    stop_all,
+    trainer_and_worker,
+    wait_until,
+    write_role_config,
+)
 
 USER = "run-acl"
 KEYS = Keys("acl")
@@ -38,16 +47,7 @@ def run_config(tmp_path: Path, server: RedisServer, password: str, model: Path) 
         server.url.replace("redis://", f"redis://{USER}@"),
         model,
         KEYS.run_id,
-        {
-            "redis.password_file": str(secret),
-            "rollout.n": 2,
-            "rollout.sampling.max_new_tokens": 4,
-            "trainer.groups_per_step": 2,
-            "trainer.max_steps": 10**6,
-            "trainer.checkpoint_every": 2,
-            "trainer.eval_every": 0,
-            "weights.type": "broadcast",
-        },
+        {"redis.password_file": str(secret), **SMALL_RUN},
     )
 
 
@@ -64,10 +64,8 @@ def test_a_run_trains_as_a_user_limited_to_its_keys_and_to_commands_outside_dang
     admin = redis.Redis.from_url(server.url)  # the default user: the test's own view
     run_dir = tmp_path / "run"
     config = run_config(tmp_path, server, password, random_model)
-    logs = tmp_path / "logs"
-    trainer = Role("trainer", config, logs / "trainer.log")
-    worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
-    roles = [trainer, worker]
+    roles = trainer_and_worker(config, tmp_path / "logs")
+    trainer, worker = roles
     try:
         wait_until(lambda: len(step_lines(run_dir)) >= 3, 300, "three steps", roles)
         status = asyncrl("status", "--json", "--config", str(config))

@@ -20,7 +20,7 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.queue import QueueConfig
 from asyncrl.runstate import Keys
 
-from role_procs import Role, step_lines, stop_all, wait_until, write_role_config
+from role_procs import SMALL_RUN, Role, step_lines, stop_all, wait_until, write_role_config
 
 JUNK = 15
 JUNK_BYTES = 2**20
@@ -43,16 +43,7 @@ def test_junk_filling_redis_is_dead_lettered_and_training_goes_on(
         server.url,
         random_model,
         keys.run_id,
-        {
-            "rollout.n": 2,
-            "rollout.heartbeat_ttl_s": 3.0,
-            "rollout.sampling.max_new_tokens": 4,
-            "trainer.groups_per_step": 2,
-            "trainer.max_steps": 10**6,
-            "trainer.checkpoint_every": 2,
-            "trainer.eval_every": 0,
-            "weights.type": "broadcast",
-        },
+        {**SMALL_RUN, "rollout.heartbeat_ttl_s": 3.0},
     )
     rng = random.Random(0)
     # 0xc1 is a byte msgpack never uses: whatever follows, the entry is malformed.
