@@ -407,18 +407,37 @@ def test_config_errors_name_the_key(env_dir: Path) -> None:
 
 
 TURNS = """
-import asyncio
+import asyncio, sys
 from asyncrl.environments import StepResult
+
+class Custom(BaseException):
+    pass
+
+RAISES = {
+    "exit": lambda: sys.exit(3),
+    "cancel": asyncio.CancelledError,
+    "keyboard": KeyboardInterrupt,
+    "generator": GeneratorExit,
+    "custom": Custom,
+}
 
 class Turns:
     def __init__(self, mode="ok"):
         self.mode, self.turn = mode, 0
 
     async def reset(self, item):
+        if item.prompt_id != "12+34":  # the scheduler's other groups go on as usual
+            self.mode = "ok"
         return "9="
 
     async def step(self, response):
         self.turn += 1
+        if self.mode in RAISES:
+            raise RAISES[self.mode]()
+        if self.mode == "exit_later":  # past every guard: a callback of its own
+            asyncio.get_running_loop().call_soon(sys.exit, 3)
+        if self.mode == "stop_loop":
+            asyncio.get_running_loop().stop()
         if self.mode == "hang":
             await asyncio.sleep(3600)
         if self.mode == "bad":
@@ -518,6 +537,57 @@ def test_a_python_environment_past_its_timeout_or_malformed_fails_its_group(
     finished, failed = _drive(sched)
     assert not finished and [(f.tag, f.reason) for f in failed] == [("g", f"env_{reason}")]
     assert errors[0] == reason and sched.inflight == 0
+
+
+OTHER = PromptItem("1+2", "1+2=", [1, 4, 13, 5, 14], "3")
+
+
+@pytest.mark.parametrize(
+    ("mode", "raised"),
+    [
+        ("exit", "SystemExit: 3"),
+        ("cancel", "CancelledError"),
+        ("keyboard", "KeyboardInterrupt"),
+        ("generator", "GeneratorExit"),
+        ("custom", "Custom"),
+    ],
+)
+def test_an_environment_raising_any_base_exception_fails_its_group_and_the_rest_go_on(
+    tmp_path: Path, mode: str, raised: str
+) -> None:
+    """`sys.exit()`, a CancelledError of its own, any BaseException from an environment's
+    code is its group's `env_error`, not the end of the scheduler's event loop or a step that
+    never returns."""
+    errors: list[str] = []
+    sched = _scheduler(tmp_path, mode, errors)
+    sched.start("g", ITEM, 2, "g")
+    sched.start("h", OTHER, 2, "h")
+    finished, failed = _drive(sched)
+    assert [(f.tag, f.reason) for f in failed] == [("g", "env_error")]
+    assert failed[0].detail.startswith(f"step raised {raised}"), failed[0].detail
+    assert [g.tag for g in finished] == ["h"] and errors == ["error"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"), [("exit_later", "died of SystemExit: 3"), ("stop_loop", "was stopped")]
+)
+def test_an_event_loop_ended_past_every_guard_stops_the_scheduler_at_once(
+    tmp_path: Path, mode: str, said: str
+) -> None:
+    """User code that ends the loop from a callback of its own, where no guard reaches: the
+    generating thread learns it from the next `advance`, which would otherwise wait forever
+    for steps that never return."""
+    from asyncrl.rollout.episodes import EnvironmentLoopDied
+
+    sched = _scheduler(tmp_path, mode, [])
+    sched.start("g", ITEM, 2, "g")
+    deadline = time.monotonic() + 20
+    with pytest.raises(EnvironmentLoopDied, match=said):
+        while time.monotonic() < deadline:
+            sched.advance(0.05)
+    with pytest.raises(EnvironmentLoopDied):  # and every later call, not only the first
+        sched.advance(0.05)
+    sched.close()
 
 
 def _remote_scheduler(url: str, timeout_s: float = 60.0) -> Any:

@@ -40,10 +40,12 @@ from asyncrl.engines.config import SamplingParams
 from asyncrl.environments.base import (
     Environment,
     EnvironmentFailure,
+    Escaped,
     Observation,
     StepResult,
     check_observation,
     check_step,
+    contained,
     render_observation,
 )
 from asyncrl.environments.tools import tool_call_counts
@@ -70,13 +72,21 @@ class GenerateCall:
 
 
 _CLOSE_TIMEOUT_S = 10.0
+_REVIVALS = 100
+"""Runs of a dead event loop `close` tries before it gives up on its environments."""
 STALE = "stale"
 """The `FailedGroup.reason` of a group `drop_older_than` gave up: no failure, dropped not
 dead-lettered."""
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, Escaped) else f"{type(exc).__name__}: {exc}"
+
+
+class EnvironmentLoopDied(RuntimeError):
+    """The event loop that runs the environments ended by itself: user code got past what
+    guards its calls (a task or callback it started raised SystemExit, it stopped the loop).
+    Every episode inside an environment is lost with it, so the scheduler cannot go on."""
 
 
 @dataclass
@@ -243,7 +253,11 @@ class EpisodeScheduler(Generic[T]):
         self._ready: list[_Episode] = []
         self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
         self._at_env = 0  # episodes inside their environment now
-        self._returned: queue.SimpleQueue[tuple[_Episode, _Returned]] = queue.SimpleQueue()
+        self._returned: queue.SimpleQueue[tuple[_Episode, _Returned] | EnvironmentLoopDied] = (
+            queue.SimpleQueue()
+        )
+        self._loop_died: EnvironmentLoopDied | None = None
+        self._stopping_loop = False  # `close` ends the loop: its end is no death
         self._groups: list[_Group[T]] = []
         self._failed: list[FailedGroup[T]] = []
         self.inflight = 0
@@ -262,7 +276,9 @@ class EpisodeScheduler(Generic[T]):
                 continue
             try:
                 env = self._episodic.environment(item, f"{episode_prefix}/{i}")
-            except Exception as exc:  # e.g. an answer the task cannot parse
+            except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
+                raise
+            except BaseException as exc:  # e.g. an answer the task cannot parse, a sys.exit()
                 self._fail(group, "task_error", _describe(exc))
                 return
             self._open[id(env)] = env
@@ -310,17 +326,38 @@ class EpisodeScheduler(Generic[T]):
         if self._loop is None:
             return
         left, self._open = list(self._open.values()), {}
-        cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(left), self._loop)
-        try:
-            cancelled.result(timeout=_CLOSE_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("environment steps ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
+        assert self._loop_thread is not None
+        if self._loop_thread.is_alive():
+            cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(left), self._loop)
+            try:
+                cancelled.result(timeout=_CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("environment steps ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
+        else:
+            self._close_on_dead_loop(left)
+        self._stopping_loop = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._loop_thread is not None:
             self._loop_thread.join(_CLOSE_TIMEOUT_S)
         if not self._loop.is_running():
             self._loop.close()
         self._loop = self._loop_thread = None
+
+    def _close_on_dead_loop(self, left: list[Environment]) -> None:
+        """`close` after the loop's thread died: its tasks (the steps, sessions to delete) are
+        wound up on this thread instead, bounded as there."""
+        loop = self._loop
+        assert loop is not None
+        wound_up = loop.create_task(asyncio.wait_for(self._cancel_steps(left), _CLOSE_TIMEOUT_S))
+        # The code that ended the loop may have left more of the same in its queue: each run
+        # past one goes on from the next callback.
+        for _ in range(_REVIVALS):
+            try:
+                loop.run_until_complete(wound_up)
+                return
+            except BaseException as exc:
+                last = exc
+        log.warning("environments not closed after their event loop died: %s", _describe(last))
 
     async def _cancel_steps(self, left: list[Environment]) -> None:
         for task in self._steps:
@@ -348,17 +385,23 @@ class EpisodeScheduler(Generic[T]):
         self._ready = [ep for ep in self._ready if ep.group is not group]
 
     def _take_back(self, wait_s: float) -> None:
-        returned = []
+        if self._loop_died is not None:
+            raise self._loop_died
+        got = []
         if wait_s > 0:
             try:
-                returned.append(self._returned.get(timeout=wait_s))
+                got.append(self._returned.get(timeout=wait_s))
             except queue.Empty:
                 return
         while True:
             try:
-                returned.append(self._returned.get_nowait())
+                got.append(self._returned.get_nowait())
             except queue.Empty:
                 break
+        returned = [r for r in got if not isinstance(r, EnvironmentLoopDied)]
+        if len(returned) < len(got):
+            self._loop_died = next(r for r in got if isinstance(r, EnvironmentLoopDied))
+            raise self._loop_died
         self._at_env -= len(returned)
         for ep, result in returned:
             if isinstance(result, StepResult) and self._on_tool_calls is not None:
@@ -469,7 +512,9 @@ class EpisodeScheduler(Generic[T]):
             log.warning("reward failed: %s", exc)
             self._fail(ep.group, exc.reason, exc.detail)
             return
-        except Exception as exc:
+        except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
+            raise
+        except BaseException as exc:  # a user task's score may sys.exit(): its group fails
             log.exception("scoring an episode failed")
             self._fail(ep.group, "task_error", _describe(exc))
             return
@@ -484,10 +529,24 @@ class EpisodeScheduler(Generic[T]):
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._loop_thread = threading.Thread(
-                target=self._loop.run_forever, name="env-loop", daemon=True
+                target=self._run_loop, args=(self._loop,), name="env-loop", daemon=True
             )
             self._loop_thread.start()
         return self._loop
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop thread. Should user code end the loop anyway, the generating thread hears
+        of it at once (`EnvironmentLoopDied` from `advance`), where it would wait forever for
+        the steps in flight."""
+        try:
+            loop.run_forever()
+        except BaseException as exc:
+            died = f"the environments' event loop died of {_describe(exc)}"
+        else:
+            if self._stopping_loop:
+                return
+            died = "the environments' event loop was stopped (by an environment's code)"
+        self._returned.put(EnvironmentLoopDied(died))
 
     def _to_env(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
         """Hand episodes to their environments: `reset` for None, else `step` of the text."""
@@ -520,9 +579,10 @@ class EpisodeScheduler(Generic[T]):
         result: _Returned
         try:
             if text is None:
-                result = _Reset(check_observation(await env.reset(ep.group.item)))
+                obs = await contained(env.reset(ep.group.item))
+                result = _Reset(check_observation(obs))
             else:
-                result = check_step(await env.step(text))
+                result = check_step(await contained(env.step(text)))
         except Exception as exc:  # a failing environment fails its group, never the worker
             result = exc
         self._returned.put((ep, result))
@@ -530,7 +590,7 @@ class EpisodeScheduler(Generic[T]):
     @staticmethod
     async def _env_close(env: Environment) -> None:
         try:
-            await env.close()
+            await contained(env.close())
         except Exception:  # the episode is over: nothing to fail any more
             log.warning("closing an environment failed", exc_info=True)
 

@@ -11,7 +11,9 @@ SIGTERM (or Ctrl-C) stops at once: episodes in flight are abandoned, their promp
 and are delivered again, and their environments are closed (sessions on env-servers deleted,
 best effort within a few seconds). A worker that
 is told to stop while Redis is unreachable stops waiting for it: what it has not published stays
-pending and is delivered again.
+pending and is delivered again. A worker whose environments' event loop died (user code got
+past every guard) exits 1 with one line saying so: its heartbeat stops, so its prompts are
+taken over, rather than a live worker holding them forever.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.episodes import (
     STALE,
+    EnvironmentLoopDied,
     EpisodeScheduler,
     FailedGroup,
     FinishedGroup,
@@ -220,6 +223,7 @@ class RolloutWorker:
             self._wait_engine_version(target)
         log.info("rollout %s ready at version %d", self.id, self.engine.version)
         dropped_at = self.engine.version  # the version groups were last checked for staleness
+        code = 0
         try:
             while not self.stopping or (self.episodes.inflight and not self.abandoning):
                 if not self.stopping:
@@ -246,6 +250,9 @@ class RolloutWorker:
                 self.id,
                 exc,
             )
+        except EnvironmentLoopDied as exc:
+            log.error("rollout %s: %s; stopping (its prompts are delivered again)", self.id, exc)
+            code = 1
         finally:
             # Stopping already: a later SIGTERM must not kill the exit (Python restores the
             # default disposition of handled signals while it finalises).
@@ -267,7 +274,7 @@ class RolloutWorker:
             close = getattr(self.engine, "close", None)
             if close is not None:
                 close()
-        return 0
+        return code
 
     def _wait_engine_version(self, version: int) -> None:
         """Block until the engine generates with at least `version` (bootstrap)."""
