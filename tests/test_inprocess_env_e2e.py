@@ -94,8 +94,11 @@ def test_an_environment_that_exits_fails_its_groups_and_the_run_trains_on(
     assert set(letters) == {"env_error"} and letters["env_error"] > 0, letters
     assert letters["env_error"] == counters[RunCounter.GROUPS_DEAD_LETTERED]
     details = {d.split(":")[0] for _, d in _dead_letters(redis_server.url, "env-exits")}
-    assert details <= {"step raised SystemExit", "step raised CancelledError",
-                       "step raised KeyboardInterrupt"}, details
+    assert details <= {
+        "step raised SystemExit",
+        "step raised CancelledError",
+        "step raised KeyboardInterrupt",
+    }, details
 
 
 def _dead_letters(url: str, run_id: str) -> list[tuple[str, str]]:
@@ -126,7 +129,9 @@ def test_a_worker_whose_event_loop_dies_stops_with_one_line_and_its_heartbeat(
     worker = Role("rollout", config, tmp_path / "rollout.log", "--worker-id", "A")
     try:
         heartbeat = keys.worker("rollout", "A")
-        wait_until(lambda: bool(redis_client.exists(heartbeat)), 180, "the worker starting", [worker])
+        wait_until(
+            lambda: bool(redis_client.exists(heartbeat)), 180, "the worker starting", [worker]
+        )
         assert admission.release(step=0, version=0) == 2
         assert worker.wait(120) == 1, worker.tail()
         said = [line for line in worker.tail().splitlines() if "event loop died" in line]

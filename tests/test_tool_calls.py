@@ -419,8 +419,11 @@ def test_hung_sync_calls_hold_their_own_tools_threads_only(tool_dir: Path) -> No
         usertools.RELEASE.set()
     assert hung.info == {"tool_calls": {TOOL_TIMEOUT: 32, TOOL_BUSY: 8}}
     busy = hung.observation[-1]["content"]
-    assert busy == "error: stall is busy (all 32 of its threads are held by calls not returned); not run"
-    assert [m["content"] for m in other.observation][0] == "3"
+    assert (
+        busy
+        == "error: stall is busy (all 32 of its threads are held by calls not returned); not run"
+    )
+    assert [m["content"] for m in other.observation] == ["3", busy]
     assert other.info == {"tool_calls": {"ok": 1, TOOL_BUSY: 1}}
 
 
@@ -428,10 +431,15 @@ def test_hung_sync_calls_hold_their_own_tools_threads_only(tool_dir: Path) -> No
     ("call", "said"),
     [
         (_call("leave", code=3), "error: leave raised SystemExit: 3"),
-        (_call("unwritable", kind="circular"), "error: unwritable returned what JSON cannot "
-         "write: Circular reference detected"),
-        (_call("unwritable", kind="key"), "error: unwritable returned what JSON cannot write: "
-         "keys must be str, int, float, bool or None, not tuple"),
+        (
+            _call("unwritable", kind="circular"),
+            "error: unwritable returned what JSON cannot write: Circular reference detected",
+        ),
+        (
+            _call("unwritable", kind="key"),
+            "error: unwritable returned what JSON cannot write: "
+            "keys must be str, int, float, bool or None, not tuple",
+        ),
     ],
 )
 def test_a_tool_that_exits_or_returns_what_json_cannot_write_answers_the_model(

@@ -21,9 +21,9 @@ on.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import numbers
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, assert_never

@@ -251,7 +251,9 @@ class SyncThreads:
         loop = asyncio.get_running_loop()
         result: asyncio.Future[Any] = loop.create_future()
         threading.Thread(
-            target=self._run, args=(loop, result, fn, arguments), name=f"tool-{self.name}",
+            target=self._run,
+            args=(loop, result, fn, arguments),
+            name=f"tool-{self.name}",
             daemon=True,
         ).start()
         return await result
@@ -368,9 +370,7 @@ def _text(name: str, value: Any) -> str | CallError:
     try:
         return json.dumps(value, ensure_ascii=False, default=str)
     except Exception as exc:  # circular, nested past the recursion limit, keys JSON cannot hold
-        return CallError(
-            TOOL_ERROR, f"error: {name} returned what JSON cannot write: {exc}"
-        )
+        return CallError(TOOL_ERROR, f"error: {name} returned what JSON cannot write: {exc}")
 
 
 async def _done(value: CallError) -> CallError:

@@ -52,6 +52,7 @@ FAILED_GROUP_REASONS = (
     "reward_error",
     "reward_timeout",
     "reward_invalid",
+    "context_too_long",
     *(f"env_{r}" for r in ENV_REASONS),
     "other",
 )

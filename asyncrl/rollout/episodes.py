@@ -77,6 +77,8 @@ _REVIVALS = 100
 STALE = "stale"
 """The `FailedGroup.reason` of a group `drop_older_than` gave up: no failure, dropped not
 dead-lettered."""
+CONTEXT_TOO_LONG = "context_too_long"
+"""The `FailedGroup.reason` of a group whose first turn would pass `max_context`."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -112,7 +114,9 @@ class FailedGroup(Generic[T]):
     failure of a generate call, `task_error` for one of the task's own code (its environment
     constructor, score or reward), `reward_error`, `reward_timeout` or `reward_invalid` for a
     call of a `reward.type: python` function that raised, timed out or returned no finite
-    number (wherever it was called), or `env_{reason}` for a failed environment call
+    number (wherever it was called), `context_too_long` for an episode whose first turn
+    (prompt, first observation, `max_new_tokens`) would pass the scheduler's `max_context`,
+    or `env_{reason}` for a failed environment call
     (`asyncrl.environments.base.ENV_REASONS`: its code raised, it timed out, its reply did not
     fit the protocol, no env-server could take or keep the episode); `stale` for a group
     `EpisodeScheduler.drop_older_than` gave up (the trainer would drop it)."""
@@ -218,6 +222,13 @@ class EpisodeScheduler(Generic[T]):
 
     `start` begins a group's n episodes, `advance` moves every episode on by at most one step and
     returns the groups that ended. `inflight` counts the episodes of groups not yet returned.
+
+    `max_context` bounds the positions of every turn: context plus `max_new_tokens`. An episode
+    whose next turn would pass it ends before that turn, its observation never prefilled: as
+    truncated (finish "length", scored by the task on its last turn, like an environment that
+    ends without a reward) after a turn, or its group failed (`CONTEXT_TOO_LONG`) before the
+    first, since no sample is left to keep. The model is never run, nor a sample trained, at
+    positions it does not have.
     """
 
     def __init__(
@@ -228,6 +239,7 @@ class EpisodeScheduler(Generic[T]):
         sampling: SamplingParams,
         *,
         batch_wait_s: float = 0.0,
+        max_context: int | None = None,
         on_generate: Callable[[GenerateCall], None] | None = None,
         on_env_error: Callable[[str], None] | None = None,
         on_tool_calls: Callable[[str, int], None] | None = None,
@@ -241,6 +253,7 @@ class EpisodeScheduler(Generic[T]):
         self._on_env_error = on_env_error
         self._on_tool_calls = on_tool_calls
         self._batch_wait_s = batch_wait_s
+        self._max_context = max_context
         # Environment steps await their tools on one event loop thread: a waiting episode costs
         # a timer, where a thread each would cost a millisecond of CPU per step in switching.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -272,7 +285,11 @@ class EpisodeScheduler(Generic[T]):
         self.inflight += n
         for i in range(n):
             if self._episodic is None:
-                self._make_ready(_Episode(group, i, None, list(item.prompt_ids)))
+                ep = _Episode(group, i, None, list(item.prompt_ids))
+                if not self._turn_fits(ep, 0):
+                    self._end_full(ep, 0)
+                    return
+                self._make_ready(ep)
                 continue
             try:
                 env = self._episodic.environment(item, f"{episode_prefix}/{i}")
@@ -431,11 +448,15 @@ class EpisodeScheduler(Generic[T]):
             else:
                 obs = result.observation if isinstance(result, StepResult) else result.first
                 try:
-                    ep.observe(render_observation(self._tokenizer, obs, ep.ended_by))
+                    ids = render_observation(self._tokenizer, obs, ep.ended_by)
                 except Exception as exc:  # chat messages for a tokenizer without a template
                     self._close_env(ep)
                     self._fail(ep.group, "env_malformed", f"rendering {obs!r:.200}: {exc}")
                     continue
+                if not self._turn_fits(ep, len(ids)):
+                    self._end_full(ep, len(ids))
+                    continue
+                ep.observe(ids)
                 self._make_ready(ep)
 
     def _generate(self) -> None:
@@ -519,6 +540,25 @@ class EpisodeScheduler(Generic[T]):
             self._fail(ep.group, "task_error", _describe(exc))
             return
         ep.group.samples[ep.index] = ep.sample(value)
+
+    def _turn_fits(self, ep: _Episode, observed: int) -> bool:
+        """Whether a turn after `observed` more tokens stays within `max_context`."""
+        limit = self._max_context
+        return limit is None or len(ep.context) + observed + self._sampling.max_new_tokens <= limit
+
+    def _end_full(self, ep: _Episode, observed: int) -> None:
+        """End `ep`, whose next turn `max_context` has no room for (see the class)."""
+        self._close_env(ep)
+        if ep.turns:
+            ep.finish = "length"
+            self._score(ep, partial(self._task.score, ep.group.item, ep.text))
+            return
+        self._fail(
+            ep.group,
+            CONTEXT_TOO_LONG,
+            f"{len(ep.context) + observed} tokens of prompt and first observation and "
+            f"{self._sampling.max_new_tokens} new ones pass the {self._max_context} positions",
+        )
 
     def _make_ready(self, ep: _Episode) -> None:
         if not self._ready:

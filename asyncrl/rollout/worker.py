@@ -75,7 +75,7 @@ class RolloutWorker:
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics.roles import RoleMetrics
         from asyncrl.metrics.server import serve
-        from asyncrl.model import ensure_model, vocab_size
+        from asyncrl.model import ensure_model, max_positions, vocab_size
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.tasks.base import build_task
         from asyncrl.weights import build_subscriber
@@ -158,6 +158,7 @@ class RolloutWorker:
             self.tokenizer,
             rollout.sampling,
             batch_wait_s=rollout.turn_batch_wait_s,
+            max_context=_least(rollout.max_context_tokens, max_positions(model_dir)),
             on_generate=self._on_generate,
             on_env_error=lambda reason: self.metrics.environment_errors[reason].inc(),
             on_tool_calls=lambda outcome, n: self.metrics.tool_calls[outcome].inc(n),
@@ -397,6 +398,11 @@ class RolloutWorker:
             if s.loss_mask is not None:
                 logp = np.where(s.loss_mask > 0, logp, 0.0)
             s.audit_logprobs = np.minimum(logp, 0.0).astype(np.float32)
+
+
+def _least(*limits: int | None) -> int | None:
+    """The tightest of the limits given; None when none is."""
+    return min((n for n in limits if n is not None), default=None)
 
 
 def run_worker(cfg: Config, worker_id: str | None = None) -> int:
