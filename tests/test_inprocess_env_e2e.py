@@ -22,6 +22,8 @@ from role_procs import (
     REPO,
     Role,
     arithmetic_admission,
+    check_trained_on,
+    dead_letters,
     launch_all,
     pending_prompts,
     wait_until,
@@ -84,32 +86,17 @@ def test_an_environment_that_exits_fails_its_groups_and_the_run_trains_on(
         "rollout.n=2",
         "rollout.prompts_per_batch=8",
     )
-    assert run.rc == 0, run.output[-5000:]
-    assert [s["step"] for s in run.steps] == list(range(1, steps + 1))
-    status = run.status
-    counters = status["counters"]
-    assert status["balanced"] is True, status
-    assert counters[RunCounter.GROUPS_TRAINED] == steps * groups
-    letters = Counter(r for r, _ in _dead_letters(redis_server.url, "env-exits"))
-    assert set(letters) == {"env_error"} and letters["env_error"] > 0, letters
-    assert letters["env_error"] == counters[RunCounter.GROUPS_DEAD_LETTERED]
-    details = {d.split(":")[0] for _, d in _dead_letters(redis_server.url, "env-exits")}
+    counters = check_trained_on(run, steps, groups)
+    letters = dead_letters(redis_server.url, "env-exits")
+    reasons = Counter(r for r, _ in letters)
+    assert set(reasons) == {"env_error"} and reasons["env_error"] > 0, reasons
+    assert reasons["env_error"] == counters[RunCounter.GROUPS_DEAD_LETTERED]
+    details = {d.split(":")[0] for _, d in letters}
     assert details <= {
         "step raised SystemExit",
         "step raised CancelledError",
         "step raised KeyboardInterrupt",
     }, details
-
-
-def _dead_letters(url: str, run_id: str) -> list[tuple[str, str]]:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        letters = client.xrange(Keys(run_id).dlq)
-    finally:
-        client.close()
-    return [(f[b"reason"].decode(), f[b"detail"].decode()) for _, f in letters]
 
 
 @pytest.mark.timeout(300)
