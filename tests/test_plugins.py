@@ -34,6 +34,9 @@ async def exact_async(response, answer):
     await asyncio.sleep(0.01)
     return 1.0 if response == str(answer) else 0.0
 
+def takes_any(response, answer, **kwargs):
+    return 0.0
+
 def boom(response, answer):
     raise KeyError("no such thing")
 
@@ -260,7 +263,7 @@ def test_reward_kwargs_msgpack_cannot_carry_exit_2_with_one_line(
         "task.type=arithmetic",
         f"task.reward.python_path=[{plugin_dir}]",
         "task.reward.type=python",
-        "task.reward.path=userpkg.funcs:exact",
+        "task.reward.path=userpkg.funcs:takes_any",
         f"task.reward.kwargs.when={value}",
         "model.build_tiny=false",
     )

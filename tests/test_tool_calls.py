@@ -402,10 +402,10 @@ def test_hung_sync_calls_hold_their_own_tools_threads_only(tool_dir: Path) -> No
     """A sync tool whose calls never return fills its own threads: its later calls are refused
     at once (`tool_busy`, not queued to time out), and every other tool answers as usual. On
     the default executor (at most 32 threads, shared) 40 hung calls left no thread to any."""
-    import usertools  # the module the tools were loaded from
-
     cfg = _cfg(tool_dir, max_calls_per_turn=40)
     episodes = tool_environments(cfg)
+    import usertools  # the module the tools were loaded from (their python_path on sys.path)
+
     usertools.RELEASE.clear()
 
     async def turns() -> list[Any]:
