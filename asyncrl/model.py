@@ -88,6 +88,17 @@ def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
     return path
 
 
+def max_positions(path: Path) -> int | None:
+    """Positions the model at `path` was built for (`max_position_embeddings`): no sequence
+    runs, nor trains, past them (`protocol.Limits`); None where its config names none."""
+    from transformers import AutoConfig
+
+    limit = getattr(
+        AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None
+    )
+    return None if limit is None else int(limit)
+
+
 def vocab_size(path: Path) -> int:
     """Token ids the model at `path` can embed are those below this: an id at or past it would
     index past the embedding (and the logits), so readers reject it (`protocol.Limits`)."""

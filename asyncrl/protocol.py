@@ -90,6 +90,8 @@ class Limits:
     max_response_tokens: int = 131072
     # Prompt tokens of one group.
     max_prompt_tokens: int = 131072
+    # Prompt and response tokens of one sample: the model's positions, past which it never ran.
+    max_positions: int | None = None
     # Keys in one `meta` map.
     max_meta_keys: int = 64
     # Approximate size of one `meta` map: string lengths plus 8 per non-string value.
@@ -602,6 +604,12 @@ def validate_group(
         if n > limits.max_response_tokens:
             raise ValidationError(
                 "too_large", f"{where}response_ids: {n} tokens exceeds {limits.max_response_tokens}"
+            )
+        if limits.max_positions is not None and len(g.prompt_ids) + n > limits.max_positions:
+            raise ValidationError(
+                "too_large",
+                f"{where}response_ids: {len(g.prompt_ids)} + {n} tokens pass "
+                f"{limits.max_positions} positions",
             )
         if (
             len(s.logprobs) != n

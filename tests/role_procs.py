@@ -196,6 +196,16 @@ def pending_groups(client: redis.Redis, keys: Keys) -> set[str]:
     return _pending(client, keys.trajectories, TRAJECTORIES_GROUP, None)
 
 
+def dead_letters(url: str, run_id: str) -> list[tuple[str, str]]:
+    """(reason, detail) of each of the run's dead letters."""
+    client = redis.Redis.from_url(url)
+    try:
+        letters = client.xrange(Keys(run_id).dlq)
+    finally:
+        client.close()
+    return [(f[b"reason"].decode(), f[b"detail"].decode()) for _, f in letters]
+
+
 def step_lines(run_dir: Path) -> list[dict[str, Any]]:
     """The trainer's step lines in `metrics.jsonl` (eval lines left out)."""
     path = run_dir / "metrics.jsonl"
@@ -267,6 +277,18 @@ def kill_all(pids: list[int]) -> None:
     for pid in pids:
         if is_running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def check_trained_on(run: Run, steps: int, groups_per_step: int) -> dict[str, int]:
+    """A run that met failures trained on: it exited 0 after every step, balanced, each step's
+    groups trained; its counters."""
+    assert run.rc == 0, run.output[-5000:]
+    assert [s["step"] for s in run.steps] == list(range(1, steps + 1))
+    status = run.status
+    counters: dict[str, int] = status["counters"]
+    assert status["balanced"] is True, status
+    assert counters[Counter.GROUPS_TRAINED] == steps * groups_per_step
+    return counters
 
 
 def check_accounting(run: Run, steps: int, groups_per_step: int) -> None:

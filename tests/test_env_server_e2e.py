@@ -20,14 +20,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import redis
 
 from asyncrl.environments.server import spawn
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter as RunCounter
-from asyncrl.runstate import Keys
 
-from role_procs import CHILD_ENV, REPO, check_accounting, launch_all, step_lines
+from role_procs import (
+    CHILD_ENV,
+    REPO,
+    check_accounting,
+    check_trained_on,
+    dead_letters,
+    launch_all,
+    step_lines,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -98,16 +104,6 @@ def env_server(
         proc.wait()
 
 
-def _dead_letters(url: str, run_id: str) -> list[tuple[str, str]]:
-    """(reason, detail) of each of the run's dead letters."""
-    client = redis.Redis.from_url(url)
-    try:
-        letters = client.xrange(Keys(run_id).dlq)
-    finally:
-        client.close()
-    return [(f[b"reason"].decode(), f[b"detail"].decode()) for _, f in letters]
-
-
 def _remote(*urls: str, **extra: object) -> str:
     return "task.environment=" + json.dumps({"type": "remote", "urls": list(urls), **extra})
 
@@ -136,7 +132,7 @@ def test_a_served_multi_turn_environment_trains_end_to_end(
             "algo.filter_zero_variance=false",
         )
     assert run.rc == 0, run.output[-5000:]
-    assert _dead_letters(run.url, "env-trains") == []
+    assert dead_letters(run.url, "env-trains") == []
     check_accounting(run, steps, groups)
     # Every episode ended after its two turns at the server and was closed there, but those of
     # groups a worker gave up early, sure to be dropped stale (η = 1 here).
@@ -189,13 +185,8 @@ def test_failing_and_killed_env_servers_are_dead_letters_by_reason(
         )
         killer.join(5)
         assert doomed_proc.poll() is not None  # it was killed while the run went on
-    assert run.rc == 0, run.output[-5000:]
-    assert [s["step"] for s in run.steps] == list(range(1, steps + 1))
-    status = run.status
-    counters = status["counters"]
-    assert status["balanced"] is True, status
-    assert counters[RunCounter.GROUPS_TRAINED] == steps * groups
-    letters = _dead_letters(run.url, "env-fails")
+    counters = check_trained_on(run, steps, groups)
+    letters = dead_letters(run.url, "env-fails")
     reasons = Counter(reason for reason, _ in letters)
     assert {"env_error", "env_timeout", "env_malformed", "env_unavailable"} <= set(reasons), reasons
     assert sum(reasons.values()) == counters[RunCounter.GROUPS_DEAD_LETTERED]

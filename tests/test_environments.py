@@ -407,20 +407,41 @@ def test_config_errors_name_the_key(env_dir: Path) -> None:
 
 
 TURNS = """
-import asyncio
+import asyncio, sys
 from asyncrl.environments import StepResult
+
+class Custom(BaseException):
+    pass
+
+RAISES = {
+    "exit": lambda: sys.exit(3),
+    "cancel": asyncio.CancelledError,
+    "keyboard": KeyboardInterrupt,
+    "generator": GeneratorExit,
+    "custom": Custom,
+}
 
 class Turns:
     def __init__(self, mode="ok"):
         self.mode, self.turn = mode, 0
 
     async def reset(self, item):
-        return "9="
+        if item.prompt_id != "12+34":  # the scheduler's other groups go on as usual
+            self.mode = "ok"
+        return "5" * 20000 if self.mode == "flood_first" else "9="
 
     async def step(self, response):
         self.turn += 1
+        if self.mode in RAISES:
+            raise RAISES[self.mode]()
+        if self.mode == "exit_later":  # past every guard: a callback of its own
+            asyncio.get_running_loop().call_soon(sys.exit, 3)
+        if self.mode == "stop_loop":
+            asyncio.get_running_loop().stop()
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        if self.mode == "flood":
+            return StepResult("5" * 20000, done=False)
         if self.mode == "bad":
             return 42
         if self.turn == 1:
@@ -433,16 +454,18 @@ class Turns:
 
 
 class _Scripted:
-    """Answers "46<eos>" at `version`."""
+    """Answers "46<eos>" at `version`; `longest` is the longest context it was given."""
 
     def __init__(self) -> None:
         self.version = 3
+        self.longest = 0
 
     def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
         import numpy as np
 
         from asyncrl.engines.base import Generation
 
+        self.longest = max([self.longest, *map(len, prompts)])
         reply = [7, 9, 2]
         return [
             Generation(
@@ -455,7 +478,7 @@ class _Scripted:
         ]
 
 
-def _scheduler(tmp_path: Path, mode: str, errors: list[str]) -> Any:
+def _scheduler(tmp_path: Path, mode: str, errors: list[str], max_context: int | None = None) -> Any:
     from asyncrl.engines.config import SamplingParams
     from asyncrl.engines.tiny_model import build_tokenizer
     from asyncrl.environments import build_environments
@@ -474,7 +497,12 @@ def _scheduler(tmp_path: Path, mode: str, errors: list[str]) -> Any:
         build_environments(cfg),
     )
     return EpisodeScheduler(
-        _Scripted(), task, tok, SamplingParams(max_new_tokens=4), on_env_error=errors.append
+        _Scripted(),
+        task,
+        tok,
+        SamplingParams(max_new_tokens=4),
+        max_context=max_context,
+        on_env_error=errors.append,
     )
 
 
@@ -518,6 +546,110 @@ def test_a_python_environment_past_its_timeout_or_malformed_fails_its_group(
     finished, failed = _drive(sched)
     assert not finished and [(f.tag, f.reason) for f in failed] == [("g", f"env_{reason}")]
     assert errors[0] == reason and sched.inflight == 0
+
+
+OTHER = PromptItem("1+2", "1+2=", [1, 4, 13, 5, 14], "3")
+
+
+@pytest.mark.parametrize(
+    ("mode", "raised"),
+    [
+        ("exit", "SystemExit: 3"),
+        ("cancel", "CancelledError"),
+        ("keyboard", "KeyboardInterrupt"),
+        ("generator", "GeneratorExit"),
+        ("custom", "Custom"),
+    ],
+)
+def test_an_environment_raising_any_base_exception_fails_its_group_and_the_rest_go_on(
+    tmp_path: Path, mode: str, raised: str
+) -> None:
+    """`sys.exit()`, a CancelledError of its own, any BaseException from an environment's
+    code is its group's `env_error`, not the end of the scheduler's event loop or a step that
+    never returns."""
+    errors: list[str] = []
+    sched = _scheduler(tmp_path, mode, errors)
+    sched.start("g", ITEM, 2, "g")
+    sched.start("h", OTHER, 2, "h")
+    finished, failed = _drive(sched)
+    assert [(f.tag, f.reason) for f in failed] == [("g", "env_error")]
+    assert failed[0].detail.startswith(f"step raised {raised}"), failed[0].detail
+    assert [g.tag for g in finished] == ["h"] and errors == ["error"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"), [("exit_later", "died of SystemExit: 3"), ("stop_loop", "was stopped")]
+)
+def test_an_event_loop_ended_past_every_guard_stops_the_scheduler_at_once(
+    tmp_path: Path, mode: str, said: str
+) -> None:
+    """User code that ends the loop from a callback of its own, where no guard reaches: the
+    generating thread learns it from the next `advance`, which would otherwise wait forever
+    for steps that never return."""
+    from asyncrl.rollout.episodes import EnvironmentLoopDied
+
+    sched = _scheduler(tmp_path, mode, [])
+    sched.start("g", ITEM, 2, "g")
+    deadline = time.monotonic() + 20
+    with pytest.raises(EnvironmentLoopDied, match=said):
+        while time.monotonic() < deadline:
+            sched.advance(0.05)
+    with pytest.raises(EnvironmentLoopDied):  # and every later call, not only the first
+        sched.advance(0.05)
+    sched.close()
+
+
+def test_an_observation_past_the_context_bound_ends_the_episode_as_truncated(
+    tmp_path: Path,
+) -> None:
+    """A 20,000-token observation for a 128-position model: the episode ends before it is
+    prefilled, its first turn kept and scored by the task, as `length`; the engine never sees
+    a context its next turn would take past the bound."""
+    sched = _scheduler(tmp_path, "flood", [], max_context=128)
+    sched.start("g", ITEM, 2, "g")
+    sched.start("h", OTHER, 2, "h")
+    finished, failed = _drive(sched)
+    assert not failed
+    by_tag = {g.tag: g for g in finished}
+    for s in by_tag["g"].samples:
+        assert s.response_ids.tolist() == [12, 14, 7, 9, 2]  # "9=", the first turn "46<eos>"
+        assert s.loss_mask.tolist() == [0, 0, 1, 1, 1]
+        assert (s.finish, s.reward, s.meta) == ("length", 1.0, {"turns": 1})
+    assert all(len(s.response_ids) == 13 for s in by_tag["h"].samples)  # two turns, as usual
+    assert sched._engine.longest <= 128 - 4
+
+
+def test_a_first_turn_past_the_context_bound_fails_its_group_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """Nothing generated yet, nothing to keep: the group fails, by rule and with the reason; a
+    plain task's prompt too long for the bound fails the same way."""
+    sched = _scheduler(tmp_path, "flood_first", [], max_context=128)
+    sched.start("g", ITEM, 2, "g")
+    finished, failed = _drive(sched)
+    assert not finished and [(f.tag, f.reason) for f in failed] == [("g", "context_too_long")]
+    assert failed[0].detail == (
+        "20007 tokens of prompt and first observation and 4 new ones pass the 128 positions"
+    )
+    assert sched._engine.longest == 0
+
+
+def test_a_plain_prompt_past_the_context_bound_fails_its_group() -> None:
+    from asyncrl.engines.config import SamplingParams
+    from asyncrl.engines.tiny_model import build_tokenizer
+    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.tasks.base import ArithmeticTask
+    from asyncrl.tasks.config import ArithmeticTaskConfig
+
+    tok = build_tokenizer()
+    task = ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
+    engine = _Scripted()
+    sched = EpisodeScheduler(engine, task, tok, SamplingParams(max_new_tokens=4), max_context=10)
+    sched.start("long", ITEM, 2, "long")  # 7 prompt tokens + 4 new: 11
+    sched.start("short", PromptItem("1+2", "1+2=", [1, 4, 13, 5, 14], "3"), 2, "short")
+    finished, failed = _drive(sched)
+    assert [(f.tag, f.reason) for f in failed] == [("long", "context_too_long")]
+    assert [g.tag for g in finished] == ["short"] and engine.longest == 5
 
 
 def _remote_scheduler(url: str, timeout_s: float = 60.0) -> Any:

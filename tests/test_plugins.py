@@ -25,7 +25,7 @@ from asyncrl.tasks.plugins import IsolatedReward, RewardFailure
 REPO = Path(__file__).resolve().parent.parent
 
 USER_MODULE = """
-import asyncio, math, os, time
+import asyncio, math, os, subprocess, sys, time
 
 def exact(response, answer, *, bonus=0.0):
     return float(response.strip() == str(answer)) + bonus
@@ -33,6 +33,9 @@ def exact(response, answer, *, bonus=0.0):
 async def exact_async(response, answer):
     await asyncio.sleep(0.01)
     return 1.0 if response == str(answer) else 0.0
+
+def takes_any(response, answer, **kwargs):
+    return 0.0
 
 def boom(response, answer):
     raise KeyError("no such thing")
@@ -57,6 +60,14 @@ def die(response, answer):
 
 def pid(response, answer):
     return float(os.getpid())
+
+def forks(response, answer, *, pidfile):
+    if response == "fork":  # a helper that outlives the call, as a sandbox's might
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open(pidfile, "w") as f:
+            f.write(str(helper.pid))
+        return 0.0
+    time.sleep(3600)
 
 def no_answer(response):
     return 0.0
@@ -148,6 +159,21 @@ def test_hung_reward_times_out_its_process_is_killed_and_replaced(plugin_dir: Pa
     assert reward.pid not in (None, hung_pid)
 
 
+def test_a_timed_out_reward_takes_the_helpers_it_forked_with_it(
+    plugin_dir: Path, tmp_path: Path
+) -> None:
+    from role_procs import is_running, wait_until
+
+    pidfile = tmp_path / "helper.pid"
+    reward = _reward(plugin_dir, "forks", timeout_s=0.5, pidfile=str(pidfile))
+    assert reward("fork", 0) == 0.0
+    helper = int(pidfile.read_text())
+    assert is_running(helper)
+    with pytest.raises(RewardFailure, match="reward_timeout"):
+        reward("hang", 0)
+    wait_until(lambda: not is_running(helper), 30, "the reward's helper killed with it")
+
+
 def test_reward_runs_outside_the_calling_process(plugin_dir: Path) -> None:
     assert _reward(plugin_dir, "pid")("", "") != os.getpid()
 
@@ -216,6 +242,35 @@ def test_bad_reward_path_is_one_config_line(plugin_dir: Path, override: str, mes
         load_config(None, [*base, override])
     assert str(err.value).startswith(message), err.value
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("2024-01-01", "'when' (date) cannot be sent to the reward's process"),
+        ("!!set {a: null}", "'when' (set) cannot be sent to the reward's process"),
+        ("36893488147419103232", "'when' (int) cannot be sent to the reward's process"),
+        ("{1: a}", "'when' (dict) cannot be sent to the reward's process"),
+    ],
+)
+def test_reward_kwargs_msgpack_cannot_carry_exit_2_with_one_line(
+    plugin_dir: Path, value: str, message: str
+) -> None:
+    """YAML makes them, the reward's process could not be sent them: refused before anything
+    starts, not a traceback when the role builds its reward."""
+    proc = _print_config(
+        plugin_dir,
+        "task.type=arithmetic",
+        f"task.reward.python_path=[{plugin_dir}]",
+        "task.reward.type=python",
+        "task.reward.path=userpkg.funcs:takes_any",
+        f"task.reward.kwargs.when={value}",
+        "model.build_tiny=false",
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"asyncrl: config error: task.reward.kwargs: {message}"), lines
 
 
 def _print_config(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:

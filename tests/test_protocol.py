@@ -496,6 +496,18 @@ def test_validation_error_is_a_value_error_that_pickles() -> None:
     assert (back.reason, back.message) == ("finish", err.message)
 
 
+def test_a_sample_past_the_models_positions_is_too_large() -> None:
+    """Prompt and response of a sample together: the positions the trainer runs it at."""
+    fits = make_group(prompt_ids=np.arange(7, dtype=np.int32), samples=[make_sample(n=5)])
+    validate_group(fits, limits=Limits(max_positions=12))
+    over = make_group(prompt_ids=np.arange(7, dtype=np.int32), samples=[make_sample(n=6)])
+    with pytest.raises(
+        ValidationError, match=r"samples\[0\]\.response_ids: 7 \+ 6 tokens pass 12"
+    ) as info:
+        validate_group(over, limits=Limits(max_positions=12))
+    assert info.value.reason == "too_large"
+
+
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_samples"):
         Limits(max_samples=0)

@@ -23,6 +23,7 @@ from asyncrl.environments.tools import (
     BAD_CALL,
     MALFORMED_JSON,
     TOO_MANY_CALLS,
+    TOOL_BUSY,
     TOOL_ERROR,
     TOOL_TIMEOUT,
     UNCLOSED_CALL,
@@ -84,8 +85,12 @@ QWEN3_STYLE_TEMPLATE = (
 
 TOOLS_MODULE = '''
 import asyncio
+import sys
+import threading
 import time
 from typing import Literal
+
+RELEASE = threading.Event()
 
 
 def add(a: int, b: int) -> int:
@@ -143,6 +148,34 @@ def shout(text: str) -> str:
     return text * 100
 
 
+def stall() -> str:
+    """Holds its thread until the test releases it."""
+    RELEASE.wait()
+    return "late"
+
+
+def leave(code: int) -> str:
+    """Ends its process's way.
+
+    Args:
+        code: The exit status.
+    """
+    sys.exit(code)
+
+
+def unwritable(kind: str) -> object:
+    """Returns what JSON cannot write.
+
+    Args:
+        kind: Which.
+    """
+    if kind == "circular":
+        loop = []
+        loop.append(loop)
+        return loop
+    return {(1, 2): "a tuple key"}
+
+
 def undocumented(x):
     return x
 
@@ -151,7 +184,7 @@ def make():
     return {"train": [{"prompt": "What is 12+34?", "answer": "46"}]}
 '''
 
-ALL_TOOLS = ["add", "convert", "hang", "block", "fail", "shout"]
+ALL_TOOLS = ["add", "convert", "hang", "block", "fail", "shout", "stall", "leave", "unwritable"]
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +396,59 @@ def test_hanging_tools_time_out(tool_dir: Path) -> None:
     assert fail == "error: fail raised RuntimeError: no luck with 3"
     assert result.info == {"tool_calls": {TOOL_TIMEOUT: 2, TOOL_ERROR: 1}}
     assert not result.done
+
+
+def test_hung_sync_calls_hold_their_own_tools_threads_only(tool_dir: Path) -> None:
+    """A sync tool whose calls never return fills its own threads: its later calls are refused
+    at once (`tool_busy`, not queued to time out), and every other tool answers as usual. On
+    the default executor (at most 32 threads, shared) 40 hung calls left no thread to any."""
+    cfg = _cfg(tool_dir, max_calls_per_turn=40)
+    episodes = tool_environments(cfg)
+    import usertools  # the module the tools were loaded from (their python_path on sys.path)
+
+    usertools.RELEASE.clear()
+
+    async def turns() -> list[Any]:
+        hung = await episodes(ITEM, "q0/0").step(_call("stall") * 40)
+        other = await episodes(ITEM, "q1/0").step(_call("add", a=1, b=2) + _call("stall"))
+        return [hung, other]
+
+    try:
+        hung, other = asyncio.run(turns())
+    finally:
+        usertools.RELEASE.set()
+    assert hung.info == {"tool_calls": {TOOL_TIMEOUT: 32, TOOL_BUSY: 8}}
+    busy = hung.observation[-1]["content"]
+    assert (
+        busy
+        == "error: stall is busy (all 32 of its threads are held by calls not returned); not run"
+    )
+    assert [m["content"] for m in other.observation] == ["3", busy]
+    assert other.info == {"tool_calls": {"ok": 1, TOOL_BUSY: 1}}
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (_call("leave", code=3), "error: leave raised SystemExit: 3"),
+        (
+            _call("unwritable", kind="circular"),
+            "error: unwritable returned what JSON cannot write: Circular reference detected",
+        ),
+        (
+            _call("unwritable", kind="key"),
+            "error: unwritable returned what JSON cannot write: "
+            "keys must be str, int, float, bool or None, not tuple",
+        ),
+    ],
+)
+def test_a_tool_that_exits_or_returns_what_json_cannot_write_answers_the_model(
+    tool_dir: Path, call: str, said: str
+) -> None:
+    env = tool_environments(_cfg(tool_dir))(ITEM, "q0/0")
+    result = asyncio.run(env.step(call + _call("add", a=1, b=2)))
+    assert [m["content"] for m in result.observation] == [said, "3"]
+    assert result.info == {"tool_calls": {TOOL_ERROR: 1, "ok": 1}} and not result.done
 
 
 def test_turn_and_call_limits(tool_dir: Path) -> None:

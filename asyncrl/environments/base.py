@@ -21,11 +21,12 @@ on.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, assert_never
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, assert_never
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -93,6 +94,40 @@ class EnvironmentFailure(Exception):
         super().__init__(f"env_{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class Escaped(Exception):
+    """A BaseException that is not an Exception (SystemExit, KeyboardInterrupt, GeneratorExit,
+    a CancelledError nobody asked for, one of its own), raised by user code and carried as an
+    Exception, so that it fails only the call that raised it."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"{type(exc).__name__}: {exc}")
+
+
+T = TypeVar("T")
+
+
+def cancelled_by_request() -> bool:
+    """Whether the running task was asked to cancel: its CancelledError is not user code's."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def contained(call: Awaitable[T]) -> T:
+    """`await call`, any BaseException it raises but a requested cancellation turned into
+    `Escaped`. Where a task runs user code, this keeps it inside: asyncio re-raises SystemExit
+    and KeyboardInterrupt from a task out of the event loop, which ends the loop's thread (and
+    with it every episode of the worker), and a CancelledError of the code's own would pass
+    for the caller being cancelled."""
+    try:
+        return await call
+    except Exception:
+        raise
+    except BaseException as exc:
+        if isinstance(exc, asyncio.CancelledError) and cancelled_by_request():
+            raise
+        raise Escaped(exc) from None
 
 
 def malformed(detail: str) -> EnvironmentFailure:

@@ -108,7 +108,13 @@ class ToolEnvironmentConfig(_UserCode):
 
     timeout_s: float = Field(default=10.0, gt=0)
     """Seconds one tool call may take; past that the model is told it timed out
-    (`tool_timeout`). A sync tool runs on a thread, which goes on to its end unseen."""
+    (`tool_timeout`). A sync tool runs on a thread, which goes on to its end unseen, holding
+    one of the tool's `threads_per_tool`."""
+
+    threads_per_tool: int = Field(default=32, ge=1)
+    """Calls of one sync tool running at once, in a worker, calls past their timeout whose
+    function has not returned included; a call beyond them is refused at once and the model is
+    told so (`tool_busy`). Per tool, so one tool's hung calls never hold up another's."""
 
     max_turns: int = Field(default=8, ge=1)
     """Policy turns per episode; the episode ends after this many even if the last one called

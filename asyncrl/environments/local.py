@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.environments.base import (
     Environment,
     EnvironmentFailure,
+    Escaped,
     Observation,
     StepResult,
     check_observation,
     check_step,
+    contained,
 )
 
 if TYPE_CHECKING:
@@ -43,8 +45,9 @@ def check_class(path: str, python_path: Sequence[str], kwargs: dict[str, Any]) -
 
 
 class TimedEnvironment:
-    """An environment whose every call fails with `env_timeout` past `timeout_s`, and whose
-    replies are checked against the protocol (`env_malformed` otherwise)."""
+    """An environment whose every call fails with `env_timeout` past `timeout_s`, with
+    `env_error` when it raises anything (`sys.exit()` included), and whose replies are checked
+    against the protocol (`env_malformed` otherwise)."""
 
     def __init__(self, env: Environment, timeout_s: float) -> None:
         self._env = env
@@ -61,6 +64,8 @@ class TimedEnvironment:
 
     async def _call(self, call: Any, name: str) -> Any:
         try:
-            return await asyncio.wait_for(call, self._timeout_s)
+            return await asyncio.wait_for(contained(call), self._timeout_s)
         except TimeoutError:
             raise EnvironmentFailure("timeout", f"{name} took over {self._timeout_s}s") from None
+        except Escaped as exc:
+            raise EnvironmentFailure("error", f"{name} raised {exc}") from None

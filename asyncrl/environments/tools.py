@@ -15,8 +15,10 @@ templates render as a user turn holding `<tool_response>\\n46\\n</tool_response>
 cannot run is answered too, with an error the model can read (`error: unknown tool 'mul';
 available: add`), and counted by reason (`CallError.reason`): `malformed_json`, `bad_call` (not
 an object with a string `name`), `unclosed_call` (no `</tool_call>`, e.g. cut by the token
-limit), `unknown_tool`, `bad_arguments`, `too_many_calls`, `tool_error` (it raised) and
-`tool_timeout`. A bad call never fails the episode: telling the model is what trains it.
+limit), `unknown_tool`, `bad_arguments`, `too_many_calls`, `tool_error` (it raised, `sys.exit()`
+included, or returned what JSON cannot write), `tool_timeout` and `tool_busy` (a sync tool whose
+threads are all held by calls that have not returned; `SyncThreads`). A bad call never fails
+the episode: telling the model is what trains it.
 
 A turn without a call is the final answer: the episode ends, scored by the task's reward
 (`StepResult.reward` None). Each turn's calls are counted by outcome (`ok` or the reason) in
@@ -35,13 +37,21 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.environments.base import EnvironmentFactory, StepResult, render_prompt
+from asyncrl.environments.base import (
+    EnvironmentFactory,
+    Escaped,
+    StepResult,
+    contained,
+    render_prompt,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -49,14 +59,16 @@ if TYPE_CHECKING:
     from asyncrl.environments.config import ToolEnvironmentConfig
     from asyncrl.tasks.base import PromptItem
 
+log = logging.getLogger(__name__)
+
 MALFORMED_JSON, BAD_CALL, UNCLOSED_CALL = "malformed_json", "bad_call", "unclosed_call"
 UNKNOWN_TOOL, BAD_ARGUMENTS, TOO_MANY_CALLS = "unknown_tool", "bad_arguments", "too_many_calls"
-TOOL_ERROR, TOOL_TIMEOUT = "tool_error", "tool_timeout"
+TOOL_ERROR, TOOL_TIMEOUT, TOOL_BUSY = "tool_error", "tool_timeout", "tool_busy"
 OK = "ok"
 TOOL_CALL_OUTCOMES = (
     OK,
     *(MALFORMED_JSON, BAD_CALL, UNCLOSED_CALL, UNKNOWN_TOOL, BAD_ARGUMENTS, TOO_MANY_CALLS),
-    *(TOOL_ERROR, TOOL_TIMEOUT),
+    *(TOOL_ERROR, TOOL_TIMEOUT, TOOL_BUSY),
 )
 """What became of one tool call (label of `asyncrl_tool_calls_total`): it ran and returned, or
 why it did not."""
@@ -202,18 +214,93 @@ def load_tools(paths: list[str], python_path: list[str]) -> dict[str, Tool]:
     return tools
 
 
+class Busy(Exception):
+    """Every thread of a sync tool is taken: the call was not run."""
+
+
+class SyncThreads:
+    """Runs the calls of one sync tool, each on a daemon thread of its own, at most `limit` at
+    once; a call beyond that is refused at once (`Busy`) rather than queued to time out.
+
+    A sync call past its timeout cannot be stopped: its thread runs on and keeps its place
+    until the function returns. Places are per tool, so hung calls of one tool use up that
+    tool's places only (the default executor, shared by every tool and sized by the CPU count,
+    was filled by six), and `running` counts them. Daemon threads: a call that never returns
+    does not hold up the worker's exit."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.running = 0
+        """Calls whose function has not returned, hung ones included."""
+        self._lock = threading.Lock()
+
+    async def call(self, fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+        with self._lock:
+            if self.running >= self.limit:
+                raise Busy(f"all {self.limit} of its threads are held by calls not returned")
+            self.running += 1
+            full = self.running == self.limit
+        if full:
+            log.warning(
+                "tool %s: all %d threads busy (calls past their timeout keep theirs); further "
+                "calls answer tool_busy until one returns",
+                self.name,
+                self.limit,
+            )
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[Any] = loop.create_future()
+        threading.Thread(
+            target=self._run,
+            args=(loop, result, fn, arguments),
+            name=f"tool-{self.name}",
+            daemon=True,
+        ).start()
+        return await result
+
+    def _run(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        result: asyncio.Future[Any],
+        fn: Callable[..., Any],
+        arguments: dict[str, Any],
+    ) -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn(**arguments))
+        except BaseException as exc:  # a tool's sys.exit() ends its call, nothing else
+            outcome = (False, exc if isinstance(exc, Exception) else Escaped(exc))
+        finally:
+            with self._lock:
+                self.running -= 1
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(_settle, result, outcome)
+
+
+def _settle(result: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    if result.done():  # the call timed out meanwhile
+        return
+    ok, value = outcome
+    if ok:
+        result.set_result(value)
+    else:
+        result.set_exception(value)
+
+
 class ToolEnvironment:
     """One episode with tools (an `Environment`); its prompt comes from `tool_prompt`.
 
-    Each `step` runs the turn's calls concurrently, each bounded by `timeout_s`, and answers
-    with one `tool` message per call, in order; its `info["tool_calls"]` counts that turn's
-    calls by outcome. `calls` (calls that ran and returned) and `errors` (by reason) add up the
-    episode.
+    Each `step` runs the turn's calls concurrently, each bounded by `timeout_s` (a sync tool on
+    its `SyncThreads`), and answers with one `tool` message per call, in order; its
+    `info["tool_calls"]` counts that turn's calls by outcome. `calls` (calls that ran and
+    returned) and `errors` (by reason) add up the episode.
     """
 
-    def __init__(self, cfg: ToolEnvironmentConfig, tools: dict[str, Tool]) -> None:
+    def __init__(
+        self, cfg: ToolEnvironmentConfig, tools: dict[str, Tool], threads: dict[str, SyncThreads]
+    ) -> None:
         self._cfg = cfg
         self._tools = tools
+        self._threads = threads
         self.turns = 0
         self.calls = 0
         self.errors: Counter[str] = Counter()
@@ -240,8 +327,8 @@ class ToolEnvironment:
     async def close(self) -> None:
         """Nothing held: tools are plain functions."""
 
-    async def _run(self, call: ToolCall | CallError) -> Any:
-        """The call's return value, or a `CallError`."""
+    async def _run(self, call: ToolCall | CallError) -> str | CallError:
+        """The call's result as text, or a `CallError`."""
         if isinstance(call, CallError):
             return call
         tool = self._tools.get(call.name)
@@ -253,27 +340,37 @@ class ToolEnvironment:
             return CallError(BAD_ARGUMENTS, f"error: {call.name}: {problem}")
         timeout = self._cfg.timeout_s
         try:
-            return await asyncio.wait_for(_invoke(tool.fn, call.arguments), timeout)
+            value = await asyncio.wait_for(contained(self._invoke(tool, call.arguments)), timeout)
         except TimeoutError:
             return CallError(TOOL_TIMEOUT, f"error: {call.name} gave no result in {timeout}s")
+        except Busy as exc:
+            return CallError(TOOL_BUSY, f"error: {call.name} is busy ({exc}); not run")
+        except Escaped as exc:
+            return CallError(TOOL_ERROR, f"error: {call.name} raised {exc}")
         except Exception as exc:  # the tool's own failure is the model's to read
             return CallError(TOOL_ERROR, f"error: {call.name} raised {type(exc).__name__}: {exc}")
+        return _text(call.name, value)
 
-    def _content(self, result: Any) -> str:
-        if isinstance(result, CallError):
-            text = result.message
-        elif isinstance(result, str):
-            text = result
-        else:
-            text = json.dumps(result, ensure_ascii=False, default=str)
+    async def _invoke(self, tool: Tool, arguments: dict[str, Any]) -> Any:
+        if inspect.iscoroutinefunction(tool.fn):
+            return await tool.fn(**arguments)
+        value = await self._threads[tool.name].call(tool.fn, arguments)
+        return await value if inspect.isawaitable(value) else value
+
+    def _content(self, result: str | CallError) -> str:
+        text = result.message if isinstance(result, CallError) else result
         return text[: self._cfg.max_result_chars]
 
 
-async def _invoke(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    if inspect.iscoroutinefunction(fn):
-        return await fn(**arguments)
-    value = await asyncio.to_thread(fn, **arguments)
-    return await value if inspect.isawaitable(value) else value
+def _text(name: str, value: Any) -> str | CallError:
+    """A tool's return value as the model reads it: text as is, anything else as JSON (what
+    JSON has no type for as its `str`)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except Exception as exc:  # circular, nested past the recursion limit, keys JSON cannot hold
+        return CallError(TOOL_ERROR, f"error: {name} returned what JSON cannot write: {exc}")
 
 
 async def _done(value: CallError) -> CallError:
@@ -283,7 +380,12 @@ async def _done(value: CallError) -> CallError:
 def tool_environments(cfg: ToolEnvironmentConfig) -> EnvironmentFactory:
     """A maker of fresh episodes: tools loaded once, shared by every episode."""
     tools = load_tools(cfg.tools, cfg.python_path)
-    return lambda item, episode_id: ToolEnvironment(cfg, tools)
+    threads = {
+        name: SyncThreads(name, cfg.threads_per_tool)
+        for name, tool in tools.items()
+        if not inspect.iscoroutinefunction(tool.fn)
+    }
+    return lambda item, episode_id: ToolEnvironment(cfg, tools, threads)
 
 
 def tool_prompt(

@@ -52,6 +52,7 @@ FAILED_GROUP_REASONS = (
     "reward_error",
     "reward_timeout",
     "reward_invalid",
+    "context_too_long",
     *(f"env_{r}" for r in ENV_REASONS),
     "other",
 )
@@ -501,8 +502,10 @@ METRICS: tuple[Metric, ...] = (
         "counter",
         "Tool calls in model output (task.environment type tools), by outcome: ok (it ran and "
         "returned), a call that could not be parsed (malformed_json, bad_call, unclosed_call), "
-        "unknown_tool, bad_arguments, too_many_calls, or the tool raised (tool_error) or "
-        "outlived its timeout (tool_timeout). The model reads each failure; none fails a group.",
+        "unknown_tool, bad_arguments, too_many_calls, or the tool raised or returned what JSON "
+        "cannot write (tool_error), outlived its timeout (tool_timeout), or was refused because "
+        "the sync tool's threads are all held by calls not returned (tool_busy). The model "
+        "reads each failure; none fails a group.",
         "rollout",
         label=("outcome", TOOL_CALL_OUTCOMES),
         roles=("rollout",),

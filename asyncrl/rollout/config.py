@@ -23,6 +23,12 @@ class RolloutConfig(Section):
     turn_batch_wait_s: float = Field(default=0.02, ge=0.0)
     """Longest time a multi-turn episode ready for its next turn waits for others coming back
     from their environments, so that they share one generate call (fewer, larger batches)."""
+    max_context_tokens: int | None = Field(default=None, ge=2)
+    """Most positions an episode's turn may reach: its context (prompt, earlier turns,
+    observations) plus `sampling.max_new_tokens`. An episode whose next turn would pass it ends
+    before the observation is prefilled, as truncated (finish "length", scored by the task on
+    its last turn); before its first turn, its group fails (`context_too_long`). None: the
+    model's `max_position_embeddings`, which also caps a larger value."""
     engine: EngineConfig = Field(default_factory=lambda: TorchEngineConfig())
     """The generation engine."""
     sampling: SamplingParams = Field(default_factory=SamplingParams)

@@ -40,10 +40,12 @@ from asyncrl.engines.config import SamplingParams
 from asyncrl.environments.base import (
     Environment,
     EnvironmentFailure,
+    Escaped,
     Observation,
     StepResult,
     check_observation,
     check_step,
+    contained,
     render_observation,
 )
 from asyncrl.environments.tools import tool_call_counts
@@ -70,13 +72,23 @@ class GenerateCall:
 
 
 _CLOSE_TIMEOUT_S = 10.0
+_REVIVALS = 100
+"""Runs of a dead event loop `close` tries before it gives up on its environments."""
 STALE = "stale"
 """The `FailedGroup.reason` of a group `drop_older_than` gave up: no failure, dropped not
 dead-lettered."""
+CONTEXT_TOO_LONG = "context_too_long"
+"""The `FailedGroup.reason` of a group whose first turn would pass `max_context`."""
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, Escaped) else f"{type(exc).__name__}: {exc}"
+
+
+class EnvironmentLoopDied(RuntimeError):
+    """The event loop that runs the environments ended by itself: user code got past what
+    guards its calls (a task or callback it started raised SystemExit, it stopped the loop).
+    Every episode inside an environment is lost with it, so the scheduler cannot go on."""
 
 
 @dataclass
@@ -102,7 +114,9 @@ class FailedGroup(Generic[T]):
     failure of a generate call, `task_error` for one of the task's own code (its environment
     constructor, score or reward), `reward_error`, `reward_timeout` or `reward_invalid` for a
     call of a `reward.type: python` function that raised, timed out or returned no finite
-    number (wherever it was called), or `env_{reason}` for a failed environment call
+    number (wherever it was called), `context_too_long` for an episode whose first turn
+    (prompt, first observation, `max_new_tokens`) would pass the scheduler's `max_context`,
+    or `env_{reason}` for a failed environment call
     (`asyncrl.environments.base.ENV_REASONS`: its code raised, it timed out, its reply did not
     fit the protocol, no env-server could take or keep the episode); `stale` for a group
     `EpisodeScheduler.drop_older_than` gave up (the trainer would drop it)."""
@@ -208,6 +222,13 @@ class EpisodeScheduler(Generic[T]):
 
     `start` begins a group's n episodes, `advance` moves every episode on by at most one step and
     returns the groups that ended. `inflight` counts the episodes of groups not yet returned.
+
+    `max_context` bounds the positions of every turn: context plus `max_new_tokens`. An episode
+    whose next turn would pass it ends before that turn, its observation never prefilled: as
+    truncated (finish "length", scored by the task on its last turn, like an environment that
+    ends without a reward) after a turn, or its group failed (`CONTEXT_TOO_LONG`) before the
+    first, since no sample is left to keep. The model is never run, nor a sample trained, at
+    positions it does not have.
     """
 
     def __init__(
@@ -218,6 +239,7 @@ class EpisodeScheduler(Generic[T]):
         sampling: SamplingParams,
         *,
         batch_wait_s: float = 0.0,
+        max_context: int | None = None,
         on_generate: Callable[[GenerateCall], None] | None = None,
         on_env_error: Callable[[str], None] | None = None,
         on_tool_calls: Callable[[str, int], None] | None = None,
@@ -231,6 +253,7 @@ class EpisodeScheduler(Generic[T]):
         self._on_env_error = on_env_error
         self._on_tool_calls = on_tool_calls
         self._batch_wait_s = batch_wait_s
+        self._max_context = max_context
         # Environment steps await their tools on one event loop thread: a waiting episode costs
         # a timer, where a thread each would cost a millisecond of CPU per step in switching.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -243,7 +266,11 @@ class EpisodeScheduler(Generic[T]):
         self._ready: list[_Episode] = []
         self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
         self._at_env = 0  # episodes inside their environment now
-        self._returned: queue.SimpleQueue[tuple[_Episode, _Returned]] = queue.SimpleQueue()
+        self._returned: queue.SimpleQueue[tuple[_Episode, _Returned] | EnvironmentLoopDied] = (
+            queue.SimpleQueue()
+        )
+        self._loop_died: EnvironmentLoopDied | None = None
+        self._stopping_loop = False  # `close` ends the loop: its end is no death
         self._groups: list[_Group[T]] = []
         self._failed: list[FailedGroup[T]] = []
         self.inflight = 0
@@ -258,11 +285,17 @@ class EpisodeScheduler(Generic[T]):
         self.inflight += n
         for i in range(n):
             if self._episodic is None:
-                self._make_ready(_Episode(group, i, None, list(item.prompt_ids)))
+                ep = _Episode(group, i, None, list(item.prompt_ids))
+                if not self._turn_fits(ep, 0):
+                    self._end_full(ep, 0)
+                    return
+                self._make_ready(ep)
                 continue
             try:
                 env = self._episodic.environment(item, f"{episode_prefix}/{i}")
-            except Exception as exc:  # e.g. an answer the task cannot parse
+            except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
+                raise
+            except BaseException as exc:  # e.g. an answer the task cannot parse, a sys.exit()
                 self._fail(group, "task_error", _describe(exc))
                 return
             self._open[id(env)] = env
@@ -310,17 +343,38 @@ class EpisodeScheduler(Generic[T]):
         if self._loop is None:
             return
         left, self._open = list(self._open.values()), {}
-        cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(left), self._loop)
-        try:
-            cancelled.result(timeout=_CLOSE_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("environment steps ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
+        assert self._loop_thread is not None
+        if self._loop_thread.is_alive():
+            cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(left), self._loop)
+            try:
+                cancelled.result(timeout=_CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("environment steps ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
+        else:
+            self._close_on_dead_loop(left)
+        self._stopping_loop = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._loop_thread is not None:
             self._loop_thread.join(_CLOSE_TIMEOUT_S)
         if not self._loop.is_running():
             self._loop.close()
         self._loop = self._loop_thread = None
+
+    def _close_on_dead_loop(self, left: list[Environment]) -> None:
+        """`close` after the loop's thread died: its tasks (the steps, sessions to delete) are
+        wound up on this thread instead, bounded as there."""
+        loop = self._loop
+        assert loop is not None
+        wound_up = loop.create_task(asyncio.wait_for(self._cancel_steps(left), _CLOSE_TIMEOUT_S))
+        # The code that ended the loop may have left more of the same in its queue: each run
+        # past one goes on from the next callback.
+        for _ in range(_REVIVALS):
+            try:
+                loop.run_until_complete(wound_up)
+                return
+            except BaseException as exc:
+                last = exc
+        log.warning("environments not closed after their event loop died: %s", _describe(last))
 
     async def _cancel_steps(self, left: list[Environment]) -> None:
         for task in self._steps:
@@ -348,17 +402,23 @@ class EpisodeScheduler(Generic[T]):
         self._ready = [ep for ep in self._ready if ep.group is not group]
 
     def _take_back(self, wait_s: float) -> None:
-        returned = []
+        if self._loop_died is not None:
+            raise self._loop_died
+        got = []
         if wait_s > 0:
             try:
-                returned.append(self._returned.get(timeout=wait_s))
+                got.append(self._returned.get(timeout=wait_s))
             except queue.Empty:
                 return
         while True:
             try:
-                returned.append(self._returned.get_nowait())
+                got.append(self._returned.get_nowait())
             except queue.Empty:
                 break
+        returned = [r for r in got if not isinstance(r, EnvironmentLoopDied)]
+        if len(returned) < len(got):
+            self._loop_died = next(r for r in got if isinstance(r, EnvironmentLoopDied))
+            raise self._loop_died
         self._at_env -= len(returned)
         for ep, result in returned:
             if isinstance(result, StepResult) and self._on_tool_calls is not None:
@@ -388,11 +448,15 @@ class EpisodeScheduler(Generic[T]):
             else:
                 obs = result.observation if isinstance(result, StepResult) else result.first
                 try:
-                    ep.observe(render_observation(self._tokenizer, obs, ep.ended_by))
+                    ids = render_observation(self._tokenizer, obs, ep.ended_by)
                 except Exception as exc:  # chat messages for a tokenizer without a template
                     self._close_env(ep)
                     self._fail(ep.group, "env_malformed", f"rendering {obs!r:.200}: {exc}")
                     continue
+                if not self._turn_fits(ep, len(ids)):
+                    self._end_full(ep, len(ids))
+                    continue
+                ep.observe(ids)
                 self._make_ready(ep)
 
     def _generate(self) -> None:
@@ -469,11 +533,32 @@ class EpisodeScheduler(Generic[T]):
             log.warning("reward failed: %s", exc)
             self._fail(ep.group, exc.reason, exc.detail)
             return
-        except Exception as exc:
+        except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
+            raise
+        except BaseException as exc:  # a user task's score may sys.exit(): its group fails
             log.exception("scoring an episode failed")
             self._fail(ep.group, "task_error", _describe(exc))
             return
         ep.group.samples[ep.index] = ep.sample(value)
+
+    def _turn_fits(self, ep: _Episode, observed: int) -> bool:
+        """Whether a turn after `observed` more tokens stays within `max_context`."""
+        limit = self._max_context
+        return limit is None or len(ep.context) + observed + self._sampling.max_new_tokens <= limit
+
+    def _end_full(self, ep: _Episode, observed: int) -> None:
+        """End `ep`, whose next turn `max_context` has no room for (see the class)."""
+        self._close_env(ep)
+        if ep.turns:
+            ep.finish = "length"
+            self._score(ep, partial(self._task.score, ep.group.item, ep.text))
+            return
+        self._fail(
+            ep.group,
+            CONTEXT_TOO_LONG,
+            f"{len(ep.context) + observed} tokens of prompt and first observation and "
+            f"{self._sampling.max_new_tokens} new ones pass the {self._max_context} positions",
+        )
 
     def _make_ready(self, ep: _Episode) -> None:
         if not self._ready:
@@ -484,10 +569,24 @@ class EpisodeScheduler(Generic[T]):
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._loop_thread = threading.Thread(
-                target=self._loop.run_forever, name="env-loop", daemon=True
+                target=self._run_loop, args=(self._loop,), name="env-loop", daemon=True
             )
             self._loop_thread.start()
         return self._loop
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop thread. Should user code end the loop anyway, the generating thread hears
+        of it at once (`EnvironmentLoopDied` from `advance`), where it would wait forever for
+        the steps in flight."""
+        try:
+            loop.run_forever()
+        except BaseException as exc:
+            died = f"the environments' event loop died of {_describe(exc)}"
+        else:
+            if self._stopping_loop:
+                return
+            died = "the environments' event loop was stopped (by an environment's code)"
+        self._returned.put(EnvironmentLoopDied(died))
 
     def _to_env(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
         """Hand episodes to their environments: `reset` for None, else `step` of the text."""
@@ -520,9 +619,10 @@ class EpisodeScheduler(Generic[T]):
         result: _Returned
         try:
             if text is None:
-                result = _Reset(check_observation(await env.reset(ep.group.item)))
+                obs = await contained(env.reset(ep.group.item))
+                result = _Reset(check_observation(obs))
             else:
-                result = check_step(await env.step(text))
+                result = check_step(await contained(env.step(text)))
         except Exception as exc:  # a failing environment fails its group, never the worker
             result = exc
         self._returned.put((ep, result))
@@ -530,7 +630,7 @@ class EpisodeScheduler(Generic[T]):
     @staticmethod
     async def _env_close(env: Environment) -> None:
         try:
-            await env.close()
+            await contained(env.close())
         except Exception:  # the episode is over: nothing to fail any more
             log.warning("closing an environment failed", exc_info=True)
 

@@ -11,7 +11,9 @@ SIGTERM (or Ctrl-C) stops at once: episodes in flight are abandoned, their promp
 and are delivered again, and their environments are closed (sessions on env-servers deleted,
 best effort within a few seconds). A worker that
 is told to stop while Redis is unreachable stops waiting for it: what it has not published stays
-pending and is delivered again.
+pending and is delivered again. A worker whose environments' event loop died (user code got
+past every guard) exits 1 with one line saying so: its heartbeat stops, so its prompts are
+taken over, rather than a live worker holding them forever.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from asyncrl.queue import Stopped
 from asyncrl.redis_conn import connect
 from asyncrl.rollout.episodes import (
     STALE,
+    EnvironmentLoopDied,
     EpisodeScheduler,
     FailedGroup,
     FinishedGroup,
@@ -72,7 +75,7 @@ class RolloutWorker:
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics.roles import RoleMetrics
         from asyncrl.metrics.server import serve
-        from asyncrl.model import ensure_model, vocab_size
+        from asyncrl.model import ensure_model, max_positions, vocab_size
         from asyncrl.model_identity import model_identity
         from asyncrl.queue import Consumer, RedisGuard
         from asyncrl.tasks.base import build_task
@@ -162,6 +165,7 @@ class RolloutWorker:
             self.tokenizer,
             rollout.sampling,
             batch_wait_s=rollout.turn_batch_wait_s,
+            max_context=_least(rollout.max_context_tokens, max_positions(model_dir)),
             on_generate=self._on_generate,
             on_env_error=lambda reason: self.metrics.environment_errors[reason].inc(),
             on_tool_calls=lambda outcome, n: self.metrics.tool_calls[outcome].inc(n),
@@ -227,6 +231,7 @@ class RolloutWorker:
             self._wait_engine_version(target)
         log.info("rollout %s ready at version %d", self.id, self.engine.version)
         dropped_at = self.engine.version  # the version groups were last checked for staleness
+        code = 0
         try:
             while not self.stopping or (self.episodes.inflight and not self.abandoning):
                 if not self.stopping:
@@ -253,6 +258,9 @@ class RolloutWorker:
                 self.id,
                 exc,
             )
+        except EnvironmentLoopDied as exc:
+            log.error("rollout %s: %s; stopping (its prompts are delivered again)", self.id, exc)
+            code = 1
         finally:
             # Stopping already: a later SIGTERM must not kill the exit (Python restores the
             # default disposition of handled signals while it finalises).
@@ -274,7 +282,7 @@ class RolloutWorker:
             close = getattr(self.engine, "close", None)
             if close is not None:
                 close()
-        return 0
+        return code
 
     def _wait_engine_version(self, version: int) -> None:
         """Block until the engine generates with at least `version` (bootstrap)."""
@@ -410,6 +418,11 @@ class RolloutWorker:
             if s.loss_mask is not None:
                 logp = np.where(s.loss_mask > 0, logp, 0.0)
             s.audit_logprobs = np.minimum(logp, 0.0).astype(np.float32)
+
+
+def _least(*limits: int | None) -> int | None:
+    """The tightest of the limits given; None when none is."""
+    return min((n for n in limits if n is not None), default=None)
 
 
 def run_worker(cfg: Config, worker_id: str | None = None) -> int:

@@ -63,7 +63,18 @@ class PythonRewardConfig(_PluginConfig):
     PYTHONPATH; checked when the config loads."""
 
     timeout_s: float = Field(default=10.0, gt=0)
-    """Seconds one call may take; past that its process is killed and restarted."""
+    """Seconds one call may take; past that its process (its whole process group, helpers it
+    started included) is killed and restarted."""
+
+    @field_validator("kwargs")
+    @classmethod
+    def _sendable(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        from asyncrl.tasks.plugins import unsendable
+
+        problem = unsendable(kwargs)
+        if problem is not None:
+            raise ValueError(problem)
+        return kwargs
 
     @field_validator("path")
     @classmethod

@@ -9,13 +9,15 @@ A reward runs in a child process of its own (`IsolatedReward`), one call at a ti
 raises, outlives `timeout_s` or returns anything but a finite number raises `RewardFailure`
 with a stable reason, and the scheduler fails the episode's group with that reason (dead
 letter, counted) — the worker goes on. A thread that never returns cannot be stopped, a process
-can: a timed-out call's process is killed, and the next call starts a fresh one, so a reward
-that hangs costs `timeout_s` plus a restart per call, never a leaked thread.
+can: a timed-out call's process is killed with its whole process group (helpers it forked
+included), and the next call starts a fresh one, so a reward that hangs costs `timeout_s` plus
+a restart per call, never a leaked thread or process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import math
@@ -111,6 +113,19 @@ def call_shape(name: str, args: Sequence[str], kwargs: dict[str, Any]) -> str:
     return f"{name}({', '.join([*args, *(f'{k}=...' for k in kwargs)])})"
 
 
+def unsendable(kwargs: dict[str, Any]) -> str | None:
+    """Why `kwargs` cannot reach a reward's process (msgpack, read as the child reads it),
+    naming the first key that cannot; None when all can. YAML makes values msgpack has no
+    place for: dates, sets, integers past 64 bits, maps with non-string keys."""
+    for key, value in kwargs.items():
+        try:
+            msgpack.unpackb(msgpack.packb(value))
+        except Exception as exc:  # msgpack's errors share no base class
+            kind = type(value).__name__
+            return f"{key!r} ({kind}) cannot be sent to the reward's process: {exc}"
+    return None
+
+
 class IsolatedReward:
     """`fn(response, answer, **kwargs)` of a user module, run in a child process; a
     `RewardFn`. Thread-safe: calls are serialised (the scheduler scores one at a time).
@@ -161,11 +176,15 @@ class IsolatedReward:
         from_child, to_parent = os.pipe()
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
         pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        # A process group of its own: what the reward forks is killed with it, and Ctrl-C in a
+        # terminal (sent to the terminal's group) stays with the worker, which drains on it and
+        # still scores, then ends the child by closing its pipes.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(to_child), str(to_parent)],
             pass_fds=(to_child, to_parent),
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": pythonpath},
+            process_group=0,
         )
         os.close(to_child)
         os.close(to_parent)
@@ -182,14 +201,16 @@ class IsolatedReward:
             raise RuntimeError(f"reward {self._path}: {detail or 'no answer'}")
 
     def _stop(self, wait_s: float = 0.0) -> int | None:
-        """Kill the child unless it exits within `wait_s`, and close the pipes; its exit
-        code."""
+        """Kill the child's process group (the child too unless it exits within `wait_s`), and
+        close the pipes; the child's exit code."""
         code = None
         if self._proc is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self._proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+            # Before the child is reaped where it still runs: its id names the group until then.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            if code is None:
                 code = self._proc.wait()
         for conn in (self._send, self._recv):
             if conn is not None:
@@ -202,9 +223,6 @@ def _serve(recv: Connection, send: Connection) -> None:
     """The child: read [path, python_path, kwargs], import the function, then answer
     [response, answer] messages with ["ok", float] or [reason, detail] until the parent
     closes the pipe."""
-    # Ctrl-C in a terminal reaches the whole process group: the worker drains on it and still
-    # scores, so the child leaves it to the worker, which ends it by closing the pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     path, python_path, kwargs = msgpack.unpackb(recv.recv_bytes())
     try:
         fn = load_object(path, python_path)

@@ -378,7 +378,7 @@ def build(cfg: Config) -> TrainerParts:
     from asyncrl.heartbeat import Heartbeat
     from asyncrl.metrics.roles import RoleMetrics
     from asyncrl.metrics.server import serve
-    from asyncrl.model import ensure_model, vocab_size
+    from asyncrl.model import ensure_model, max_positions, vocab_size
     from asyncrl.model_identity import model_identity, publish_identity
     from asyncrl.queue import RedisGuard
     from asyncrl.redis_conn import connect
@@ -427,6 +427,7 @@ def build(cfg: Config) -> TrainerParts:
     limits = Limits(
         max_message_bytes=cfg.queue.max_message_bytes,
         vocab_size=vocab_size(model_dir),
+        max_positions=max_positions(model_dir),
         num_experts=None if moe is None else moe.num_experts,
         moe_layers=None if moe is None else moe.layers,
         moe_top_k=None if moe is None else moe.top_k,
