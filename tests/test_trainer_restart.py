@@ -173,9 +173,7 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
     try:
         groups, _, ids = restarted._collect()
     finally:
-        restarted.prefetch.close()
-        restarted.publisher.close()
-        restarted.client.close()
+        restarted.close()
     assert ids == [first_id, second_id]
     assert [g.group_id for g in groups] == ["a", "b"]
 
