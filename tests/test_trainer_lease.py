@@ -76,8 +76,11 @@ def test_a_holder_whose_lease_was_taken_stops_for_good(redis_client: redis.Redis
     assert redis_client.get(key) == FOREIGN  # never deletes another's lease
 
 
-def _trainer_config(role_config: RoleConfig, run_id: str, max_steps: int) -> Path:
-    return role_config(
+def _running(
+    role_config: RoleConfig, logs: Path, run_dir: Path, run_id: str
+) -> tuple[Path, Role, Role]:
+    """The config, rollout worker and trainer of a long run, once it has trained 2 steps."""
+    config = role_config(
         run_id,
         {
             "rollout.n": 4,
@@ -85,7 +88,7 @@ def _trainer_config(role_config: RoleConfig, run_id: str, max_steps: int) -> Pat
             "rollout.heartbeat_ttl_s": TTL_S,
             "rollout.sampling.max_new_tokens": 16,
             "trainer.groups_per_step": 2,
-            "trainer.max_steps": max_steps,
+            "trainer.max_steps": 1000,
             "trainer.checkpoint_every": 2,
             "trainer.eval_every": 0,
             "trainer.wait_timeout_s": 120,
@@ -94,6 +97,14 @@ def _trainer_config(role_config: RoleConfig, run_id: str, max_steps: int) -> Pat
             "weights.type": "store",
         },
     )
+    worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
+    trainer = Role("trainer", config, logs / "trainer-1.log")
+    try:
+        wait_until(lambda: len(step_lines(run_dir)) >= 2, 240, "step 2", [worker, trainer])
+    except BaseException:
+        stop_all([worker, trainer])
+        raise
+    return config, worker, trainer
 
 
 def _one_line_exit(role: Role, text: str) -> None:
@@ -113,14 +124,10 @@ def test_a_second_trainer_on_a_live_run_is_refused(
     nothing; the first goes on training, every step once, each version published once, nothing
     dead-lettered."""
     keys = Keys("two")
-    config = _trainer_config(role_config, keys.run_id, 1000)
-    run_dir = tmp_path / "run"
-    logs = tmp_path / "logs"
-    worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
-    first = Role("trainer", config, logs / "trainer-1.log")
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    config, worker, first = _running(role_config, logs, run_dir, keys.run_id)
     second: Role | None = None
     try:
-        wait_until(lambda: len(step_lines(run_dir)) >= 2, 240, "step 2", [worker, first])
         second = Role("trainer", config, logs / "trainer-2.log")
         _one_line_exit(second, "a live trainer")
         refused_at = len(step_lines(run_dir))
@@ -152,13 +159,9 @@ def test_a_trainer_whose_lease_was_taken_stops_before_publishing_more(
     lease. The trainer stops with one line (exit 2), publishing at most the version it was
     already handing out and no checkpoint after that, and leaves the other's lease alone."""
     keys = Keys("fenced")
-    config = _trainer_config(role_config, keys.run_id, 1000)
     run_dir = tmp_path / "run"
-    logs = tmp_path / "logs"
-    worker = Role("rollout", config, logs / "rollout.log", "--worker-id", "w0")
-    trainer = Role("trainer", config, logs / "trainer.log")
+    _, worker, trainer = _running(role_config, tmp_path / "logs", run_dir, keys.run_id)
     try:
-        wait_until(lambda: len(step_lines(run_dir)) >= 2, 240, "step 2", [worker, trainer])
         redis_client.set(keys.trainer_lease, FOREIGN, px=600_000)
         version_then = int(redis_client.get(keys.version))  # type: ignore[arg-type]
         checkpoints_then = {p.name for p in list_checkpoints(run_dir / "checkpoints")}
