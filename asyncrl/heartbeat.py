@@ -4,7 +4,8 @@ A daemon thread rewrites the key with a TTL every third of the TTL, so a process
 hangs) disappears within one TTL, and `stop()` removes it at once on a clean exit. The value is a
 small msgpack map of the worker's status plus `ts` (unix seconds of the beat), read back by
 `asyncrl status` with safe options only. Consumers pass `is_alive(...)` to `asyncrl.queue.Consumer`
-so that entries are taken over from dead workers only.
+so that entries are taken over from dead workers only. A trainer's heartbeat renews the run's
+trainer lease with each beat (`asyncrl.lease`), and stops beating once another trainer took it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgpack
 if TYPE_CHECKING:
     import redis
 
+    from asyncrl.lease import Lease
     from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
@@ -41,13 +43,16 @@ class Heartbeat:
         key: str,
         ttl_s: float,
         status_fn: Callable[[], dict[str, Any]] | None = None,
+        lease: Lease | None = None,
     ) -> None:
+        """`lease`: renewed with each beat (the run's trainer lease)."""
         if ttl_s <= 0:
             raise ValueError(f"heartbeat ttl_s must be > 0, got {ttl_s}")
         self._client = client
         self.key = key
         self.ttl_s = ttl_s
         self._status_fn = status_fn
+        self._lease = lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,17 +72,25 @@ class Heartbeat:
         return self
 
     def beat(self) -> None:
-        """Write the key once (the thread does this every `ttl_s / 3`)."""
+        """Write the key once (the thread does this every `ttl_s / 3`); not once the lease is
+        lost: the key is then the other trainer's."""
+        if self._lease is not None and not self._lease.hold():
+            return
         self._client.set(self.key, self._payload(), px=max(1, int(self.ttl_s * 1000)))
 
     def stop(self) -> None:
-        """A clean leave: stop beating and delete the key, so peers see the worker gone now."""
+        """A clean leave: stop beating and delete the key (and give the lease back), so peers see
+        the worker gone now."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.ttl_s)
             self._thread = None
+        if self._lease is not None and self._lease.lost:
+            return  # the key and the lease are the other trainer's
         try:
             self._client.delete(self.key)
+            if self._lease is not None:
+                self._lease.release()
         except Exception as exc:  # the key expires by itself within one TTL anyway
             log.warning("heartbeat %s: could not delete the key: %s", self.key, exc)
 

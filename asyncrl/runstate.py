@@ -167,6 +167,27 @@ class Keys:
         """JSON of the trainer's latest step figures, for `asyncrl status`."""
         return self.prefix + "last_step"
 
+    @property
+    def trainer_lease(self) -> str:
+        """The token of the one trainer that holds the run (`asyncrl.lease`)."""
+        return self.prefix + "trainer_lease"
+
+    def state_keys(self) -> list[str]:
+        """Every key of the run but the workers' heartbeats: one of them exists once a trainer
+        has started on the run."""
+        return [
+            self.prompts,
+            self.trajectories,
+            self.dlq,
+            self.version,
+            self.weights,
+            self.counters,
+            self.cursor,
+            self.released,
+            self.last_step,
+            self.trainer_lease,
+        ]
+
     def worker(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}workers:{role}:{worker_id}"
 
@@ -186,6 +207,13 @@ def read_accounting(client: redis.Redis, keys: Keys) -> tuple[Counters, int]:
     pipe.hlen(keys.released)
     raw, flying = pipe.execute()
     return Counters.from_hash(raw), int(flying)
+
+
+def run_exists(client: redis.Redis, keys: Keys) -> bool:
+    """Whether Redis holds anything of the run: a key of its state or a live worker."""
+    if client.exists(*keys.state_keys()):
+        return True
+    return any(True for role in ROLES for _ in client.scan_iter(match=keys.workers_pattern(role)))
 
 
 def read_version(client: redis.Redis, keys: Keys) -> int | None:

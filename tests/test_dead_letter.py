@@ -156,9 +156,7 @@ def trainer(
     try:
         yield t
     finally:
-        t.prefetch.close()
-        t.publisher.close()
-        t.client.close()
+        t.close()
 
 
 @pytest.fixture

@@ -191,6 +191,30 @@ def test_cli_status_without_redis_shows_the_run_dir(
     assert "pa55-S3cret" not in out + err
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_cli_status_of_a_run_not_in_redis_says_there_is_none(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
+    """A run id Redis holds nothing of (mistyped, or never started) is no healthy empty run: one
+    line says there is no such run, and the exit status is not 0 — with --json too."""
+    client = redis.Redis.from_url(redis_server.url)
+    populate(client, Keys("real"))  # another run lives in the same Redis
+    client.close()
+    args = [f"redis.url={redis_server.url}", "run.id=typo", f"run.dir={tmp_path / 'run'}"]
+
+    code = cli_main(["status", *(["--json"] if as_json else []), *args])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert err.count("\n") == 1 and "no run 'typo' in Redis" in err, err
+    if as_json:
+        status = json.loads(out)
+        assert set(status) == STATUS_KEYS
+        assert status["streams"] is None and status["counters"] is None
+        assert status["balanced"] is None
+    else:
+        assert "no such run" in out and "balanced" not in out
+
+
 def test_progress_json_copies_whole_new_lines(tmp_path: Path) -> None:
     out = io.StringIO()
     progress = Progress("json", tmp_path, None, Keys("p1"), max_steps=10, out=out)

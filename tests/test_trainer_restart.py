@@ -173,9 +173,7 @@ def test_sigterm_while_collecting_leaves_the_partial_step_pending(
     try:
         groups, _, ids = restarted._collect()
     finally:
-        restarted.prefetch.close()
-        restarted.publisher.close()
-        restarted.client.close()
+        restarted.close()
     assert ids == [first_id, second_id]
     assert [g.group_id for g in groups] == ["a", "b"]
 
@@ -302,3 +300,109 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
         signal.signal(signal.SIGTERM, previous)
     assert int(redis_client.get(keys.version)) == expected  # type: ignore[arg-type]
     assert redis_client.hget(keys.weights, "store_version") == str(expected).encode()
+
+
+def _checkpoint_at_step_10(run_dir: Path, random_model: Path, **state: object) -> Path:
+    """A checkpoint of a run that trained 10 steps of 8 groups."""
+    import torch
+
+    from asyncrl.engines.tiny_model import new_tiny_model
+    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.trainer.parallel import full_state
+
+    model = new_tiny_model(seed=0)
+    return save_checkpoint(
+        run_dir / "checkpoints",
+        model,
+        *full_state(model, torch.optim.AdamW(model.parameters())),
+        TrainerState(
+            step=10,
+            version=10,
+            cursor={"seed": 0, "epoch": 0, "position": 96},
+            wall_seconds=1.0,
+            **state,  # type: ignore[arg-type]
+        ),
+        tokenizer_dir=random_model,
+        keep=2,
+    )
+
+
+@pytest.mark.parametrize("new_g", [4, 32])
+def test_resuming_with_another_groups_per_step_rebases_the_budget(
+    redis_client: redis.Redis,
+    random_model: Path,
+    tmp_path: Path,
+    role_config: RoleConfig,
+    new_g: int,
+) -> None:
+    """A run of G = 8, η = 1 checkpointed at step 10: 80 groups consumed, 96 released, 16 in
+    flight. Resumed with another G, the bound is (η + 1) × G on the new G from the 80 consumed:
+    with 4, nothing is released until the 16 in flight are trained and then 8 (not a budget
+    negative for good); with 32, 48 at once and one step's 32 per step (not 288)."""
+    from asyncrl.config import load_config
+    from asyncrl.trainer.main import Trainer
+
+    keys = Keys(f"regroup{new_g}")
+    _checkpoint_at_step_10(tmp_path / "run", random_model, groups_consumed=80)
+    redis_client.hset(
+        keys.counters,
+        mapping={Counter.PROMPTS_RELEASED: 96, Counter.GROUPS_TRAINED: 80},
+    )
+    redis_client.hset(keys.released, mapping={f"g{i}": "" for i in range(16)})
+    cfg = load_config(
+        role_config(
+            keys.run_id,
+            {
+                "weights.type": "store",
+                "trainer.device": "cpu",
+                "trainer.groups_per_step": new_g,
+                "algo.max_staleness": 1,
+                "rollout.n": 2,
+            },
+        )
+    )
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.rank0 is not None
+        admission = trainer.rank0.admission
+        released = 96
+        for step in (10, 11, 14):
+            released += admission.release(step, trainer.version)
+            consumed = 80 + (step - 10) * new_g
+            assert released == max(96, consumed + 2 * new_g), step
+            assert admission.groups_consumed(step) == consumed
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [("model", "model.path"), ("task", "task.digits")],
+)
+def test_resuming_with_another_model_or_task_is_refused(
+    random_model: Path, tmp_path: Path, role_config: RoleConfig, change: str, key: str
+) -> None:
+    """The checkpoint's weights must fit model.path (its tokenizer, reference and the workers'
+    engines come from there) and its data cursor walks the run's own task: a resume with
+    another is refused before anything of the run is touched, in one line naming the key."""
+    import json
+
+    from asyncrl.config import load_config
+
+    from role_procs import asyncrl
+
+    config = role_config("refused", {"weights.type": "store", "trainer.device": "cpu"})
+    task = load_config(config).task.model_dump(mode="json")
+    saved = _checkpoint_at_step_10(
+        tmp_path / "run", random_model, task={**task, "digits": 3} if change == "task" else task
+    )
+    if change == "model":  # the checkpoint of a deeper copy of the model
+        spec = json.loads((saved / "config.json").read_text())
+        spec["num_hidden_layers"] += 1
+        (saved / "config.json").write_text(json.dumps(spec))
+
+    done = asyncrl("launch", "--role", "trainer", "--config", str(config), timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("asyncrl: config error: ") and key in last, last

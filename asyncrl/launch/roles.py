@@ -79,6 +79,7 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
 
 def _run_role(cfg: Config, args: argparse.Namespace) -> int:
     if args.role == "trainer":
+        from asyncrl.lease import LeaseError
         from asyncrl.trainer.checkpoint import CheckpointError
         from asyncrl.trainer.main import run_trainer
 
@@ -91,6 +92,9 @@ def _run_role(cfg: Config, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+        except LeaseError as exc:  # a second trainer on the run: refused, or stopped
+            print(f"asyncrl: trainer: run {cfg.run.id}: {exc}", file=sys.stderr)
+            return 2
     from asyncrl.rollout.worker import run_worker
 
     return run_worker(cfg, args.worker_id)

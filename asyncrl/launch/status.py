@@ -39,9 +39,11 @@ The JSON object is stable; scripts may rely on it:
 - `last_step`: the trainer's latest step figures: the `last_step` key, else the last step line of
   `{run.dir}/metrics.jsonl`, else null.
 
-When no Redis is reachable (a finished local run, a wrong URL), the object keeps its keys with
-`version`, `streams`, `counters`, `in_flight`, `balanced` and `workers` null, `last_step` comes
-from the run directory, the reason goes to stderr and the exit status is 1.
+When no Redis is reachable (a finished local run, a wrong URL), or the Redis holds no key of the
+run (a mistyped `run.id`, a run not started yet, a Redis that lost its data), the object keeps its
+keys with `version`, `streams`, `counters`, `in_flight`, `balanced` and `workers` null,
+`last_step` comes from the run directory, the reason goes to stderr in one line and the exit
+status is 1.
 
 Without `redis.url`, status looks for the local-mode Redis: `asyncrl launch --role all` keeps
 its URL in `{run.dir}/redis/url` while it runs. The URL is only ever shown redacted.
@@ -62,6 +64,7 @@ from asyncrl.runstate import (
     live_workers,
     read_accounting,
     read_version,
+    run_exists,
     stream_depths,
 )
 
@@ -197,26 +200,38 @@ def _print(rows: list[tuple[str, str]]) -> None:
 
 def _from_redis(
     cfg: Config, url: str | None, keys: Keys, run_dir: Path
-) -> tuple[dict[str, Any] | None, str]:
-    """(status, line for the `redis` row) or (None, why Redis could not be read)."""
+) -> tuple[dict[str, Any] | None, str, str]:
+    """(status, line for the `redis` row, "") or (None, that line, why no status came from
+    Redis: it could not be read, or holds no such run)."""
     import redis
 
     from asyncrl.redis_conn import connect, redact_url
 
     if url is None:
-        return None, f"redis.url is not set and no local run is running in {run_dir}"
+        return (
+            None,
+            "not reachable",
+            f"redis.url is not set and no local run is running in {run_dir}",
+        )
     try:
         client = connect(cfg.redis, url)
         try:
-            return collect_status(client, keys, run_dir), f"{redact_url(url)} (up)"
+            if not run_exists(client, keys):
+                why = (
+                    f"no run {keys.run_id!r} in Redis at {redact_url(url)} (no key under "
+                    f"{keys.prefix}): is run.id right, and has its trainer started?"
+                )
+                return None, f"{redact_url(url)} (up, no such run)", why
+            return collect_status(client, keys, run_dir), f"{redact_url(url)} (up)", ""
         finally:
             client.close()
     except (redis.RedisError, OSError) as exc:
-        return None, f"Redis at {redact_url(url)} is not reachable: {exc}"
+        return None, "not reachable", f"Redis at {redact_url(url)} is not reachable: {exc}"
 
 
 def main(cfg: Config, as_json: bool) -> int:
-    """Prints the status; 0 when Redis was reached, 1 when only the run directory was read."""
+    """Prints the status; 0 when Redis was reached and holds the run, 1 when only the run
+    directory was read."""
     run_dir = cfg.run.path
     url = cfg.redis.url or local_redis_url(run_dir)
     if url is None and _has_local_data(run_dir):
@@ -224,13 +239,12 @@ def main(cfg: Config, as_json: bool) -> int:
         from asyncrl.launch.redis_server import RedisServer
 
         with RedisServer(data_dir=run_dir / "redis") as server:
-            status, redis_line = _from_redis(cfg, server.url, Keys(cfg.run.id), run_dir)
+            status, redis_line, why = _from_redis(cfg, server.url, Keys(cfg.run.id), run_dir)
     else:
-        status, redis_line = _from_redis(cfg, url, Keys(cfg.run.id), run_dir)
+        status, redis_line, why = _from_redis(cfg, url, Keys(cfg.run.id), run_dir)
     if status is None:
-        print(f"asyncrl status: {redis_line}; showing what {run_dir} holds", file=sys.stderr)
+        print(f"asyncrl status: {why}; showing what {run_dir} holds", file=sys.stderr)
         status = offline_status(cfg.run.id, run_dir)
-        redis_line = "not reachable"
     if as_json:
         print(json.dumps(status, indent=2))
     else:

@@ -2,9 +2,13 @@
 
 Bound (DESIGN §5): released but not yet consumed groups ≤ (η + 1) × groups_per_step. The trainer
 consumes exactly `groups_per_step` usable groups per step, and dropped, dead-lettered or lost
-groups free their slot, so after `step` steps the release budget is
+groups free their slot, so with `consumed` the groups the steps so far took, the release budget is
 
-    (step + η + 1) × groups_per_step + dropped_stale + dead_lettered + lost − released.
+    consumed + (η + 1) × groups_per_step + dropped_stale + dead_lettered + lost − released.
+
+`consumed` is step × groups_per_step while G stays; a run resumed with another G counts on from
+what its checkpoint's steps consumed (`TrainerState.groups_consumed`): the budget is rebased on
+the new G, never left negative (the trainer would starve) or inflated by the steps already done.
 
 Only dead letters that end a released group count (`asyncrl.provenance`): junk entries never buy
 releases. Sync mode is η = 0: the next step's prompts are released only once the previous step is
@@ -69,9 +73,12 @@ class Cursor:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
 
 
-def release_budget(step: int, max_staleness: int, groups_per_step: int, counters: Counters) -> int:
-    """Prompt groups that may be released now (can be negative after a restart; treat as 0)."""
-    allowed = (step + max_staleness + 1) * groups_per_step + counters.freed
+def release_budget(
+    consumed: int, max_staleness: int, groups_per_step: int, counters: Counters
+) -> int:
+    """Prompt groups that may be released now, `consumed` groups into the run (can be negative
+    after a restart, or after η was lowered; treat as 0)."""
+    allowed = consumed + (max_staleness + 1) * groups_per_step + counters.freed
     return allowed - counters.prompts_released
 
 
@@ -97,6 +104,7 @@ class Admission:
         max_staleness: int,
         groups_per_step: int,
         cursor: Cursor,
+        consumed_before: int = 0,
         counters: Mapping[str, int] | None = None,
         held: Callable[[], dict[str, str]] = dict,
         queue: QueueConfig | None = None,
@@ -104,10 +112,12 @@ class Admission:
         should_stop: Callable[[], bool] | None = None,
         on_outage: Callable[[bool], None] | None = None,
     ) -> None:
-        """`counters`: the run counters as last known (a checkpoint's), to find a loss of Redis's
-        data by; `held`: entry id → group of the trajectory entries the trainer holds, kept in
-        flight through such a loss; `queue` bounds each prompt entry and says when Redis is
-        full; the rest is the prompt producer's (`asyncrl.queue.Producer`)."""
+        """`consumed_before`: the groups the steps consumed beyond step × `groups_per_step` (a
+        run resumed with another G); `counters`: the run counters as last known (a
+        checkpoint's), to find a loss of Redis's data by; `held`: entry id → group of the
+        trajectory entries the trainer holds, kept in flight through such a loss; `queue`
+        bounds each prompt entry and says when Redis is full; the rest is the prompt
+        producer's (`asyncrl.queue.Producer`)."""
         self.client = client
         self.keys = keys
         self.task = task
@@ -115,6 +125,7 @@ class Admission:
         self.n = n
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
+        self._consumed_before = consumed_before
         self.cursor = cursor
         self._items = task.train_items(cursor.seed, cursor.epoch)
         self._cursor_unknown = False
@@ -139,6 +150,10 @@ class Admission:
         with self._lock:
             return self._release(step, version)
 
+    def groups_consumed(self, step: int) -> int:
+        """The groups `step` steps of the run consumed."""
+        return self._consumed_before + step * self.groups_per_step
+
     def cursor_dict(self) -> dict[str, int]:
         """The cursor after the last release (`release` may run on another thread)."""
         with self._lock:
@@ -150,7 +165,8 @@ class Admission:
             self._items = self.task.train_items(self.cursor.seed, self.cursor.epoch)
             self._cursor_unknown = False
         counters = self._read()
-        budget = release_budget(step, self.max_staleness, self.groups_per_step, counters)
+        consumed = self.groups_consumed(step)
+        budget = release_budget(consumed, self.max_staleness, self.groups_per_step, counters)
         if budget <= 0:
             return 0
         self._cursor_unknown = True  # until the transaction below is known to be applied

@@ -1,7 +1,9 @@
 """Builds what a trainer rank needs, one small function per piece, into one typed record.
 
 Order matters where a piece reads another's result: the process group first (the version
-broadcast and FSDP need it), then the model (placed whole or as shards), the optimizer, the
+broadcast and FSDP need it), the checks that the checkpoint may be resumed with this config, the
+run's trainer lease (`asyncrl.lease`, before anything of the run is touched, and renewed by the
+heartbeat from then on), then the model (placed whole or as shards), the optimizer, the
 resume (optimizer and RNG state of the last checkpoint), the version to publish first, and
 last the Redis side — consumer, ledger and, on rank 0 only, admission, the weight publisher and
 the metrics outputs.
@@ -25,7 +27,12 @@ from asyncrl.engines.routing import moe_shape
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
 from asyncrl.runstate import TRAJECTORIES_GROUP, Keys
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
-from asyncrl.trainer.checkpoint import list_checkpoints, load_checkpoint, recorded_version
+from asyncrl.trainer.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    recorded_version,
+    resume_refusal,
+)
 from asyncrl.trainer.ledger import Ledger, consumer_name
 from asyncrl.trainer.parallel import Ranks, shard
 
@@ -35,6 +42,7 @@ if TYPE_CHECKING:
 
     from asyncrl.config import Config
     from asyncrl.heartbeat import Heartbeat
+    from asyncrl.lease import Lease
     from asyncrl.metrics.jsonl import JsonlWriter
     from asyncrl.metrics.poller import RunGauges
     from asyncrl.metrics.roles import RoleMetrics
@@ -72,6 +80,8 @@ class Resumed:
     counters: dict[str, int] = field(default_factory=dict)
     covered: dict[str, list[str]] = field(default_factory=dict)
     """Entry ids by consumer that the checkpoint covers (see `ledger`)."""
+    groups_consumed: int | None = None
+    """The groups its steps consumed; None: step × trainer.groups_per_step."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,8 @@ class TrainerParts:
     """This rank's share of trainer.groups_per_step."""
     sharded: bool
     heartbeat: Heartbeat
+    lease: Lease | None
+    """Rank 0's hold on the run (renewed by its heartbeat); None on the other ranks."""
     consumer: Consumer[TrajectoryGroup]
     ledger: Ledger
     rank0: RankZero | None
@@ -225,6 +237,7 @@ def resume(
         cursor=Cursor(**state.cursor),
         counters=state.counters,
         covered=state.covered if rank == 0 else {},
+        groups_consumed=state.groups_consumed,
     )
 
 
@@ -311,6 +324,8 @@ def build_admission(
     metrics: RoleMetrics,
 ) -> Admission:
     cursor = resumed.cursor or Cursor(seed=cfg.run.seed)
+    g = cfg.trainer.groups_per_step
+    consumed = resumed.step * g if resumed.groups_consumed is None else resumed.groups_consumed
     return Admission(
         client,
         keys,
@@ -320,6 +335,7 @@ def build_admission(
         max_staleness=max_staleness,
         groups_per_step=cfg.trainer.groups_per_step,
         cursor=redis_guard.call(lambda: load_cursor(client, keys, cursor), "read the data cursor"),
+        consumed_before=consumed - resumed.step * g,
         counters=resumed.counters,
         held=consumer.held_groups,
         queue=cfg.queue,
@@ -364,6 +380,53 @@ def build_rank_zero(
     return RankZero(admission, publisher, run_gauges, jsonl, mismatch_log, trackers)
 
 
+def check_resumable(cfg: Config, checkpoint: Path | None, model_dir: Path) -> None:
+    """Refuse (`ConfigError`, exit 2) a resume the checkpoint does not fit (`resume_refusal`)."""
+    from asyncrl.config import ConfigError
+
+    if checkpoint is not None:
+        refusal = resume_refusal(checkpoint, model_dir, cfg.task.model_dump(mode="json"))
+        if refusal is not None:
+            raise ConfigError(refusal)
+
+
+def hold_run(
+    cfg: Config,
+    client: redis.Redis,
+    redis_guard: RedisGuard,
+    keys: Keys,
+    ranks: Ranks,
+    state: LoopState,
+) -> tuple[Heartbeat, Lease | None]:
+    """Rank 0 takes the run's trainer lease, or every rank leaves (`LeaseHeld`); then each rank's
+    heartbeat beats, rank 0's renewing the lease. A lease found taken later stops the trainer."""
+    from asyncrl.heartbeat import Heartbeat
+    from asyncrl.lease import Lease, LeaseHeld
+
+    def stop() -> None:
+        state.stopping = True
+
+    ttl = cfg.rollout.heartbeat_ttl_s
+    lease = None
+    refused: LeaseHeld | None = None
+    if ranks.rank == 0:
+        lease = Lease(client, keys.trainer_lease, ttl, on_lost=stop)
+        try:
+            redis_guard.call(lease.acquire, "take the run's trainer lease")
+        except LeaseHeld as exc:
+            refused = exc
+    if ranks.any(refused is not None)[0]:
+        raise refused or LeaseHeld("another trainer holds this run (rank 0 was refused it)")
+    heartbeat = Heartbeat(
+        client,
+        keys.worker("trainer", consumer_name(ranks.rank)),
+        ttl,
+        lambda: {"version": state.version, "step": state.step},
+        lease=lease,
+    )
+    return heartbeat.start(), lease
+
+
 def redis_health(client: redis.Redis) -> tuple[bool, str]:
     try:
         client.ping()
@@ -375,7 +438,6 @@ def redis_health(client: redis.Redis) -> tuple[bool, str]:
 def build(cfg: Config) -> TrainerParts:
     from transformers import AutoTokenizer
 
-    from asyncrl.heartbeat import Heartbeat
     from asyncrl.metrics.roles import RoleMetrics
     from asyncrl.metrics.server import serve
     from asyncrl.model import ensure_model, max_positions, vocab_size
@@ -405,14 +467,16 @@ def build(cfg: Config) -> TrainerParts:
     )
 
     model_dir = ensure_model(cfg)
+    ckpts = list_checkpoints(cfg.run.path / "checkpoints") if cfg.trainer.resume else []
+    checkpoint = ckpts[-1] if ckpts else None
+    check_resumable(cfg, checkpoint, model_dir)
+    heartbeat, lease = hold_run(cfg, client, redis_guard, keys, ranks, state)
     if ranks.rank == 0:  # before any prompt is released: workers check theirs against it
         identity = model_identity(model_dir, cfg.model.lora)
         redis_guard.call(
             lambda: publish_identity(client, keys, identity), "publish the model identity"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ckpts = list_checkpoints(cfg.run.path / "checkpoints") if cfg.trainer.resume else []
-    checkpoint = ckpts[-1] if ckpts else None
     load_from = checkpoint or model_dir
     model, ref_model, n_params = build_models(
         cfg, load_from, model_dir, partial(place, device=device, ranks=ranks, sharded=sharded)
@@ -432,12 +496,6 @@ def build(cfg: Config) -> TrainerParts:
         moe_layers=None if moe is None else moe.layers,
         moe_top_k=None if moe is None else moe.top_k,
     )
-    heartbeat = Heartbeat(
-        client,
-        keys.worker("trainer", name),
-        cfg.rollout.heartbeat_ttl_s,
-        lambda: {"version": state.version, "step": state.step},
-    )
     consumer = build_consumer(cfg, client, keys, name, limits, state, metrics)
     admission = None
     rank0 = None
@@ -452,6 +510,7 @@ def build(cfg: Config) -> TrainerParts:
         redis_guard,
         client,
         admission=admission,
+        lease=lease,
         covered_at_restart=resumed.covered,
     )
     return TrainerParts(
@@ -475,6 +534,7 @@ def build(cfg: Config) -> TrainerParts:
         local_groups=cfg.trainer.groups_per_step // ranks.size,
         sharded=sharded,
         heartbeat=heartbeat,
+        lease=lease,
         consumer=consumer,
         ledger=ledger,
         rank0=rank0,

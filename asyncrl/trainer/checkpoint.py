@@ -47,6 +47,12 @@ class TrainerState:
     counters: dict[str, int] = field(default_factory=dict)
     """The run counters as last read before this checkpoint: what a trainer resumed from it
     compares Redis's with, to find a Redis that lost its data (`asyncrl.trainer.admission`)."""
+    groups_consumed: int | None = None
+    """Prompt groups the steps so far consumed (the sum of each step's `groups_per_step`), which
+    the admission budget starts from; None in checkpoints older than it (then step × G)."""
+    task: dict[str, Any] | None = None
+    """The `task` config the data cursor walks (a resumed run must keep it); None in older
+    checkpoints."""
 
 
 class CheckpointError(Exception):
@@ -171,7 +177,43 @@ def load_checkpoint(
     load_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
+    return read_state(path)
+
+
+def read_state(path: Path) -> TrainerState:
+    """The run state of the checkpoint at `path`."""
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+
+
+# What makes a model another one for a checkpoint's weights: its architecture and shapes.
+_IDENTITY = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def resume_refusal(path: Path, model_dir: Path, task: dict[str, Any]) -> str | None:
+    """Why the run may not resume the checkpoint at `path` with the base model at `model_dir`
+    and the `task` config, as one line naming the key; None when it may. The weights must fit
+    the base (its tokenizer, reference and the workers' engines come from there), and the data
+    cursor indexes the task's train split, which another task would make skip or repeat."""
+    saved = path / "config.json"
+    if saved.is_file():  # a LoRA checkpoint holds an adapter, checked against model.lora
+        mine = json.loads(saved.read_text())
+        base = json.loads((model_dir / "config.json").read_text())
+        for key in _IDENTITY:
+            if mine.get(key) != base.get(key):
+                return (
+                    f"model.path={model_dir}: {key} {base.get(key)!r} differs from the "
+                    f"checkpoint's {mine.get(key)!r} ({path}); resume with the run's own model "
+                    "or start a new run.dir"
+                )
+    held = read_state(path).task
+    if held is not None and held != task:
+        key = next(k for k in sorted({*held, *task}) if held.get(k) != task.get(k))
+        return (
+            f"task.{key}: {task.get(key)!r} differs from the checkpoint's {held.get(key)!r} "
+            f"({path}): the data cursor walks the run's own task; resume with it or start a "
+            "new run.dir"
+        )
+    return None
 
 
 _VERSION_FILE = "published_version"

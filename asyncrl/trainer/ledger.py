@@ -34,6 +34,7 @@ from asyncrl.runstate import Counter
 if TYPE_CHECKING:
     import redis
 
+    from asyncrl.lease import Lease
     from asyncrl.protocol import TrajectoryGroup
     from asyncrl.queue import Consumer, RedisGuard
     from asyncrl.trainer.admission import Admission
@@ -59,11 +60,14 @@ class Ledger:
         client: redis.Redis,
         *,
         admission: Admission | None = None,
+        lease: Lease | None = None,
         covered_at_restart: dict[str, list[str]] | None = None,
     ) -> None:
-        """`admission`: rank 0's, through which entries are settled; `covered_at_restart`: the
-        ids by consumer that the checkpoint resumed from covers (rank 0; empty elsewhere)."""
+        """`admission`: rank 0's, through which entries are settled; `lease`: rank 0's hold on
+        the run, checked before each settle; `covered_at_restart`: the ids by consumer that the
+        checkpoint resumed from covers (rank 0; empty elsewhere)."""
         self.consumer, self.ranks, self.admission = consumer, ranks, admission
+        self.lease = lease
         self.redis, self.client = redis_guard, client
         self.covered_at_restart = covered_at_restart or {}
         self.unacked: list[str] = []
@@ -101,7 +105,11 @@ class Ledger:
     def settle(self, ids: list[str], outcome: str) -> int:
         """`Consumer.settle`; on rank 0 through admission, which looks for a loss of Redis's data
         before each attempt (so that the entries held are kept in flight through it, not found
-        gone) and counts what was settled in the counters it remembers."""
+        gone) and counts what was settled in the counters it remembers. Nothing is settled once
+        another trainer took the run: the entries are its to settle now (the lease stops this
+        one)."""
+        if self.lease is not None and not self.redis.call(self.lease.hold, "renew the lease"):
+            return 0
         if self.admission is None:
             return self.consumer.settle(ids, outcome)
 

@@ -8,6 +8,10 @@ With several ranks, every decision that leads into a collective is taken togethe
 after each read whether all have their share, whether one was told to stop (SIGTERM) or waited in
 vain, so a signal to any one rank stops them all at the same point, none left alone in a
 collective.
+
+One trainer holds a run (`asyncrl.lease`): rank 0 checks its lease before it publishes or writes
+a checkpoint (and the ledger before it acks), and a lease found taken stops every rank at the
+next agreement, with one line.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.algo.mismatch import LOW_PROB, audit_table, summarise
+from asyncrl.lease import LeaseLost
 from asyncrl.lora import synced
 from asyncrl.metrics.record import EvalRecord, StepRecord
 from asyncrl.protocol import TrajectoryGroup
@@ -104,7 +109,6 @@ class Trainer:
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.parts.heartbeat.start()
         if self.rank0 is not None:
             self.ledger.ack_covered_at_restart()
         self.ranks.barrier()  # no rank reads its pending entries before those acks
@@ -147,16 +151,22 @@ class Trainer:
             # Stopping already: a later SIGTERM must not kill the exit (Python restores the
             # default disposition of handled signals while it finalises).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            self.prefetch.close()
-            self.parts.heartbeat.stop()
-            if self.rank0 is not None:
-                self.rank0.publisher.close()
-                self.rank0.run_gauges.stop()
-                if self.rank0.trackers is not None:
-                    self.rank0.trackers.close()
-                if self.rank0.mismatch_log is not None:
-                    self.rank0.mismatch_log.close()
+            self.close()
         return 0
+
+    def close(self) -> None:
+        """Stop the threads, give the run's lease back and close the outputs (`run` does at its
+        end; a caller that built a trainer without running it does)."""
+        self.prefetch.close()
+        self.parts.heartbeat.stop()
+        if self.rank0 is not None:
+            self.rank0.publisher.close()
+            self.rank0.run_gauges.stop()
+            if self.rank0.trackers is not None:
+                self.rank0.trackers.close()
+            if self.rank0.mismatch_log is not None:
+                self.rank0.mismatch_log.close()
+        self.client.close()
 
     def _on_sigterm(self, *_: object) -> None:
         self.state.stopping = True
@@ -225,7 +235,14 @@ class Trainer:
                     self.metrics.trajectories_dropped["stale"].inc(len(stale))
             short = len(groups) < want
             starved = short and time.monotonic() - waited_since > self.cfg.trainer.wait_timeout_s
-            short, stop, starved = self.ranks.any(short, self.state.stopping, starved)
+            lost = self.parts.lease is not None and self.parts.lease.lost
+            short, stop, starved, lost = self.ranks.any(short, self.state.stopping, starved, lost)
+            if lost:
+                # Nothing of this trainer's goes out any more: no final checkpoint, no acks.
+                raise LeaseLost(
+                    "another trainer took this run: stopped before publishing or acking "
+                    "anything more"
+                )
             if stop:
                 return None
             if starved:
@@ -384,6 +401,7 @@ class Trainer:
         if self.rank0 is None:
             return 0.0
         gathered = time.perf_counter() - start
+        self._fence()
         record_version(self.cfg.run.path / "checkpoints", self.version)
         # The wait for the previous version's copy, in this step's optimizer step, counts too.
         blocking = gathered + self._copy_wait
@@ -402,13 +420,17 @@ class Trainer:
             covered = self.ledger.covered()
             model_state, optimizer_state = full_state(parts.model, parts.optimizer)
             if self.rank0 is not None:
+                self._fence()  # a checkpoint of the loser's would be resumed by the holder
+                admission = self.rank0.admission
                 state = TrainerState(
                     step=self.step,
                     version=self.version,
-                    cursor=self.rank0.admission.cursor_dict(),
+                    cursor=admission.cursor_dict(),
                     wall_seconds=self.wall_seconds(),
                     covered=covered,
-                    counters=self.rank0.admission.counters(),
+                    counters=admission.counters(),
+                    groups_consumed=admission.groups_consumed(self.step),
+                    task=self.cfg.task.model_dump(mode="json"),
                 )
                 save_checkpoint(
                     self.cfg.run.path / "checkpoints",
@@ -421,6 +443,12 @@ class Trainer:
                 )
             self.ranks.barrier()
             self.ledger.checkpointed(self.prefetch.settle)
+
+    def _fence(self) -> None:
+        """Rank 0: raise `LeaseLost` unless this trainer still holds the run."""
+        lease = self.parts.lease
+        if lease is not None:
+            self.parts.redis.call(lease.check, "renew the lease")
 
     def _evaluate(self) -> None:
         if self.rank0 is None:
