@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import hmac
 import ipaddress
 import json
@@ -514,17 +515,11 @@ class EnvHTTPServer:
 
     async def _serve(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self._loop.set_exception_handler(_QuietOutOfFds().handle)
         if threading.current_thread() is threading.main_thread():
             # SIGTERM (a container stopping) closes the sessions like Ctrl-C does.
             self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        server = await asyncio.start_server(
-            # asyncio listens again on the socket, with a backlog of 100 unless told.
-            self._connection,
-            sock=self.socket,
-            backlog=_BACKLOG,
-            limit=_MAX_HEAD_BYTES,
-        )
+        self.socket.setblocking(False)
+        server = asyncio.ensure_future(self._accept())
         self._started.set()
         reaper = asyncio.ensure_future(self._close_idle()) if self.env.idle_timeout_s > 0 else None
         sweep = asyncio.ensure_future(self._cut_off_slow())
@@ -534,7 +529,7 @@ class EnvHTTPServer:
             sweep.cancel()
             if reaper is not None:
                 reaper.cancel()
-            server.close()
+            server.cancel()
             await self.env.close_all()
             # Connections end by their own code, not cancelled by `asyncio.run` (which in 3.11
             # logs each cancelled one as an error).
@@ -556,6 +551,26 @@ class EnvHTTPServer:
                     self.env.idle_timeout_s,
                 )
 
+    async def _accept(self) -> None:
+        """Connections accepted one by one, each served by `_connection`. Not `start_server`:
+        out of descriptors, its accept loop retried up to the backlog (4096) times per wakeup,
+        a traceback each (4.9 MB of log in 6 s); here it is one try a second, a line a minute."""
+        loop = asyncio.get_running_loop()
+        out_of_fds = _Throttled(_OUT_OF_FDS_LOG_EVERY_S)
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self.socket)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                out_of_fds.warn("accept failed: %s; new connections wait", exc)
+                await asyncio.sleep(1.0)
+                continue
+            reader, writer = await asyncio.open_connection(sock=conn, limit=_MAX_HEAD_BYTES)
+            deadline = _Deadline()
+            task = asyncio.ensure_future(self._connection(reader, writer, deadline))
+            self._connections[task] = writer, deadline
+
     async def _cut_off_slow(self) -> None:
         every = min(1.0, self.limits.read_timeout_s / 2)
         loop = asyncio.get_running_loop()
@@ -567,11 +582,11 @@ class EnvHTTPServer:
                     deadline.expired = True
                     task.cancel()
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, deadline: _Deadline
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
-        deadline = _Deadline()
-        self._connections[task] = writer, deadline
         if len(self._connections) > self.max_connections:
             try:
                 await self._turn_away(reader, writer)
@@ -712,27 +727,20 @@ def _fd_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
-class _QuietOutOfFds:
-    """The loop's exception handler: asyncio logs a traceback at every failed `accept` when the
-    process is out of descriptors (it retries each second); that is one line a minute here."""
+class _Throttled:
+    """A warning logged at most once per `every_s`, with how many were held back."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_s: float) -> None:
+        self._every_s = every_s
         self._last = -math.inf
         self._missed = 0
 
-    def handle(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if not str(context.get("message", "")).startswith("socket.accept() out of system"):
-            loop.default_exception_handler(context)
-            return
+    def warn(self, msg: str, *args: object) -> None:
         now = time.monotonic()
-        if now - self._last < _OUT_OF_FDS_LOG_EVERY_S:
+        if now - self._last < self._every_s:
             self._missed += 1
             return
-        log.warning(
-            "accept failed: %s (%d more since the last such line); new connections wait",
-            context.get("exception"),
-            self._missed,
-        )
+        log.warning(msg + " (%d more since the last such line)", *args, self._missed)
         self._last, self._missed = now, 0
 
 
