@@ -190,7 +190,12 @@ class EnvServer:
         if not isinstance(response, str):
             raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "body needs a `response` string")
         env = self._env(session)
-        result = check_step(await self._run(session, lambda: env.step(response), deadline))
+        try:
+            result = check_step(await self._run(session, lambda: env.step(response), deadline))
+        except EnvironmentFailure as exc:
+            if exc.reason == "timeout":  # the client has given up on the episode
+                self._end(session)
+            raise
         if result.done:
             self._end(session)
         return {
@@ -270,26 +275,29 @@ class EnvServer:
         self, session: str, start: Callable[[], Awaitable[Any]], deadline: float | None
     ) -> Any:
         """The environment's call as a task `close` can cancel, cancelled past `deadline`
-        seconds (and its session ended: its client has given up); its failure as an
-        `EnvironmentFailure`."""
+        seconds (a bare timer handle, lighter than an `asyncio.timeout` context per call);
+        its failure as an `EnvironmentFailure`."""
         task = asyncio.ensure_future(_contained(start))
         self._calls[session] = task
         loop = asyncio.get_running_loop()
         started = self._used[session] = loop.time()
+        expired: list[bool] = []
+        timer = None
+        if deadline is not None:
+            timer = loop.call_later(deadline, lambda: expired.append(task.cancel()))
         try:
-            async with asyncio.timeout(deadline):
-                return await task
-        except TimeoutError:
-            self._end(session)
-            raise EnvironmentFailure(
-                "timeout", f"no reply in {deadline:g}s: the call was cancelled"
-            ) from None
+            return await task
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if task.cancelled() and not (current is not None and current.cancelling()):
-                raise EnvironmentFailure("error", "cancelled: the session was closed") from None
-            raise  # this request itself is cancelled (the server stops)
+            if current is not None and current.cancelling():
+                raise  # this request itself is cancelled (the server stops)
+            if expired:
+                detail = f"no reply in {deadline:g}s: the call was cancelled"
+                raise EnvironmentFailure("timeout", detail) from None
+            raise EnvironmentFailure("error", "cancelled: the session was closed") from None
         finally:
+            if timer is not None:
+                timer.cancel()
             if self._calls.get(session) is task:
                 del self._calls[session]
             now = loop.time()
