@@ -72,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         "env-server",
         help="serve an Environment class over HTTP/JSON (task.environment.type: remote)",
         description="One Environment instance per session behind a versioned HTTP/JSON "
-        "protocol (asyncrl.environments.server). Binds to loopback unless told otherwise; it "
-        "has no auth.",
+        "protocol (asyncrl.environments.server). Every call needs the run's token "
+        "(--token-env); without one it binds to loopback only.",
     )
     env_server.add_argument("--env", required=True, help='"package.module:Class"')
     env_server.add_argument("--kwargs", default="{}", help="JSON object: the class's kwargs")
@@ -86,6 +86,25 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=1800.0,
         help="close a session no call has used for this long: its worker is gone (0: never)",
+    )
+    env_server.add_argument(
+        "--token-env",
+        default="ASYNCRL_ENV_SERVER_TOKEN",
+        metavar="NAME",
+        help="environment variable holding the run's shared secret (required off loopback)",
+    )
+    env_server.add_argument("--token-file", metavar="PATH", help="file holding it (wins)")
+    env_server.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (4 MiB)"
+    )
+    env_server.add_argument(
+        "--max-connections", type=int, default=4096, help="open connections at most"
+    )
+    env_server.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=30.0,
+        help="a request must arrive whole this soon after its first byte",
     )
 
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")

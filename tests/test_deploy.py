@@ -102,7 +102,9 @@ def test_overlay_objects_validate(rendered: tuple[str, list[dict[str, Any]]]) ->
     assert kinds == [
         "ConfigMap/asyncrl",
         "Deployment/asyncrl-rollout",
+        "NetworkPolicy/asyncrl-env-server",
         "NetworkPolicy/asyncrl-redis",
+        "NetworkPolicy/asyncrl-roles",
         "PersistentVolumeClaim/asyncrl-data",
         "PodMonitor/asyncrl",
         "PrometheusRule/asyncrl",
@@ -188,8 +190,13 @@ def test_prometheus_rule_matches_alerts_file() -> None:
     assert rule["spec"]["groups"] == alerts["groups"]
 
 
+def _rayjob_docs() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s/ray/rayjob.yaml").read_text()) if d]
+
+
 def test_rayjob() -> None:
-    job = yaml.safe_load((DEPLOY / "k8s/ray/rayjob.yaml").read_text())
+    job, policy = _rayjob_docs()
+    _validate(policy)
     assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[:2] == ["asyncrl", "launch"]
@@ -213,7 +220,10 @@ def test_docker_compose() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
     services = compose["services"]
     assert set(services) == {"redis", "trainer", "rollout", "env-server", "prometheus", "grafana"}
-    _check_env_server(services["env-server"]["command"])
+    opts = _check_env_server(services["env-server"]["command"])
+    assert opts["--token-file"] == "/run/secrets/env_server_token"
+    assert services["env-server"]["secrets"] == ["env_server_token"]
+    assert compose["secrets"]["env_server_token"] == {"environment": "ASYNCRL_ENV_SERVER_TOKEN"}
     redis = " ".join(services["redis"]["command"])
     assert "--appendonly yes" in redis and "requirepass" in redis
     assert compose["secrets"]["redis_password"] == {"environment": "ASYNCRL_REDIS_PASSWORD"}
@@ -288,14 +298,16 @@ def test_dockerfile_targets() -> None:
             assert f"!{path.rstrip('/')}" in [p.rstrip("/") for p in ignore], path
 
 
-def _check_env_server(args: list[str]) -> None:
-    """An `asyncrl env-server` command line whose class loads and takes its kwargs."""
+def _check_env_server(args: list[str]) -> dict[str, str]:
+    """An `asyncrl env-server` command line whose class loads and takes its kwargs; its
+    options."""
     from asyncrl.environments.local import check_class
 
     assert args[0] == "env-server"
     opts = dict(zip(args[1::2], args[2::2], strict=True))
     check_class(opts["--env"], [], json.loads(opts["--kwargs"]))
     assert opts["--host"] == "0.0.0.0"
+    return opts
 
 
 def test_env_server_pool_addresses_each_pod(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -308,3 +320,114 @@ def test_env_server_pool_addresses_each_pod(rendered: tuple[str, list[dict[str, 
     (container,) = pool["spec"]["template"]["spec"]["containers"]
     _check_env_server(container["args"])
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+# What each component of a deployment listens on, and how a caller authenticates (None: it
+# does not). SECURITY.md "Network endpoints" says the same in words.
+ENDPOINTS: dict[str, dict[str, str | None]] = {
+    "redis": {"6379 Redis": "password (requirepass)"},
+    "trainer": {
+        "9400 metrics and health": None,
+        "29500 torchrun rendezvous": None,
+        "29600 weight broadcast TCPStore, gloo/NCCL peers on ephemeral ports": None,
+    },
+    "rollout": {"9400 metrics and health": None, "gloo/NCCL peers on ephemeral ports": None},
+    "env-server": {"8300 sessions, /version": "run token", "8300 /health, /metrics": None},
+    "ray-head": {"6379 GCS, 8265 dashboard and Jobs API, 10001 client, 9400+ metrics": None},
+    "ray-worker": {"object store and worker ports, 9400+ metrics": None},
+}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels, matchExpressions)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        value, op = labels.get(e["key"]), e["operator"]
+        if op in ("In", "NotIn") and (value in e["values"]) != (op == "In"):
+            return False
+        if op in ("Exists", "DoesNotExist") and (value is not None) != (op == "Exists"):
+            return False
+    return True
+
+
+def _only_pods(rule: dict[str, Any]) -> bool:
+    """An ingress rule that admits only selected pods: no rule without `from` (everyone), no
+    IP block, no namespace admitted whole."""
+    peers = rule.get("from")
+    return bool(peers) and all("podSelector" in p and "ipBlock" not in p for p in peers)
+
+
+def _pod_templates(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pod template of every workload, the Ray cluster's head and worker groups too."""
+    templates = []
+    for doc in docs:
+        spec = doc.get("spec", {})
+        if doc["kind"] in ("StatefulSet", "Deployment"):
+            templates.append(spec["template"])
+        elif doc["kind"] == "RayJob":
+            cluster = spec["rayClusterSpec"]
+            templates.append(cluster["headGroupSpec"]["template"])
+            templates += [g["template"] for g in cluster["workerGroupSpecs"]]
+    return templates
+
+
+def _check_no_open_endpoint(docs: list[dict[str, Any]]) -> None:
+    policies = [
+        d["spec"]
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and "Ingress" in d["spec"].get("policyTypes", [])
+    ]
+    templates = _pod_templates(docs)
+    assert templates
+    for template in templates:
+        labels = template["metadata"]["labels"]
+        component = labels["app.kubernetes.io/component"]
+        assert component in ENDPOINTS, f"{component}: which endpoints, how authenticated?"
+        if all(auth is not None for auth in ENDPOINTS[component].values()):
+            continue
+        selecting = [p for p in policies if _selects(p["podSelector"], labels)]
+        open_ = [k for k, a in ENDPOINTS[component].items() if a is None]
+        assert selecting, f"{component}: {open_} reachable from anywhere: no NetworkPolicy"
+        for policy in selecting:
+            for rule in policy.get("ingress", []):
+                assert _only_pods(rule), f"{component}: {open_} admitted by {rule}"
+
+
+def _check_authenticated(docs: list[dict[str, Any]]) -> None:
+    """The endpoints ENDPOINTS calls authenticated are: Redis requires its password, the
+    env-server has the run's token from a Secret."""
+    for template in _pod_templates(docs):
+        component = template["metadata"]["labels"]["app.kubernetes.io/component"]
+        (container,) = template["spec"]["containers"]
+        if component == "redis":
+            assert "requirepass" in " ".join(container["args"])
+        if component == "env-server":
+            token = next(e for e in container["env"] if e["name"] == "ASYNCRL_ENV_SERVER_TOKEN")
+            assert token["valueFrom"]["secretKeyRef"]["name"] == "asyncrl-env-server"
+
+
+def test_no_unauthenticated_endpoint_is_reachable_beyond_its_pods(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Kubernetes: every pod with an endpoint that has no authentication is selected by a
+    NetworkPolicy whose every rule admits only chosen pods."""
+    _, docs = rendered
+    _check_authenticated(docs)
+    _check_no_open_endpoint(docs)
+
+
+def test_the_ray_clusters_endpoints_are_kept_to_its_pods() -> None:
+    _check_no_open_endpoint(_rayjob_docs())
+
+
+def test_compose_publishes_nothing_beyond_loopback() -> None:
+    """docker compose: the services share the project's network; nothing is published on an
+    address beyond this host, so metrics, the weight broadcast and Prometheus stay there."""
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
+    published = {
+        name: port for name, s in compose["services"].items() for port in s.get("ports", [])
+    }
+    assert published  # Prometheus and Grafana, for the operator's browser
+    for name, port in published.items():
+        assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"

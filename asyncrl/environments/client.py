@@ -10,7 +10,13 @@ Creating a session is the one call retried, on the next server (round the list, 
 one when there is one), up to `retries` times, when the server is to blame (down, full, past
 its timeout): before its first step an episode restarts freely. A step that fails is never
 retried, since the environment may have acted on it: the episode fails with a reason
-(`ENV_REASONS`) and its group is dead-lettered.
+(`ENV_REASONS`) and its group is dead-lettered. No request is ever sent twice on a connection
+that failed: a pooled connection is reused only when it is known open and was idle well within
+the server's keep-alive, and once a request is written, its failure is the call's.
+
+Every request carries the run's token (`token_file` / `token_env`) and the call's deadline
+(`timeout_s`), past which the server cancels the call and ends its session. A reply over
+`max_reply_bytes` fails the call `malformed` unread.
 
 Pools are per event loop (connections belong to the loop that opened them): each episode
 scheduler runs its own loop.
@@ -22,6 +28,7 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -35,7 +42,7 @@ from asyncrl.environments.base import (
     check_step,
     malformed,
 )
-from asyncrl.environments.server import PROTOCOL
+from asyncrl.environments.server import KEEP_ALIVE_S, PROTOCOL, TIMEOUT_HEADER, read_token
 
 if TYPE_CHECKING:
     from asyncrl.environments.config import RemoteEnvironmentConfig
@@ -43,7 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _CLOSE_TIMEOUT_S = 5.0
-
+# A pooled connection older than this is not reused: the server may be closing it just now.
+_REUSE_WITHIN_S = KEEP_ALIVE_S / 2
 
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -57,7 +65,17 @@ class _Server:
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if self.https else 80)
         self.slots = asyncio.Semaphore(n)
-        self.idle: list[_Conn] = []
+        self.idle: list[tuple[_Conn, float]] = []  # with the monotonic time it went idle
+
+    def reusable(self) -> _Conn | None:
+        """An idle connection still open and young enough, closing the others."""
+        while self.idle:
+            (reader, writer), since = self.idle.pop()
+            if reader.at_eof() or writer.is_closing() or time.monotonic() - since > _REUSE_WITHIN_S:
+                writer.close()
+                continue
+            return reader, writer
+        return None
 
 
 class RemotePool:
@@ -65,6 +83,13 @@ class RemotePool:
 
     def __init__(self, cfg: RemoteEnvironmentConfig) -> None:
         self.cfg = cfg
+        try:
+            token = read_token(cfg.token_file, cfg.token_env)
+        except OSError as exc:
+            raise ValueError(
+                f"task.environment.token_file {cfg.token_file}: {exc.strerror}"
+            ) from None
+        self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self._next = itertools.count()
         self._servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Server]] = (
             weakref.WeakKeyDictionary()
@@ -87,7 +112,8 @@ class RemotePool:
         server = self._server(url)
         data = b"" if body is None else json.dumps(body).encode()
         head = (
-            f"{method} {path} HTTP/1.1\r\nHost: {server.host}:{server.port}\r\n"
+            f"{method} {path} HTTP/1.1\r\nHost: {server.host}:{server.port}\r\n{self._auth}"
+            f"{TIMEOUT_HEADER}: {self.cfg.timeout_s}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
         )
         async with server.slots:  # waiting here is the concurrency bound, not a failure
@@ -108,47 +134,51 @@ class RemotePool:
     async def _exchange(
         self, server: _Server, url: str, path: str, request: bytes
     ) -> tuple[int, bytes]:
-        while True:
-            reused = bool(server.idle)
-            if reused:
-                conn = server.idle.pop()
-            else:
-                try:
-                    async with asyncio.timeout(self.cfg.connect_timeout_s):
-                        conn = await asyncio.open_connection(
-                            server.host, server.port, ssl=server.https or None
-                        )
-                except (OSError, TimeoutError) as exc:
-                    raise EnvironmentFailure("unavailable", f"{url}: connect: {exc!r}") from None
-            reader, writer = conn
+        conn = server.reusable()
+        if conn is None:
             try:
-                writer.write(request)
-                # A timer, not `wait_for`'s task per call (a third of the client's CPU).
-                async with asyncio.timeout(self.cfg.timeout_s):
-                    status, content, keep = await _read_reply(reader)
-            except TimeoutError:
-                writer.close()
-                raise EnvironmentFailure(
-                    "timeout", f"{url}{path}: no reply in {self.cfg.timeout_s}s"
-                ) from None
-            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                writer.close()
-                if reused and isinstance(exc, asyncio.IncompleteReadError) and not exc.partial:
-                    continue  # the server had closed this idle connection: a fresh one
-                # refused, reset, closed mid-reply: the server is gone
-                raise EnvironmentFailure("unavailable", f"{url}{path}: {exc!r}") from None
-            except BaseException:  # cancelled: the connection's state is unknown
-                writer.close()
-                raise
-            if keep:
-                server.idle.append(conn)
-            else:
-                writer.close()
-            return status, content
+                async with asyncio.timeout(self.cfg.connect_timeout_s):
+                    conn = await asyncio.open_connection(
+                        server.host, server.port, ssl=server.https or None
+                    )
+            except (OSError, TimeoutError) as exc:
+                raise EnvironmentFailure("unavailable", f"{url}: connect: {exc!r}") from None
+        reader, writer = conn
+        # From here on the server may have the request: whatever fails, it is not sent again.
+        try:
+            writer.write(request)
+            # A timer, not `wait_for`'s task per call (a third of the client's CPU).
+            async with asyncio.timeout(self.cfg.timeout_s):
+                status, content, keep = await _read_reply(reader, self.cfg.max_reply_bytes)
+        except TimeoutError:
+            writer.close()
+            raise EnvironmentFailure(
+                "timeout", f"{url}{path}: no reply in {self.cfg.timeout_s}s"
+            ) from None
+        except _TooLarge as exc:
+            writer.close()
+            raise malformed(f"{url}{path}: {exc}") from None
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            writer.close()
+            # refused, reset, closed before or mid-reply: the server is gone or failed
+            raise EnvironmentFailure("unavailable", f"{url}{path}: {exc!r}") from None
+        except BaseException:  # cancelled: the connection's state is unknown
+            writer.close()
+            raise
+        if keep:
+            server.idle.append((conn, time.monotonic()))
+        else:
+            writer.close()
+        return status, content
 
 
-async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
-    """(status, body, whether the connection stays open) of one HTTP/1.x reply."""
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_reply(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int, bytes, bool]:
+    """(status, body, whether the connection stays open) of one HTTP/1.x reply; `_TooLarge`
+    for a body over `max_bytes`, before reading it."""
     head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
     version, status = head[0].split(" ", 2)[:2]
     headers = {}
@@ -158,9 +188,14 @@ async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
             headers[name.strip().lower()] = value.strip().lower()
     keep = version == "HTTP/1.1" and headers.get("connection") != "close"
     if "content-length" in headers:
-        content = await reader.readexactly(int(headers["content-length"]))
+        size = int(headers["content-length"])
+        if size > max_bytes:
+            raise _TooLarge(f"reply of {size} bytes, over max_reply_bytes {max_bytes}")
+        content = await reader.readexactly(size)
     else:  # the body runs to the end of the connection
-        content, keep = await reader.read(), False
+        content, keep = await reader.read(max_bytes + 1), False
+        if len(content) > max_bytes:
+            raise _TooLarge(f"reply over max_reply_bytes {max_bytes}")
     return int(status), content, keep
 
 

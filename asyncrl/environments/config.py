@@ -1,6 +1,7 @@
 """Config of the environments a task's episodes talk to (`task.environment`); chosen by `type`.
 Nothing here imports torch or an HTTP client."""
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -78,6 +79,16 @@ class RemoteEnvironmentConfig(Section):
     """Further attempts, each on the next server of `urls`, when creating a session fails for
     the server's sake (down, full, timed out): an episode restarts freely before its first
     step, never after."""
+
+    token_env: str = "ASYNCRL_ENV_SERVER_TOKEN"
+    """Environment variable holding the run's env-server token (the shared secret the servers
+    were started with; sent with every call)."""
+
+    token_file: Path | None = None
+    """File holding the token (e.g. a mounted Kubernetes Secret); wins over `token_env`."""
+
+    max_reply_bytes: int = Field(default=16 << 20, ge=1)
+    """Largest reply read from a server; a larger one fails its episode (`env_malformed`)."""
 
     @field_validator("urls")
     @classmethod
