@@ -127,7 +127,7 @@ async def contained(call: Awaitable[T]) -> T:
     except BaseException as exc:
         if isinstance(exc, asyncio.CancelledError) and cancelled_by_request():
             raise
-        raise Escaped(exc) from None
+        raise Escaped(exc) from exc  # the cause keeps where user code raised it
 
 
 def malformed(detail: str) -> EnvironmentFailure:

@@ -74,6 +74,7 @@ from asyncrl.environments.base import (
     EnvironmentFailure,
     check_observation,
     check_step,
+    contained,
     malformed,
 )
 from asyncrl.environments.local import check_class
@@ -112,19 +113,18 @@ class _Refused(Exception):
 
 
 async def _contained(start: Callable[[], Awaitable[Any]]) -> Any:
-    """A call of user code whatever it raises — `SystemExit`, `KeyboardInterrupt`, a
-    `CancelledError` no one asked for — as that call's `EnvironmentFailure`: in a task such
-    exceptions would otherwise end the event loop and every session with it."""
-    try:
+    """A call of user code whatever it raises (`contained` keeps SystemExit and the like inside
+    it) as that call's `EnvironmentFailure`; a cancellation by the server (a close, a deadline,
+    shutdown) passes."""
+
+    async def call() -> Any:
         return await start()
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise  # cancelled by the server: a close, a deadline, shutdown
-        raise EnvironmentFailure("error", _trace()) from None
+
+    try:
+        return await contained(call())
     except EnvironmentFailure:
         raise
-    except BaseException:
+    except Exception:
         raise EnvironmentFailure("error", _trace()) from None
 
 
