@@ -3,8 +3,8 @@
 Same endpoints and JSON shapes as an SGLang 0.5.23 server, so the SGLang engine client, the
 SGLang weight publisher, SGLang's own client code (`RuntimeEndpoint`, the `sgl.function`
 frontend) and the `openai` package can be run against it on a CPU. The endpoints are the
-`ROUTES` table: /generate (`asyncrl.sglang.native`: text or ids, batches, `n`, stop strings and
-ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.sglang.openai_api`),
+`ROUTES` table: /generate (`asyncrl.serve.native`: text or ids, batches, `n`, stop strings and
+ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.serve.openai_api`),
 /health, /health_generate, /model_info and /server_info (and their deprecated names /get_*),
 /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
 /update_weights_from_distributed, /update_weights_from_disk, /destroy_weights_update_group,
@@ -55,8 +55,8 @@ from asyncrl import __version__
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.sglang import native, openai_api
-from asyncrl.sglang.native import ApiError, Body, Job, Output, Spec
+from asyncrl.serve import native, openai_api
+from asyncrl.serve.native import ApiError, Body, Job, Output, Spec
 from asyncrl.sglang.publisher import broadcast_tensors, join_update_group
 
 log = logging.getLogger(__name__)

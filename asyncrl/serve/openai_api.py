@@ -1,6 +1,6 @@
 """OpenAI-compatible `/v1/models`, `/v1/completions` and `/v1/chat/completions` for `asyncrl serve`.
 
-Requests become the same jobs as SGLang's native `/generate` (`asyncrl.sglang.native`), with
+Requests become the same jobs as SGLang's native `/generate` (`asyncrl.serve.native`), with
 OpenAI's names mapped onto SGLang's (`max_tokens` → `max_new_tokens`, `min_tokens` →
 `min_new_tokens`) and SGLang's extensions accepted as its OpenAI server does (`top_k`,
 `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`). Chat prompts are made
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.sglang.native import (
+from asyncrl.serve.native import (
     ApiError,
     Body,
     Job,
