@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return status_main(_load(args), as_json=args.json)
         if args.command == "serve":
-            from asyncrl.sglang.server import main as serve_main
+            from asyncrl.serve.server import main as serve_main
 
             return serve_main(args)
         if args.command == "env-server":

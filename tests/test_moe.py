@@ -30,11 +30,11 @@ from asyncrl.protocol import (
     decode_group,
     encode_group,
 )
+from asyncrl.serve.native import ApiError, Model, parse_generate
+from asyncrl.serve.server import make_server
 from asyncrl.sglang.client import RequestFailure
 from asyncrl.sglang.config import SglangEngineConfig
 from asyncrl.sglang.engine import SglangEngine, parse_routed_experts
-from asyncrl.sglang.native import ApiError, Model, parse_generate
-from asyncrl.sglang.server import make_server
 from asyncrl.trainer.batch import collate, group_rows
 from asyncrl.trainer.step import token_logprobs, train_step
 

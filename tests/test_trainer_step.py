@@ -353,3 +353,39 @@ def test_a_non_finite_step_is_skipped_and_overflowing_weights_are_caught() -> No
     with torch.no_grad():
         list(model.parameters())[-1].view(-1)[0] = float("nan")
     assert not weights_finite(model)
+
+
+def test_the_step_record_takes_the_steps_figures_by_field() -> None:
+    """Each `StepStats` field named as a `StepRecord` figure (or naming one in its metadata) is
+    that figure of the record with no copy in the loop; the quantiles give the p50/p90/p99."""
+    import dataclasses
+
+    from asyncrl.algo.mismatch import MismatchTable
+    from asyncrl.metrics.record import StepRecord
+    from asyncrl.trainer.step import StepStats
+
+    stats = StepStats(
+        loss=0.25,
+        grad_norm=1.5,
+        tokens=1200,
+        clip_fraction=0.1,
+        behaviour_weight_mean=0.98,
+        behaviour_weight_capped_fraction=0.01,
+        logprob_abs_diff_lag0=0.003,
+        lag0_tokens=40,
+        weight_quantiles=(1.0, 1.2, 1.9),
+        processed_tokens=5000,
+        mismatch=MismatchTable.empty(),
+        audit=MismatchTable.empty(),
+        skipped=True,
+    )
+    record = dataclasses.asdict(StepRecord(step=3, **stats.figures()))
+    renamed = {"logprob_abs_diff_lag0": "behaviour_logprob_abs_diff_lag0"}
+    renamed |= {"skipped": "skipped_nonfinite"}
+    for name in ("loss", "grad_norm", "tokens", "clip_fraction", "lag0_tokens", *renamed):
+        assert record[renamed.get(name, name)] == getattr(stats, name), name
+    assert record["behaviour_weight_mean"] == 0.98
+    assert record["behaviour_weight_capped_fraction"] == 0.01
+    quantiles = (record[f"behaviour_weight_p{q}"] for q in (50, 90, 99))
+    assert tuple(quantiles) == (1.0, 1.2, 1.9)
+    assert "processed_tokens" not in record and record["audit_tokens"] is None

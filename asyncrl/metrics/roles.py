@@ -48,7 +48,8 @@ class RoleMetrics:
     A metric with a label of its own is a dict keyed by the label value
     (`trajectories_dropped[reason]`, `time_seconds[phase]`, ...); an unknown value is a
     KeyError, not a new series. Each attribute is bound from its `table.METRICS` row on first
-    access; the annotations below only give them their types.
+    access; the annotations below only give them their types, so a metric that only step
+    records set (`observe_step`, by its `Metric.step_sources`) needs none.
     """
 
     policy_version: Gauge
@@ -59,24 +60,13 @@ class RoleMetrics:
     queue_pending: dict[str, Gauge]
     queue_dead_letter: Gauge
     staleness: Histogram
-    behaviour_weight_p50: Gauge
-    behaviour_weight_p90: Gauge
-    behaviour_weight_p99: Gauge
-    behaviour_weight_mean: Gauge
-    behaviour_weight_capped_fraction: Gauge
-    clip_fraction: Gauge
-    reward_mean: Gauge
     eval_accuracy: Gauge
     tokens_generated: Counter
     prompt_tokens: dict[str, Counter]
     rollout_tokens_per_second: Gauge
-    train_step_seconds: Histogram
     train_steps: Counter
-    train_steps_skipped: Counter
-    trainer_mfu: Gauge
     weight_sync_seconds: Histogram
     weight_sync_bytes: Counter
-    weight_publish_blocking_seconds: Histogram
     weight_sync_rebuilds: Counter
     time_seconds: dict[str, Counter]
     redis_up: Gauge
@@ -84,9 +74,6 @@ class RoleMetrics:
     workers_live: dict[str, Gauge]
     run_groups: dict[str, Gauge]
     staleness_bound: Gauge
-    logprob_mismatch: dict[str, Gauge]
-    importance_ratio_mean: Gauge
-    audit_logprob_abs_diff: Histogram
     environment_errors: dict[str, Counter]
     rollout_groups_failed: dict[str, Counter]
     rollout_groups_dropped_stale: Counter
@@ -94,7 +81,6 @@ class RoleMetrics:
     env_server_requests: dict[str, Counter]
     env_server_call_seconds: Histogram
     env_server_sessions_closed_idle: Counter
-    routing_agreement: dict[str, Gauge]
     tool_calls: dict[str, Counter]
 
     def __init__(self, role: str, worker: str) -> None:
@@ -175,4 +161,9 @@ class RoleMetrics:
 
 
 _STEP_METRICS = tuple(m for m in METRICS if m.step_sources)
-assert set(RoleMetrics.__annotations__) == set(_BY_ATTR), "RoleMetrics types ≠ table.METRICS"
+assert set(RoleMetrics.__annotations__) <= set(_BY_ATTR), (
+    "RoleMetrics types a metric not in METRICS"
+)
+assert {m.attr for m in METRICS if not m.step_sources} <= set(RoleMetrics.__annotations__), (
+    "a metric that no step record sets has no type on RoleMetrics"
+)

@@ -3,7 +3,7 @@
 The families (`roles.REGISTRY`), the role bindings (`roles.RoleMetrics`), what a step record
 sets (`RoleMetrics.observe_step`) and `docs/metrics.md` (`tools/gen_dashboard.py`) are all
 generated from `METRICS`; adding a metric is adding a row (and its typed attribute on
-`RoleMetrics`).
+`RoleMetrics`, unless only step records set it).
 
 Naming: prefix `asyncrl_`, base units (seconds, bytes), counters end in `_total`, no colons.
 Every series carries `role` (trainer, rollout, launcher) and `worker` (trainer rank or rollout

@@ -1,2 +1,2 @@
-"""Everything that knows SGLang: its config, HTTP client, engine, weight publisher and the CPU
-stand-in server behind `asyncrl serve`. Nothing here imports SGLang itself."""
+"""Everything that knows SGLang: its config, HTTP client, engine and weight publisher. Nothing here
+imports SGLang itself. The CPU stand-in server behind `asyncrl serve` is `asyncrl.serve`."""

@@ -22,7 +22,7 @@ import logging
 import signal
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from asyncrl.algo.mismatch import LOW_PROB, audit_table, summarise
 from asyncrl.lease import LeaseLost
@@ -323,11 +323,11 @@ class Trainer:
         lr: float,
         timing: tuple[float, float, float],
     ) -> StepRecord:
-        """The step's figures; `timing`: the step's seconds, the seconds spent collecting its
-        groups (idle time when the rollouts are the bottleneck), and those its publish blocked."""
+        """The loop's figures of the step, and those `train_step` measured (`StepStats.figures`);
+        `timing`: the step's seconds, the seconds spent collecting its groups (idle time when the
+        rollouts are the bottleneck), and those its publish blocked."""
         step_seconds, wait_seconds, blocking = timing
         rewards = [s.reward for g in groups for s in g.samples]
-        p50, p90, p99 = stats.weight_quantiles or (None, None, None)
         peak = self.cfg.trainer.peak_flops
         mfu = None
         if peak:
@@ -338,34 +338,16 @@ class Trainer:
             version=self.version,
             wall_seconds=round(self.wall_seconds(), 3),
             groups=len(groups) * self.ranks.size,
-            tokens=stats.tokens,
             reward_mean=sum(rewards) / max(len(rewards), 1),
             staleness_mean=sum(staleness) / max(len(staleness), 1),
             staleness_max=max(staleness, default=0),
-            behaviour_weight_mean=stats.behaviour_weight_mean,
-            behaviour_weight_capped_fraction=stats.behaviour_weight_capped_fraction,
-            clip_fraction=stats.clip_fraction,
-            behaviour_logprob_abs_diff_lag0=stats.logprob_abs_diff_lag0,
-            lag0_tokens=stats.lag0_tokens,
-            loss=stats.loss,
-            grad_norm=stats.grad_norm,
             lr=lr,
-            skipped_nonfinite=stats.skipped,
             step_seconds=step_seconds,
             wait_seconds=wait_seconds,
             weight_publish_blocking_seconds=blocking,
             weight_sync_seconds=self.state.last_sync_seconds,
-            behaviour_weight_p50=p50,
-            behaviour_weight_p90=p90,
-            behaviour_weight_p99=p99,
             mfu=mfu,
-            mismatch_logprob_abs_diff=stats.mismatch.abs_diff_mean(),
-            mismatch_ratio_mean=stats.mismatch.ratio_mean(),
-            audit_tokens=stats.audit.tokens or None,
-            audit_logprob_abs_diff=stats.audit.abs_diff_mean(),
-            audit_logprob_abs_diff_low_prob=stats.audit.abs_diff_mean(low_prob=True),
-            audit_logprob_abs_diff_high_prob=stats.audit.abs_diff_mean(low_prob=False),
-            **_routing_fields(stats),
+            **stats.figures(),
         )
 
     def _mismatch_line(self, stats: StepStats) -> dict[str, object]:
@@ -477,17 +459,3 @@ class Trainer:
 
 def run_trainer(cfg: Config) -> int:
     return Trainer(cfg).run()
-
-
-def _routing_fields(stats: StepStats) -> dict[str, Any]:
-    """The step line's routing-agreement figures; none for a dense model or without a recorded
-    routing."""
-    routing = stats.routing
-    if routing is None or not routing.tokens:
-        return {}
-    return {
-        "routing_tokens": routing.tokens,
-        "routing_agreement": routing.mean(),
-        "routing_agreement_router": routing.mean(router=True),
-        "routing_agreement_worst_layer": routing.worst_layer(),
-    }

@@ -25,7 +25,7 @@ skips together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -45,20 +45,33 @@ from asyncrl.algo.mismatch import (
 from asyncrl.engines.routing import moe_shape, routing_hooks
 from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
 from asyncrl.lora import adapter_disabled
+from asyncrl.metrics.record import StepRecord
 from asyncrl.trainer.batch import MicroBatch, Row, collate
 from asyncrl.trainer.packing import pack_microbatches
 from asyncrl.trainer.parallel import global_value, is_sharded
 
 
+def _as(record_field: str) -> Any:
+    """Field metadata: the `StepRecord` figure a `StepStats` field becomes, under another name."""
+    return {"record": record_field}
+
+
+_RECORD_FIELDS = {f.name for f in fields(StepRecord)}
+
+
 @dataclass
 class StepStats:
+    """What one optimizer step measured. A field named as a `StepRecord` figure (or naming one in
+    its metadata, `_as`) is that figure of the step's record, by field: a new figure is a field
+    here and there (and a row in `metrics.table` to export it)."""
+
     loss: float
     grad_norm: float
     tokens: int
     clip_fraction: float
     behaviour_weight_mean: float
     behaviour_weight_capped_fraction: float
-    logprob_abs_diff_lag0: float | None
+    logprob_abs_diff_lag0: float | None = field(metadata=_as("behaviour_logprob_abs_diff_lag0"))
     lag0_tokens: int
     weight_quantiles: tuple[float, float, float] | None
     """p50/p90/p99 of the behaviour weights of this rank's trained tokens; None without any."""
@@ -68,10 +81,40 @@ class StepStats:
     """Trainer (π_prox) against behaviour log-probs of the trained tokens, every lag, all ranks."""
     audit: MismatchTable
     """The workers' audit (`audited`) against behaviour log-probs: lag 0 only, all ranks."""
-    skipped: bool = False
+    skipped: bool = field(default=False, metadata=_as("skipped_nonfinite"))
     """The loss or the gradient norm was not finite: the optimizer did not step."""
     routing: RoutingAgreement | None = None
     """Rollout against trainer routing per MoE layer, all ranks; None for a dense model."""
+
+    def figures(self) -> dict[str, Any]:
+        """The step record's figures this step measured: its fields by their record name, then
+        those derived from the weight quantiles and the tables."""
+        named = {f.metadata.get("record", f.name): getattr(self, f.name) for f in fields(self)}
+        p50, p90, p99 = self.weight_quantiles or (None, None, None)
+        return {k: v for k, v in named.items() if k in _RECORD_FIELDS} | {
+            "behaviour_weight_p50": p50,
+            "behaviour_weight_p90": p90,
+            "behaviour_weight_p99": p99,
+            "mismatch_logprob_abs_diff": self.mismatch.abs_diff_mean(),
+            "mismatch_ratio_mean": self.mismatch.ratio_mean(),
+            "audit_tokens": self.audit.tokens or None,
+            "audit_logprob_abs_diff": self.audit.abs_diff_mean(),
+            "audit_logprob_abs_diff_low_prob": self.audit.abs_diff_mean(low_prob=True),
+            "audit_logprob_abs_diff_high_prob": self.audit.abs_diff_mean(low_prob=False),
+            **self._routing_figures(),
+        }
+
+    def _routing_figures(self) -> dict[str, Any]:
+        """None for a dense model or without a recorded routing."""
+        routing = self.routing
+        if routing is None or not routing.tokens:
+            return {}
+        return {
+            "routing_tokens": routing.tokens,
+            "routing_agreement": routing.mean(),
+            "routing_agreement_router": routing.mean(router=True),
+            "routing_agreement_worst_layer": routing.worst_layer(),
+        }
 
 
 def token_logprobs(

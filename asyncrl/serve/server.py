@@ -3,8 +3,8 @@
 Same endpoints and JSON shapes as an SGLang 0.5.23 server, so the SGLang engine client, the
 SGLang weight publisher, SGLang's own client code (`RuntimeEndpoint`, the `sgl.function`
 frontend) and the `openai` package can be run against it on a CPU. The endpoints are the
-`ROUTES` table: /generate (`asyncrl.sglang.native`: text or ids, batches, `n`, stop strings and
-ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.sglang.openai_api`),
+`ROUTES` table: /generate (`asyncrl.serve.native`: text or ids, batches, `n`, stop strings and
+ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.serve.openai_api`),
 /health, /health_generate, /model_info and /server_info (and their deprecated names /get_*),
 /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
 /update_weights_from_distributed, /update_weights_from_disk, /destroy_weights_update_group,
@@ -28,6 +28,9 @@ Where it differs from SGLang, by design of the builtin engine:
   path, a name never loaded is refused). Requests of different adapters take turns.
 - One request is generated at a time (the engine serialises `generate`); concurrent requests
   queue. It serves tests and small models, not throughput.
+- Requests are bounded beyond the model's context, each a 400 naming the key: `n` (`native.MAX_N`),
+  prompts × `n` (`native.MAX_JOBS`), chat messages (`openai_api.MAX_MESSAGES`); a body over
+  `MAX_BODY_BYTES` is a 413, refused unread.
 
 Binds to loopback by default: the API can replace the model's weights and has no auth.
 """
@@ -49,14 +52,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from asyncrl import __version__
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.sglang import native, openai_api
-from asyncrl.sglang.native import ApiError, Body, Job, Output, Spec
+from asyncrl.serve import native, openai_api
+from asyncrl.serve.native import ApiError, Body, Job, Output, Spec
 from asyncrl.sglang.publisher import broadcast_tensors, join_update_group
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,9 @@ API_VERSION = "0.5.23"
 """The SGLang release whose HTTP API this server implements (pause modes included)."""
 PAUSE_MODES = ("abort", "retract", "in_place")
 GROUP_TIMEOUT = timedelta(seconds=60)
+MAX_BODY_BYTES = 32 << 20
+"""The largest request body read: a batch of long prompts fits many times over (weights never
+travel in a body), and parsing one costs a few hundred MB at most."""
 
 
 class _Aborted(Exception):
@@ -74,7 +81,7 @@ class _Aborted(Exception):
 def _version(raw: Any) -> int:
     try:
         return int(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: JSON's Infinity
         raise ApiError(f"weight_version {raw!r} is not an integer") from None
 
 
@@ -233,9 +240,14 @@ class ServeApp:
             backend = str(body.get("backend", "nccl"))
             if backend != "gloo":
                 raise ApiError(f"backend {backend!r}: this CPU server joins gloo groups only")
-            host, port = str(body["master_address"]), int(body["master_port"])
-        except (KeyError, TypeError, ValueError) as exc:
+            host, port = body["master_address"], int(body["master_port"])
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ApiError(f"bad init_weights_update_group request: {exc!r}") from None
+        if not isinstance(host, str) or not 0 < port < 1 << 16:
+            raise ApiError(
+                f"master_address {host!r}, master_port {port}: a host name and a TCP port",
+                "master_address" if not isinstance(host, str) else "master_port",
+            )
         # The store client retries a refused connection for over twice its timeout (past two
         # minutes here), holding the request: look first, so that a trainer that is gone is
         # answered at once and an unreachable one after the timeout, each with a clear error.
@@ -294,7 +306,10 @@ class ServeApp:
             raise ApiError(f"{path} holds no safetensors files")
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
-            tensors.update(load_file(f))
+            try:
+                tensors.update(load_file(f))
+            except (OSError, SafetensorError) as exc:
+                raise ApiError(f"cannot load {f}: {exc}", "model_path") from None
         self._stage(tensors, version)
         return {
             "success": True,
@@ -341,6 +356,8 @@ class ServeApp:
 
     def unload_lora_adapter(self, body: Body) -> dict[str, Any]:
         name = body.get("lora_name")
+        if not isinstance(name, str):
+            raise ApiError("unload_lora_adapter needs lora_name", "lora_name")
         with self._adapter_lock:
             if name not in self._adapters:
                 raise ApiError(
@@ -430,24 +447,42 @@ class _Handler(BaseHTTPRequestHandler):
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
         openai = path.startswith("/v1/")
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
         try:
-            body = json.loads(raw) if raw.strip() else {}
-            if not isinstance(body, dict):
-                raise ApiError("the request body must be a JSON object")
+            body = self._body()
             route = ROUTES.get(path)
             if route is None:
                 self._reply(HTTPStatus.NOT_FOUND, _error("Not Found", 404, None, openai))
             else:
                 self._reply(HTTPStatus.OK, route(app, body))
         except ApiError as exc:
-            self._reply(HTTPStatus.BAD_REQUEST, _error(str(exc), 400, exc.param, openai))
+            self._reply(exc.status, _error(str(exc), exc.status, exc.param, openai))
         except ValueError as exc:  # JSON that does not parse, a value the engine refuses
             self._reply(HTTPStatus.BAD_REQUEST, _error(str(exc), 400, None, openai))
         except Exception as exc:  # a bug must answer 500, never take the server down
             log.exception("%s failed", path)
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, _error(repr(exc), 500, None, openai))
+
+    def _body(self) -> Body:
+        """The request's JSON object (`{}` without a body), read only when its length is below
+        `MAX_BODY_BYTES`: a larger one is refused unread."""
+        header = self.headers.get("Content-Length") or "0"
+        if not header.isdecimal():  # no sign, no spaces
+            raise ApiError(f"Content-Length {header!r} is not a byte count", "Content-Length")
+        length = int(header)
+        if length > MAX_BODY_BYTES:
+            raise ApiError(
+                f"the request body ({length} bytes) is over {MAX_BODY_BYTES} bytes",
+                "Content-Length",
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            )
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except RecursionError:
+            raise ApiError("the request body nests too deeply") from None
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        return body
 
     def _reply(self, status: HTTPStatus, obj: Any) -> None:
         if isinstance(obj, Stream):
@@ -483,10 +518,10 @@ class _Handler(BaseHTTPRequestHandler):
 def _error(message: str, code: int, param: str | None, openai: bool) -> dict[str, Any]:
     """OpenAI's error body under /v1, else SGLang's (its `ErrorResponse`)."""
     kind = (
-        "invalid_request_error"
-        if code == 400
-        else "not_found_error"
+        "not_found_error"
         if code == 404
+        else "invalid_request_error"
+        if code < 500
         else "server_error"
     )
     if openai:

@@ -26,6 +26,7 @@ import base64
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from http import HTTPStatus
 from typing import Any
 
 import torch
@@ -97,14 +98,22 @@ SAMPLING_NEUTRAL: dict[str, Any] = {
     "spaces_between_special_tokens": True,
 }
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+MAX_N = 128
+"""The most copies (`n`) of each prompt a request may ask for (OpenAI's bound)."""
+MAX_JOBS = 1024
+"""The most generations (prompts × `n`) one request may ask for: a request's jobs are held, and
+those of one sampling generated as one batch, until all are done."""
 
 
 class ApiError(Exception):
-    """A request the server refuses: HTTP 400; `param` names the offending key."""
+    """A request the server refuses: HTTP 400 (or `status`); `param` names the offending key."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST
+    ) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 def refuse_unknown(body: Body, known: set[str], neutral: dict[str, Any], where: str) -> None:
@@ -268,8 +277,8 @@ def build_spec(raw: Body, model: Model, names: dict[str, str] | None = None) -> 
         raise bad("top_k", "must be -1 (disabled) or at least 1")
     if not 0 <= min_new <= max_new:
         raise bad("min_new_tokens", f"must be between 0 and max_new_tokens ({max_new})")
-    if n < 1:
-        raise bad("n", "must be at least 1")
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"must be between 1 and {MAX_N}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stops):
         raise bad("stop", "must be a string or a list of non-empty strings")
@@ -292,12 +301,25 @@ def build_spec(raw: Body, model: Model, names: dict[str, str] | None = None) -> 
     return spec, n
 
 
-def check_length(model: Model, prompt: list[int], spec: Spec) -> None:
-    if model.max_positions is not None and len(prompt) + spec.max_new_tokens > model.max_positions:
+def check_length(
+    model: Model, prompt: list[int], spec: Spec, key: str, max_key: str = "max_new_tokens"
+) -> None:
+    """400 for a prompt (sent as `key`) and `max_key` that do not fit the model's context,
+    naming the prompt if it alone leaves no room for a token."""
+    room = model.max_positions
+    if room is not None and len(prompt) + spec.max_new_tokens > room:
         raise ApiError(
-            f"prompt ({len(prompt)} tokens) + max_new_tokens ({spec.max_new_tokens}) exceed "
-            f"the model's context of {model.max_positions} tokens",
-            "max_new_tokens",
+            f"prompt ({len(prompt)} tokens) + {max_key} ({spec.max_new_tokens}) exceed "
+            f"the model's context of {room} tokens",
+            key if len(prompt) >= room else max_key,
+        )
+
+
+def check_jobs(prompts: int, n: int, key: str) -> None:
+    """400 naming the prompts' key for a request of more than `MAX_JOBS` generations."""
+    if prompts * n > MAX_JOBS:
+        raise ApiError(
+            f"{key}: {prompts} prompts × n = {n} is over {MAX_JOBS} generations a request", key
         )
 
 
@@ -314,11 +336,13 @@ def parse_generate(body: Body, model: Model) -> GenerateRequest:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ApiError("send exactly one of text and input_ids", "text")
+    key = "text" if text is not None else "input_ids"
     if text is not None:
         single = isinstance(text, str)
         texts = [text] if single else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise ApiError("text: a string or a non-empty list of strings", "text")
+        check_jobs(len(texts), 1, "text")  # before any is tokenized
         prompts = [model.encode(t, "text") for t in texts]
     else:
         if not isinstance(ids, list) or not ids:
@@ -336,6 +360,7 @@ def parse_generate(body: Body, model: Model) -> GenerateRequest:
     n = specs[0][1]
     if any(k != n for _, k in specs):
         raise ApiError("sampling_params: n must be the same for every prompt", "n")
+    check_jobs(len(prompts), n, key)
     logprobs = None
     if typed(body, "return_logprob", bool, False, "return_logprob"):
         start = typed(body, "logprob_start_len", int, -1, "logprob_start_len")
@@ -366,7 +391,7 @@ def parse_generate(body: Body, model: Model) -> GenerateRequest:
         raise ApiError("lora_path: an adapter name, or one (or null) per prompt", "lora_path")
     jobs = []
     for prompt, (spec, _), rid, lora in zip(prompts, specs, rid_list, lora_list, strict=True):
-        check_length(model, prompt, spec)
+        check_length(model, prompt, spec, key)
         jobs += [Job(prompt, spec, logprobs, request_id(rid, j, n), lora, routed) for j in range(n)]
     stream = typed(body, "stream", bool, False, "stream")
     return GenerateRequest(jobs, single and n == 1, stream)

@@ -1,6 +1,6 @@
 """OpenAI-compatible `/v1/models`, `/v1/completions` and `/v1/chat/completions` for `asyncrl serve`.
 
-Requests become the same jobs as SGLang's native `/generate` (`asyncrl.sglang.native`), with
+Requests become the same jobs as SGLang's native `/generate` (`asyncrl.serve.native`), with
 OpenAI's names mapped onto SGLang's (`max_tokens` → `max_new_tokens`, `min_tokens` →
 `min_new_tokens`) and SGLang's extensions accepted as its OpenAI server does (`top_k`,
 `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`). Chat prompts are made
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.sglang.native import (
+from asyncrl.serve.native import (
     ApiError,
     Body,
     Job,
@@ -24,6 +24,7 @@ from asyncrl.sglang.native import (
     Model,
     Output,
     build_spec,
+    check_jobs,
     check_length,
     prefixes,
     refuse_unknown,
@@ -77,6 +78,8 @@ CHAT_NEUTRAL = COMMON_NEUTRAL | {
 }
 # Our key (SGLang's native name) → the request's own.
 NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+MAX_MESSAGES = 4096
+"""The most messages a chat request may hold: refused before the chat template renders them."""
 
 
 @dataclass(frozen=True)
@@ -120,10 +123,12 @@ def _request(
     chat: bool,
 ) -> OpenAIRequest:
     spec, n = build_spec(raw, model, NAMES)
+    key = "messages" if chat else "prompt"
+    check_jobs(len(prompts), n, key)
     ask = None if logprobs is None else Logprobs(None, logprobs, True)
     jobs = []
     for prompt in prompts:
-        check_length(model, prompt, spec)
+        check_length(model, prompt, spec, key, NAMES["max_new_tokens"])
         jobs += [Job(prompt, spec, ask, request_id(None, j, n)) for j in range(n)]
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -144,6 +149,7 @@ def parse_completion(body: Body, model: Model) -> OpenAIRequest:
     if isinstance(prompt, str):
         prompts = [model.encode(prompt, "prompt")]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        check_jobs(len(prompt), 1, "prompt")  # before any is tokenized
         prompts = [model.encode(p, "prompt") for p in prompt]
     elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         prompts = [model.check_ids(prompt, "prompt")]
@@ -176,6 +182,8 @@ def parse_chat(body: Body, model: Model) -> OpenAIRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages: a non-empty list", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(f"messages: {len(messages)} is over {MAX_MESSAGES}", "messages")
     tokenizer = model.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError("the model's tokenizer has no chat template", "messages")
@@ -192,9 +200,9 @@ def parse_chat(body: Body, model: Model) -> OpenAIRequest:
         raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     raw = _sampling(body, max_tokens, None)
-    if raw["max_new_tokens"] is None:
-        room = None if model.max_positions is None else model.max_positions - len(prompt)
-        raw["max_new_tokens"] = room
+    if raw["max_new_tokens"] is None and model.max_positions is not None:
+        # The default is what the context leaves; none left is the prompt's fault.
+        raw["max_new_tokens"] = max(model.max_positions - len(prompt), 0)
     return _request(body, [prompt], raw, logprobs, model, chat=True)
 
 
