@@ -37,7 +37,8 @@ KEYS = Keys(RUN_ID)
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory: pytest.TempPathFactory, random_model: Path) -> dict[str, Any]:
     return run_chaos(
-        seconds=100,
+        # The run ends after FAULTS faults; `seconds` only caps a run that stalls.
+        seconds=400,
         workers=3,
         seed=0,
         workdir=tmp_path_factory.mktemp("chaos"),
