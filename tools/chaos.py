@@ -3,12 +3,15 @@ that nothing was lost or trained twice (DESIGN §9; figures in docs/reliability.
 
     python tools/chaos.py --seconds 120 --workers 3 [--trainer-ranks 1] --seed 0
     python tools/chaos.py --seconds 120 --workers 1   # a lone worker: the shape that deadlocked
+    python tools/chaos.py --faults 120 --task agentic  # multi-turn episodes behind a tool
 
 It runs a local cluster of real processes — its own redis-server (AOF with `appendfsync always`),
 one trainer (under torchrun for several ranks) and `--workers` rollout workers on an untrained
 tiny model — with settings that make every recovery path fast: heartbeat TTL 2 s, `claim_idle_s`
-1 s, a checkpoint every 2 steps, reconnect backoff capped at 1 s. It injects one fault at a time,
-dealt from shuffled decks (`--deck`, default 4 worker, 2 trainer, 2 redis), so kinds always mix:
+1 s, a checkpoint every 2 steps, reconnect backoff capped at 1 s. `--task agentic` runs 3-turn
+episodes behind a tool (`TASKS`) instead of single-turn ones: episodes span several versions, so
+workers give groups up mid-episode as sure to be stale. It injects one fault at a time, dealt
+from shuffled decks (`--deck`, default `DECK`), so kinds always mix:
 
 - `worker`: SIGKILL a rollout worker that is generating; restart it at once, half the time under
   its id (it re-reads its own pending prompts), half under a new one (the dead id's prompts are
@@ -22,7 +25,12 @@ dealt from shuffled decks (`--deck`, default 4 worker, 2 trainer, 2 redis), so k
   entries on the trajectories stream (plain redis-py), hold it full 2-4 s, then lift the limit;
 - `hostile`: add entries an outsider could write, built with plain msgpack: groups of prompts
   never released, a real trajectory entry added again, a group with no samples, out-of-vocabulary
-  and negative token ids, undecodable bytes, and prompts that admission never released.
+  and negative token ids, undecodable bytes, and prompts that admission never released;
+- `freeze`: SIGSTOP a rollout worker that holds prompts past its heartbeat, until the others
+  have taken every one of them over (`takeover`: a violation if they do not), then SIGCONT it.
+  It wakes between turns of episodes no longer its own: every late result of it (a group, a
+  dead letter, a stale drop) must be refused; the summary's `late_results_refused` counts the
+  refused acks.
 
 After each fault it waits for progress — the trainer finishing a step and writing it to Redis —
 before the next one; none within `--progress-timeout-s` ends the run as a violation. It stops
@@ -33,12 +41,13 @@ checks, with every role stopped:
 - `roles_survive`: no role exited unless killed (roles ride out Redis restarts); such a role is
   restarted, and its exit reported with the asyncrl frames of its traceback;
 - `balanced`: released = trained + dropped stale + dead-lettered + lost + in flight;
-- `nothing_lost`: every prompt entry became exactly one trajectory entry, a dead letter, or is
-  still queued — or was queued when Redis lost its data (`redis_empty`); without such a loss,
-  every acked trajectory entry is counted once as trained, dropped or dead-lettered and
-  `groups_published` equals the trajectory entries. Streams are not trimmed in this run, so the
-  whole history can be read back (trimming has its tests in tests/test_queue.py), segment by
-  segment where Redis restarted empty;
+- `nothing_lost`: every prompt entry became exactly one trajectory entry, a dead letter, a group
+  its worker gave up as sure to be stale (acked with neither, counted `groups_dropped_stale`),
+  or is still queued — or was queued when Redis lost its data (`redis_empty`); checked by count
+  where entries leave no trace (`account`). Without such a loss `groups_published` equals the
+  trajectory entries. Streams are not trimmed in this run, so the whole history can be read back
+  (trimming has its tests in tests/test_queue.py), segment by segment where Redis restarted
+  empty. The summary's `ended` splits the groups by how they ended;
 - `hostile`: every entry the tool added as an outsider is dead-lettered with a reason its kind
   allows (or was still queued when Redis lost its data), never trained, and counted
   `entries_rejected`, not as a dead-lettered group;
@@ -475,7 +484,8 @@ class Ledger:
 
     def ended(self, final: Counters) -> dict[str, Any]:
         """Every way a released group ended, by the final counters: trained, dropped stale by
-        the trainer or by a worker, dead-lettered (by reason), lost with Redis's data."""
+        the trainer or by a worker (after a loss of Redis's data, with any dead letter a full
+        Redis refused to record), dead-lettered, lost with Redis's data."""
         by_workers = self.untraced - self.unrecorded_dead_letters
         return {
             "trained": final.groups_trained,
@@ -541,10 +551,8 @@ def account(
                 0, c.groups_dead_lettered - len(dead[prompts]) - len(dead[trajectories])
             )
         else:
-            ended, counted = (
-                untraced,
-                min(untraced, c.groups_dropped_stale + c.groups_dead_lettered),
-            )
+            ended = untraced
+            counted = min(untraced, c.groups_dropped_stale + c.groups_dead_lettered)
         if ended != counted:
             ledger.lost += max(0, ended - counted)
             ledger.violations.append(
