@@ -3,12 +3,15 @@ that nothing was lost or trained twice (DESIGN §9; figures in docs/reliability.
 
     python tools/chaos.py --seconds 120 --workers 3 [--trainer-ranks 1] --seed 0
     python tools/chaos.py --seconds 120 --workers 1   # a lone worker: the shape that deadlocked
+    python tools/chaos.py --faults 120 --task agentic  # multi-turn episodes behind a tool
 
 It runs a local cluster of real processes — its own redis-server (AOF with `appendfsync always`),
 one trainer (under torchrun for several ranks) and `--workers` rollout workers on an untrained
 tiny model — with settings that make every recovery path fast: heartbeat TTL 2 s, `claim_idle_s`
-1 s, a checkpoint every 2 steps, reconnect backoff capped at 1 s. It injects one fault at a time,
-dealt from shuffled decks (`--deck`, default 4 worker, 2 trainer, 2 redis), so kinds always mix:
+1 s, a checkpoint every 2 steps, reconnect backoff capped at 1 s. `--task agentic` runs 3-turn
+episodes behind a tool (`TASKS`) instead of single-turn ones: episodes span several versions, so
+workers give groups up mid-episode as sure to be stale. It injects one fault at a time, dealt
+from shuffled decks (`--deck`, default `DECK`), so kinds always mix:
 
 - `worker`: SIGKILL a rollout worker that is generating; restart it at once, half the time under
   its id (it re-reads its own pending prompts), half under a new one (the dead id's prompts are
@@ -22,7 +25,12 @@ dealt from shuffled decks (`--deck`, default 4 worker, 2 trainer, 2 redis), so k
   entries on the trajectories stream (plain redis-py), hold it full 2-4 s, then lift the limit;
 - `hostile`: add entries an outsider could write, built with plain msgpack: groups of prompts
   never released, a real trajectory entry added again, a group with no samples, out-of-vocabulary
-  and negative token ids, undecodable bytes, and prompts that admission never released.
+  and negative token ids, undecodable bytes, and prompts that admission never released;
+- `freeze`: SIGSTOP a rollout worker that holds prompts past its heartbeat, until the others
+  have taken every one of them over (`takeover`: a violation if they do not), then SIGCONT it.
+  It wakes between turns of episodes no longer its own: every late result of it (a group, a
+  dead letter, a stale drop) must be refused; the summary's `late_results_refused` counts the
+  refused acks.
 
 After each fault it waits for progress — the trainer finishing a step and writing it to Redis —
 before the next one; none within `--progress-timeout-s` ends the run as a violation. It stops
@@ -33,12 +41,13 @@ checks, with every role stopped:
 - `roles_survive`: no role exited unless killed (roles ride out Redis restarts); such a role is
   restarted, and its exit reported with the asyncrl frames of its traceback;
 - `balanced`: released = trained + dropped stale + dead-lettered + lost + in flight;
-- `nothing_lost`: every prompt entry became exactly one trajectory entry, a dead letter, or is
-  still queued — or was queued when Redis lost its data (`redis_empty`); without such a loss,
-  every acked trajectory entry is counted once as trained, dropped or dead-lettered and
-  `groups_published` equals the trajectory entries. Streams are not trimmed in this run, so the
-  whole history can be read back (trimming has its tests in tests/test_queue.py), segment by
-  segment where Redis restarted empty;
+- `nothing_lost`: every prompt entry became exactly one trajectory entry, a dead letter, a group
+  its worker gave up as sure to be stale (acked with neither, counted `groups_dropped_stale`),
+  or is still queued — or was queued when Redis lost its data (`redis_empty`); checked by count
+  where entries leave no trace (`account`). Without such a loss `groups_published` equals the
+  trajectory entries. Streams are not trimmed in this run, so the whole history can be read back
+  (trimming has its tests in tests/test_queue.py), segment by segment where Redis restarted
+  empty. The summary's `ended` splits the groups by how they ended;
 - `hostile`: every entry the tool added as an outsider is dead-lettered with a reason its kind
   allows (or was still queued when Redis lost its data), never trained, and counted
   `entries_rejected`, not as a dead-lettered group;
@@ -81,7 +90,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -114,7 +123,32 @@ G = 2  # prompt groups per step and trainer rank
 N = 2  # samples per group
 MAX_STALENESS = 2
 CHECKPOINT_EVERY = 2
-DECK = {"worker": 4, "trainer": 2, "redis": 2, "redis_empty": 1, "redis_full": 1, "hostile": 1}
+DECK = {
+    "worker": 4,
+    "trainer": 2,
+    "redis": 2,
+    "redis_empty": 1,
+    "redis_full": 1,
+    "hostile": 1,
+    "freeze": 2,
+}
+HEARTBEAT_TTL_S = 2.0
+CLAIM_IDLE_S = 1.0
+TASKS: dict[str, dict[str, Any]] = {
+    "arithmetic": {"task.type": "arithmetic"},
+    # Three turns behind a short tool: an episode spans several trainer versions, so workers give
+    # groups up as sure to be stale mid-episode (`Consumer.drop`), and a frozen worker holds
+    # episodes between turns.
+    "agentic": {
+        "task.type": "agentic",
+        "task.turns": 3,
+        "task.eval_size": 20,
+        # configs/agentic.yaml's tool: the slowest of a hundred calls takes ~16× the median.
+        "task.tool_latency_median_s": 0.1,
+        "task.tool_latency_sigma": 1.2,
+    },
+}
+"""`--task`: the run's task settings. `arithmetic` is single-turn."""
 POLL_S = 0.2
 _FRAME = re.compile(r'File "[^"]*/(asyncrl/[^"]+)", line \d+, in (\w+)')
 # Dead-letter reasons an undecodable entry may get (what msgpack or the schema check trips on).
@@ -122,13 +156,16 @@ _UNDECODABLE = frozenset({"malformed", "schema", "too_large"})
 # Entries naming a prompt nobody released may be refused for that before their tokens are read.
 _BAD_TOKENS = frozenset({"token_out_of_range", "unreleased"})
 JUNK_BYTES = 1 << 20  # one `redis_full` junk entry
+# What a worker logs when the ack of its results finds their prompts taken over (`Consumer.ack`).
+_REFUSED = "not applied: taken over by another consumer"
 
 
 def settings(
-    run_dir: Path, url: str, model: Path, groups_per_step: int, weights: str
+    run_dir: Path, url: str, model: Path, groups_per_step: int, weights: str, task: str
 ) -> dict[str, Any]:
     """The run's config as dotted keys."""
     return {
+        **TASKS[task],
         "run.id": RUN_ID,
         "run.dir": str(run_dir),
         "redis.url": url,
@@ -137,9 +174,9 @@ def settings(
         "metrics.port": 0,
         "rollout.n": N,
         "rollout.prompts_per_batch": 1,
-        "rollout.heartbeat_ttl_s": 2.0,
+        "rollout.heartbeat_ttl_s": HEARTBEAT_TTL_S,
         "rollout.sampling.max_new_tokens": 4,
-        "queue.claim_idle_s": 1.0,
+        "queue.claim_idle_s": CLAIM_IDLE_S,
         "queue.claim_every_s": 0.5,
         "queue.trim_every_s": 1e9,  # keep the history for the checks (module docstring)
         "queue.dead_letter_max_entries": 10**6,  # and every dead letter
@@ -307,14 +344,27 @@ class Child:
         if self.proc is None:
             return
         self.expected_exit = True
-        if self.proc.poll() is None:
-            below = _descendants(self.proc.pid)
-            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in below:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        self._signal(signal.SIGKILL)
         self.proc.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP the process and every process below it: alive, holding what it read, silent
+        (its heartbeat lapses)."""
+        self._signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        """`sig` to this process's session and every process below it, if it still runs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        below = _descendants(self.proc.pid)
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.killpg(self.proc.pid, sig)
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM, wait; the exit code, or None if it had to be killed."""
@@ -341,6 +391,11 @@ class Fault:
     """Trainer faults: the step of a checkpoint that was durable when the trainer died but whose
     groups were not acked yet. The restarted trainer resumes from it and re-reads those groups
     as pending, so unless it acks them first, it trains them a second time."""
+    held: int | None = None
+    """`freeze` faults: the prompts the frozen worker had read and not acked when it stopped."""
+    taken_over: int | None = None
+    """`freeze` faults: how many of those had left it (taken over by another worker, or ended)
+    when it was resumed; its late results for them must be refused."""
 
 
 @dataclass
@@ -406,6 +461,112 @@ def _queued(client: redis.Redis, stream: str, group: str) -> set[str]:
 
 
 @dataclass
+class Ledger:
+    """How the released groups of a run's history ended, from its streams (`account`)."""
+
+    published: Counter[str] = field(default_factory=Counter)
+    """Prompt entry id → its trajectory entries (more than one: trained twice)."""
+    reasons: Counter[str] = field(default_factory=Counter)
+    """Dead letters by reason, injected entries' included."""
+    rejected: dict[tuple[str, str], str] = field(default_factory=dict)
+    """(stream, entry id) of each injected entry dead-lettered → the reason."""
+    untraced: int = 0
+    """Real prompt entries acked with no trajectory entry and no dead letter: groups a worker
+    gave up as sure to be stale (`Consumer.drop`), or dead-lettered where a full Redis refused
+    the record."""
+    unrecorded_dead_letters: int = 0
+    """Of those, dead letters the counters hold and the dead-letter stream does not (first
+    segment, where the counters began at 0)."""
+    lost: int = 0
+    """Prompt entries that ended with no outcome counted."""
+    violations: list[tuple[str, str]] = field(default_factory=list)
+    """(check, message)."""
+
+    def ended(self, final: Counters) -> dict[str, Any]:
+        """Every way a released group ended, by the final counters: trained, dropped stale by
+        the trainer or by a worker (after a loss of Redis's data, with any dead letter a full
+        Redis refused to record), dead-lettered, lost with Redis's data."""
+        by_workers = self.untraced - self.unrecorded_dead_letters
+        return {
+            "trained": final.groups_trained,
+            "dropped_stale_by_trainer": final.groups_dropped_stale - by_workers,
+            "dropped_stale_by_workers": by_workers,
+            "dead_lettered": final.groups_dead_lettered,
+            "lost_with_redis": final.groups_lost,
+        }
+
+
+def account(
+    segments: list[Segment], injected: Mapping[tuple[str, str], object], keys: Keys
+) -> Ledger:
+    """Read every segment's streams back and check that each real prompt entry ended exactly one
+    way: one trajectory entry, a dead letter, given up by its worker as sure to be stale, or it
+    is still queued (or was, when Redis lost its data). A worker's stale drop acks the prompt and
+    leaves no entry, only the count `groups_dropped_stale`, so it is checked by count: in the
+    first segment, where the counters began at 0,
+
+        prompts acked without a group + trajectory entries acked
+            = trained + dropped stale + dead-lettered
+
+    (prompts dead-lettered are on the left, trajectory entries dead-lettered among those
+    acked). Later segments begin from counters admission seeded again, and count the groups
+    the trainer held through the loss and settled in them: there the untraced prompts must only
+    fit the segment's drops and dead letters."""
+    ledger = Ledger()
+    prompts, trajectories = keys.prompts, keys.trajectories
+    for index, seg in enumerate(segments):
+        # Each segment on its own: ids do not survive a loss of Redis's data.
+        real_prompts = {i for i in seg.prompts if (prompts, i) not in injected}
+        group_of = {
+            i: g for i, g in seg.trajectories.items() if (trajectories, i) not in injected and g
+        }
+        queued = {i for s, i in seg.queued if s == prompts}
+        dead: dict[str, set[str]] = {prompts: set(), trajectories: set()}
+        for stream, entry_id, reason in seg.dlq:
+            ledger.reasons[reason] += 1
+            if (stream, entry_id) in injected:
+                ledger.rejected[stream, entry_id] = reason
+                continue
+            dead.setdefault(stream, set()).add(entry_id)
+            if reason != "max_deliveries":
+                ledger.violations.append(
+                    ("dead_letters", f"{entry_id} dead-lettered for {reason!r}")
+                )
+        answered = set(group_of.values())
+        ledger.published.update(group_of.values())
+        for what, ids in (
+            ("groups of unknown prompts", answered - real_prompts),
+            ("prompts published and dead-lettered", answered & dead[prompts]),
+        ):
+            if ids:
+                ledger.violations.append(("nothing_lost", f"{what}: {sorted(ids)[:5]}"))
+        untraced = len(real_prompts - answered - dead[prompts] - queued)
+        ledger.untraced += untraced
+        c = seg.counters
+        if index == 0:
+            acked = len(set(group_of) - {i for s, i in seg.queued if s == trajectories})
+            ended = untraced + len(dead[prompts]) + acked
+            counted = c.groups_trained + c.groups_dropped_stale + c.groups_dead_lettered
+            ledger.unrecorded_dead_letters = max(
+                0, c.groups_dead_lettered - len(dead[prompts]) - len(dead[trajectories])
+            )
+        else:
+            ended = untraced
+            counted = min(untraced, c.groups_dropped_stale + c.groups_dead_lettered)
+        if ended != counted:
+            ledger.lost += max(0, ended - counted)
+            ledger.violations.append(
+                (
+                    "nothing_lost",
+                    f"segment {index}: {ended} groups ended ({untraced} prompts acked with no "
+                    f"trajectory entry or dead letter), {counted} counted trained, dropped stale "
+                    "or dead-lettered",
+                )
+            )
+    return ledger
+
+
+@dataclass
 class Exit:
     """A role that exited without being told to."""
 
@@ -430,6 +591,7 @@ class Chaos:
     max_faults: int
     weights: str
     deck_makeup: dict[str, int]
+    task: str
     violations: list[dict[str, str]] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     exits: list[Exit] = field(default_factory=list)
@@ -472,15 +634,17 @@ class Chaos:
         cli = ["-m", "asyncrl", "launch", "--role", role, "--config", str(self.config)]
         return [*launcher, *cli, *extra]
 
+    def _worker_id(self, slot: str) -> str:
+        return f"{slot}-g{self.generation[slot]}"
+
     def _worker_argv(self, slot: str) -> list[str]:
-        wid = f"{slot}-g{self.generation[slot]}"
-        return self._argv("rollout", "--worker-id", wid)
+        return self._argv("rollout", "--worker-id", self._worker_id(slot))
 
     def start_cluster(self) -> None:
         self.redis.start()
         self.config = write_config(
             self.workdir / "config.yaml",
-            settings(self.run_dir, self.redis.url, self.model, self.G, self.weights),
+            settings(self.run_dir, self.redis.url, self.model, self.G, self.weights, self.task),
         )
         self.client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
         trainer = Child("trainer", self._argv("trainer"), self.logs / "trainer.log")
@@ -537,11 +701,9 @@ class Chaos:
 
     def inject(self) -> Fault:
         kind = self.next_kind()
+        held = taken_over = None
         if kind == "worker":
-            slots = [n for n in self.children if n != "trainer"]
-            # A worker still importing torch after its last restart makes a dull victim.
-            ready = [n for n in slots if self.children[n].ready()]
-            target = self.rng.choice(ready or slots)
+            target = self._victim()
             child = self.children[target]
             child.kill()
             if self.rng.random() < 0.5:
@@ -563,15 +725,74 @@ class Chaos:
         elif kind == "redis_full":
             target = f"redis:{self.redis.port}"
             self._fill_redis()
+        elif kind == "freeze":
+            target = self._holder()
+            held, taken_over = self._freeze(target)
         else:
             target = "streams"
             self._add_hostile()
-        fault = Fault(kind, target, round(self.elapsed(), 1))
+        fault = Fault(kind, target, round(self.elapsed(), 1), held=held, taken_over=taken_over)
         if kind == "trainer":
             fault.unacked_checkpoint = unacked
         self.faults.append(fault)
         self.say(f"[{fault.at_s:6.1f}s] fault {len(self.faults)}: {kind} {target}")
         return fault
+
+    def _victim(self) -> str:
+        """A rollout worker's slot; a worker still importing torch after its last restart makes
+        a dull victim."""
+        slots = [n for n in self.children if n != "trainer"]
+        ready = [n for n in slots if self.children[n].ready()]
+        return self.rng.choice(ready or slots)
+
+    def _holder(self) -> str:
+        """A ready worker's slot that holds prompts, waiting for one (up to the progress
+        timeout); else any worker's."""
+        give_up = time.monotonic() + self.progress_timeout_s
+        while time.monotonic() < give_up:
+            slots = [n for n in self.children if n != "trainer" and self.children[n].ready()]
+            holders = [n for n in slots if self._pending_on(self._worker_id(n))]
+            if holders:
+                return self.rng.choice(holders)
+            self.poll()
+            time.sleep(POLL_S)
+        return self._victim()
+
+    def _pending_on(self, worker_id: str) -> set[str]:
+        rows = self.client.xpending_range(
+            self.keys.prompts, PROMPTS_GROUP, "-", "+", 10**6, consumername=worker_id
+        )
+        return {r["message_id"].decode() for r in cast(list[dict[str, Any]], rows)}
+
+    def _freeze(self, slot: str) -> tuple[int, int]:
+        """SIGSTOP a worker past its heartbeat and `claim_idle_s`, until every prompt it held has
+        left it (the other workers take them over), then SIGCONT it: it wakes with episodes of
+        prompts no longer its own, whose results (groups, dead letters, stale drops) must all be
+        refused. (held, taken over); a lone worker is resumed after the same wait."""
+        worker_id = self._worker_id(slot)
+        held = self._pending_on(worker_id)
+        child = self.children[slot]
+        child.freeze()
+        try:
+            lapsed = time.monotonic() + HEARTBEAT_TTL_S + CLAIM_IDLE_S + self.rng.uniform(0.5, 3)
+            give_up = time.monotonic() + self.progress_timeout_s
+            alone = self.workers == 1
+            left: set[str] = set()
+            while time.monotonic() < give_up:
+                self.poll()
+                left = held - self._pending_on(worker_id)
+                if time.monotonic() >= lapsed and (alone or left == held):
+                    break
+                time.sleep(POLL_S)
+            else:
+                self.violate(
+                    "takeover",
+                    f"{worker_id} frozen {self.progress_timeout_s:.0f}s: "
+                    f"{len(held) - len(left)} of its {len(held)} prompts not taken over",
+                )
+        finally:
+            child.thaw()
+        return len(held), len(left)
 
     def _restart_redis(self) -> None:
         port = self.redis.port
@@ -694,49 +915,12 @@ class Chaos:
         if not balanced:
             self.violate("balanced", f"{counters} in flight {final.in_flight}")
 
-        reasons: Counter[str] = Counter()
-        published: Counter[str] = Counter()
-        lost: set[str] = set()
-        rejected: dict[tuple[str, str], str] = {}  # injected entry → its dead-letter reason
-        prompts, trajectories = self.keys.prompts, self.keys.trajectories
-        for seg in segments:
-            # Each segment on its own: ids do not survive a loss of Redis's data.
-            real_prompts = {i for i in seg.prompts if (prompts, i) not in self.injected}
-            group_of = {
-                i: g
-                for i, g in seg.trajectories.items()
-                if (trajectories, i) not in self.injected and g
-            }
-            queued_prompts = {i for s, i in seg.queued if s == prompts}
-            dead: dict[str, set[str]] = {self.keys.prompts: set(), self.keys.trajectories: set()}
-            for stream, entry_id, reason in seg.dlq:
-                reasons[reason] += 1
-                if (stream, entry_id) in self.injected:
-                    rejected[stream, entry_id] = reason
-                    continue
-                dead.setdefault(stream, set()).add(entry_id)
-                if reason != "max_deliveries":
-                    self.violate("dead_letters", f"{entry_id} dead-lettered for {reason!r}")
-            published.update(group_of.values())
-            lost |= real_prompts - set(group_of.values()) - dead[prompts] - queued_prompts
-            for what, ids in (
-                ("groups of unknown prompts", set(group_of.values()) - real_prompts),
-                (
-                    "prompts published and dead-lettered",
-                    set(group_of.values()) & dead[self.keys.prompts],
-                ),
-            ):
-                if ids:
-                    self.violate("nothing_lost", f"{what}: {sorted(ids)[:5]}")
-        if lost:
-            self.violate("nothing_lost", f"prompts with no group, no dead letter: {sorted(lost)}")
-        twice = sorted(g for g, n in published.items() if n > 1)
-        if twice:
-            self.violate("no_double_training", f"prompts with two trajectory groups: {twice[:5]}")
-
+        ledger = account(segments, self.injected, self.keys)
+        for check, message in ledger.violations:
+            self.violate(check, message)
         queued_at_end = set().union(*(seg.queued for seg in segments))
         for entry, (kind, allowed) in self.injected.items():
-            reason = rejected.get(entry)
+            reason = ledger.rejected.get(entry)
             entry_id = entry[1]
             if reason is None and entry not in queued_at_end and kind != "junk":
                 # Junk is dead-lettered in a full Redis, which may refuse the record (the entry
@@ -745,31 +929,22 @@ class Chaos:
             elif reason is not None and reason not in allowed:
                 self.violate("hostile", f"{kind} entry {entry_id} dead-lettered for {reason!r}")
         if not self.segments:
-            # One unbroken history: the counters can be checked against it entry by entry.
-            real = {
-                i: g
-                for i, g in final.trajectories.items()
-                if (trajectories, i) not in self.injected
-            }
-            dead_groups = {
-                i for s, i, _ in final.dlq if s == trajectories and (s, i) not in self.injected
-            }
+            # One unbroken history: the counters of what entered the streams match it too.
             expected = {
                 RunCounter.PROMPTS_RELEASED: len(
-                    [i for i in final.prompts if (prompts, i) not in self.injected]
+                    [i for i in final.prompts if (self.keys.prompts, i) not in self.injected]
                 ),
-                RunCounter.GROUPS_PUBLISHED: len(real),
-                RunCounter.ENTRIES_REJECTED: len(rejected),
+                RunCounter.GROUPS_PUBLISHED: sum(
+                    (self.keys.trajectories, i) not in self.injected for i in final.trajectories
+                ),
+                RunCounter.ENTRIES_REJECTED: len(ledger.rejected),
             }
             for name, n in expected.items():
                 if counters[name] != n:
                     self.violate("nothing_lost", f"{name}={counters[name]}, but {n} entries")
-            acked = len({(trajectories, i) for i in real} - final.queued)
-            outcomes = counters.groups_trained + counters.groups_dropped_stale + len(dead_groups)
-            if acked != outcomes:
-                self.violate(
-                    "nothing_lost", f"{acked} trajectory entries acked, {outcomes} counted"
-                )
+        twice = sorted(g for g, n in ledger.published.items() if n > 1)
+        if twice:
+            self.violate("no_double_training", f"prompts with two trajectory groups: {twice[:5]}")
 
         final_step = self._final_checkpoint()
         trained_ok = counters.groups_trained == final_step * self.G
@@ -805,11 +980,17 @@ class Chaos:
             "in_flight": final.in_flight,
             "redis_lost_data": len(self.segments),
             "hostile_entries": dict(Counter(kind for kind, _ in self.injected.values())),
-            "dead_letter_reasons": dict(reasons),
+            "dead_letter_reasons": dict(ledger.reasons),
+            "ended": ledger.ended(counters),
             "balanced": balanced,
-            "lost": len(lost),
+            "lost": ledger.lost,
             "double_trained": bool(twice) or not trained_ok,
             "versions_reused": bool(reused),
+            "late_results_refused": sum(
+                c.log.read_text(errors="replace").count(_REFUSED)
+                for name, c in self.children.items()
+                if name != "trainer"
+            ),
             "killed_before_ack": [
                 f.unacked_checkpoint for f in self.faults if f.unacked_checkpoint is not None
             ],
@@ -833,12 +1014,14 @@ def run_chaos(
     max_faults: int = 0,
     deck: dict[str, int] | None = None,
     weights: str = "broadcast",
+    task: str = "arithmetic",
     progress_timeout_s: float = 120.0,
     say: Callable[[str], object] = print,
 ) -> dict[str, Any]:
     """Run the soak and return its summary (see `Chaos.check`), also written to
     `workdir/summary.json`. Faults stop after `seconds`, or after `max_faults` if that comes
-    first. `deck`: fault kinds per shuffled deck (default `DECK`). `model`: an untrained tiny
+    first. `deck`: fault kinds per shuffled deck (default `DECK`); `task`: a key of `TASKS`.
+    `model`: an untrained tiny
     model directory, made in `workdir` if not given."""
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="asyncrl-chaos-"))
@@ -861,6 +1044,7 @@ def run_chaos(
         max_faults,
         weights,
         dict(deck or DECK),
+        task,
     ).run()
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -896,6 +1080,9 @@ def main() -> int:
         help="fault kinds per shuffled deck, e.g. worker=4,trainer=2,redis=2 (the default)",
     )
     parser.add_argument("--weights", choices=["broadcast", "store"], default="broadcast")
+    parser.add_argument(
+        "--task", choices=list(TASKS), default="arithmetic", help="agentic: 3-turn episodes"
+    )
     parser.add_argument("--progress-timeout-s", type=float, default=120.0)
     parser.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     args = parser.parse_args()
@@ -903,7 +1090,9 @@ def main() -> int:
     for key in (
         *("seconds", "faults", "slowest_recovery_s", "step_lines", "final_step", "counters"),
         *("streams", "in_flight", "redis_lost_data", "hostile_entries", "dead_letter_reasons"),
+        "ended",
         *("balanced", "lost", "double_trained", "versions_reused", "killed_before_ack"),
+        "late_results_refused",
         *("max_queued", "queued_bound", "max_staleness", "max_staleness_bound"),
     ):
         print(f"{key:>20}: {json.dumps(summary[key])}")
