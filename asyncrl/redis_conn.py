@@ -245,9 +245,9 @@ class RedisGuard:
     or memory above the watermark of a `MemoryGauge`) pauses the call the same way. Waits log at
     most every few seconds and poll `should_stop`, which ends them with `Stopped`: it is asked only
     once an attempt has failed, so a stopping role still makes its last calls to a healthy Redis,
-    but does not wait out an outage. Threads may
-    share a guard (the trainer's reader and main loop do): an outage is counted once, started by
-    the first call that fails and ended by the first that succeeds.
+    but does not wait out an outage. A role builds one guard and passes it to its queue clients
+    (`guard=`), and its threads share it (the trainer's reader and main loop do): an outage is
+    counted once, started by the first call that fails and ended by the first that succeeds.
     """
 
     def __init__(
