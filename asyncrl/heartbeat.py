@@ -3,9 +3,10 @@
 A daemon thread rewrites the key with a TTL every third of the TTL, so a process that dies (or
 hangs) disappears within one TTL, and `stop()` removes it at once on a clean exit. The value is a
 small msgpack map of the worker's status plus `ts` (unix seconds of the beat), read back by
-`asyncrl status` with safe options only. Consumers pass `is_alive(...)` to `asyncrl.queue.Consumer`
-so that entries are taken over from dead workers only. A trainer's heartbeat renews the run's
-trainer lease with each beat (`asyncrl.lease`), and stops beating once another trainer took it.
+`asyncrl.runstate.role_workers` with safe options only. Consumers pass `is_alive(...)` to
+`asyncrl.queue.Consumer` so that entries are taken over from dead workers only. A trainer's
+heartbeat renews the run's trainer lease with each beat (`asyncrl.lease`), and stops beating once
+another trainer took it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MAX_VALUE_BYTES = 64 * 1024  # a status map is a few hundred bytes; anything bigger is not ours
 _LOG_EVERY_S = 5.0
 
 
@@ -143,40 +143,6 @@ class Heartbeat:
                 )
                 failing_since, delay, next_log = None, 0.05, 0.0
             wait = period
-
-
-def _decode_status(raw: bytes) -> dict[str, Any] | None:
-    if len(raw) > _MAX_VALUE_BYTES:
-        return None
-    try:
-        # raw=False: str keys and values; no object hooks, so nothing but plain data comes out.
-        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def live_workers(client: redis.Redis, keys: Keys, role: str) -> list[dict[str, Any]]:
-    """The live workers of `role`, sorted by id: their status fields plus `id` and `age_s`
-    (seconds since the last beat)."""
-    prefix = keys.worker(role, "")
-    names = sorted(_text(k) for k in client.scan_iter(match=keys.workers_pattern(role), count=1000))
-    if not names:
-        return []
-    values = cast(list[bytes | None], client.mget(names))
-    now = time.time()
-    workers = []
-    for name, raw in zip(names, values, strict=True):
-        if raw is None:
-            continue  # expired between SCAN and MGET
-        status = _decode_status(raw)
-        if status is None:
-            log.warning("ignoring heartbeat %s: not a msgpack status map", name)
-            continue
-        ts = status.get("ts")
-        age = round(now - ts, 3) if isinstance(ts, int | float) else None
-        workers.append({**status, "id": name[len(prefix) :], "age_s": age})
-    return workers
 
 
 def is_alive(

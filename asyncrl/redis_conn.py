@@ -1,11 +1,21 @@
-"""How every role connects to Redis: URL, password (env or file, never logged), TLS, timeouts."""
+"""How every role connects to Redis: URL, password (env or file, never logged), TLS, timeouts;
+and how it rides out Redis being away or full: `RedisGuard`, the retry policy every Redis call of
+a role goes through (one per role: it reports outages to the role's metrics and ends its waits
+when the role stops), and `MemoryGauge`, which tells a full Redis before it refuses writes.
+
+redis is imported lazily: the config tree imports `RedisConfig`, and `asyncrl --help` must not pay
+for redis-py.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 from pydantic import Field, model_validator
@@ -14,6 +24,16 @@ from asyncrl.configbase import Section
 
 if TYPE_CHECKING:
     import redis
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+# How Redis says it is full; 6.2 wraps it in a generic script error ("-OOM command not ...").
+_OOM_MESSAGE = "OOM command not allowed"
+_LOG_EVERY_S = 5.0
+_FULL_WAIT_MAX_S = 0.5  # backpressure polls faster than reconnects: memory frees in bursts
+_MEMORY_SAMPLE_S = 0.5
 
 
 class RedisConfig(Section):
@@ -188,8 +208,6 @@ def wait_until_reachable(
 
     from redis import exceptions as rx
 
-    from asyncrl.queue import RedisGuard
-
     where = redact_url(url or cfg.url or "")
 
     def ping() -> None:
@@ -211,3 +229,168 @@ def wait_until_reachable(
         raise RedisAccessError(
             f"redis: {where} refused the client ({exc}); password from {cfg.password_source()}"
         ) from None
+
+
+class Stopped(Exception):
+    """`should_stop` turned true while a call was waiting for Redis (an outage or a full Redis)."""
+
+
+class RedisGuard:
+    """Runs a Redis call until it succeeds, waiting out outages and a full Redis.
+
+    Outages (connection refused or reset, timeouts, a server still loading its AOF) are retried
+    with exponential backoff capped at `reconnect_max_s`; `on_outage(True)` and `on_outage(False)`
+    mark the start and end of each, so metrics can show Redis being down, and `outages` counts
+    them. A refused password or ACL is raised at once, not waited out. A full Redis (an OOM reply,
+    or memory above the watermark of a `MemoryGauge`) pauses the call the same way. Waits log at
+    most every few seconds and poll `should_stop`, which ends them with `Stopped`: it is asked only
+    once an attempt has failed, so a stopping role still makes its last calls to a healthy Redis,
+    but does not wait out an outage. A role builds one guard and passes it to its queue clients
+    (`guard=`), and its threads share it (the trainer's reader and main loop do): an outage is
+    counted once, started by the first call that fails and ended by the first that succeeds.
+    """
+
+    def __init__(
+        self,
+        *,
+        reconnect_max_s: float = 5.0,
+        should_stop: Callable[[], bool] | None = None,
+        on_outage: Callable[[bool], None] | None = None,
+    ) -> None:
+        from redis import exceptions as rx
+
+        self._transient: tuple[type[Exception], ...] = (rx.ConnectionError, rx.TimeoutError)
+        # redis-py derives these from ConnectionError, but a refused password or ACL stays
+        # refused: retrying would turn a configuration error into a silent hang.
+        self._refused: tuple[type[Exception], ...] = (
+            rx.AuthenticationError,
+            rx.AuthorizationError,
+        )
+        self._response = rx.ResponseError
+        self._max_s = reconnect_max_s
+        self._should_stop = should_stop
+        self._on_outage = on_outage
+        self._next_log = 0.0  # shared by all calls: a producer pausing at every add logs rarely
+        self._lock = threading.Lock()
+        self.outages = 0
+        self.down = False
+        """True while the current call is failing because Redis is unreachable."""
+
+    def call(
+        self,
+        fn: Callable[[], R],
+        what: str,
+        *,
+        memory: MemoryGauge | None = None,
+        on_retry: Callable[[bool], None] | None = None,
+    ) -> R:
+        """`fn()`, retried until it succeeds. Before each retry `on_retry(outage)` learns whether
+        the failed attempt was an outage (True: its outcome is unknown) or a full Redis (False)."""
+        delay = 0.05
+        started = time.monotonic()
+        waiting = False
+        while True:
+            if waiting and self._should_stop is not None and self._should_stop():
+                raise Stopped(what)
+            waiting = True
+            try:
+                if memory is None or not memory.full():
+                    result = fn()
+                    break
+                reason = f"Redis memory above {memory.watermark:.0%} of maxmemory"
+                outage = False
+            except self._refused:
+                raise
+            except self._transient as exc:
+                reason, outage = f"Redis unreachable ({type(exc).__name__}: {exc})", True
+                self._mark_down(True, what, started)
+            except self._response as exc:
+                if not is_oom(exc):
+                    raise
+                reason, outage = "Redis is out of memory", False
+            now = time.monotonic()
+            if now >= self._next_log:
+                verb = "retrying" if outage else "pausing"
+                log.warning("%s: %s; %s (%.0fs so far)", what, reason, verb, now - started)
+                self._next_log = now + _LOG_EVERY_S
+            if on_retry is not None:
+                on_retry(outage)
+            self._sleep(delay)
+            delay = min(delay * 2, self._max_s if outage else _FULL_WAIT_MAX_S)
+        if self.down:
+            self._mark_down(False, what, started)
+        return result
+
+    def _mark_down(self, down: bool, what: str, started: float) -> None:
+        with self._lock:
+            if self.down == down:
+                return  # another thread saw this transition first
+            self.down = down
+            if down:
+                self.outages += 1
+            else:
+                log.warning(
+                    "%s: Redis reachable again after %.1fs", what, time.monotonic() - started
+                )
+            if self._on_outage is not None:
+                self._on_outage(down)
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self._should_stop is not None and self._should_stop():
+                return
+            time.sleep(min(left, 0.1))
+
+
+def is_oom(exc: Exception) -> bool:
+    """Whether a Redis error says that Redis is full (`maxmemory` reached, nothing to evict)."""
+    from redis import exceptions as rx
+
+    return isinstance(exc, rx.OutOfMemoryError) or _OOM_MESSAGE in str(exc)
+
+
+class MemoryGauge:
+    """Whether Redis memory is above `watermark` × maxmemory.
+
+    INFO is sampled at most every 0.5 s, plus whenever the bytes this process has added since the
+    last sample would cross the watermark: a fast producer must not overshoot it between samples.
+    A user the ACL refuses INFO (it is @dangerous, and no other permitted command tells
+    maxmemory) leaves the gauge unknown, never full: Redis's own out-of-memory refusal, which
+    `RedisGuard` waits out, is then the only brake.
+    """
+
+    def __init__(self, client: redis.Redis, watermark: float) -> None:
+        self._client = client
+        self.watermark = watermark
+        self._used = 0
+        self._limit = 0.0  # 0: no maxmemory (or unknown), never full
+        self._added = 0
+        self._next_sample = 0.0
+
+    def full(self) -> bool:
+        now = time.monotonic()
+        near = self._limit and self._used + self._added >= self._limit
+        if now >= self._next_sample or near:
+            self._sample(now)
+        return bool(self._limit) and self._used + self._added >= self._limit
+
+    def _sample(self, now: float) -> None:
+        from redis.exceptions import NoPermissionError
+
+        try:
+            info = self._client.info("memory")
+        except NoPermissionError:
+            log.warning(
+                "redis: this user may not run INFO; queue.memory_high_watermark is off (memory "
+                "unknown), writes pause only when Redis itself refuses them for memory"
+            )
+            self._next_sample = float("inf")
+            return
+        self._used = int(info["used_memory"])
+        self._limit = self.watermark * int(info.get("maxmemory", 0))
+        self._added = 0
+        self._next_sample = now + _MEMORY_SAMPLE_S
+
+    def added(self, nbytes: int) -> None:
+        self._added += nbytes

@@ -1,25 +1,44 @@
 """The run's shared state in Redis, and its one owner: key names (DESIGN §3; every key lives
 under `asyncrl:{run_id}:`), the accounting counters and typed reads of what the roles share
 (counters, live workers, the published version, stream depths). Admission, `asyncrl status`,
-progress, the metrics poller and the chaos tool read the run through here.
+progress, the metrics poller and the chaos tool read the run through here. What it reads others
+write (`asyncrl.heartbeat` the workers' beats, `asyncrl.queue` the streams); it imports neither.
 
 redis is not imported: the key names are needed by the config-light parts (launchers, `--help`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+import msgpack
 
 if TYPE_CHECKING:
     import redis
+
+log = logging.getLogger(__name__)
 
 PROMPTS_GROUP = "rollout"
 TRAJECTORIES_GROUP = "trainer"
 ROLES = ("rollout", "trainer")
 """The roles that beat (`asyncrl.heartbeat`): the pools of `workers`."""
+_MAX_BEAT_BYTES = 64 * 1024  # a status map is a few hundred bytes; anything bigger is not ours
+
+# Entries after `ARGV[1]`, counted server-side (Redis 6.2 has no `lag` in XINFO GROUPS).
+_COUNT_AFTER_LUA = """
+local n, start = 0, '(' .. ARGV[1]
+while true do
+  local batch = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', 1000)
+  if #batch == 0 then return n end
+  n = n + #batch
+  start = '(' .. batch[#batch][1]
+end
+"""
 
 
 class Counter(StrEnum):
@@ -225,24 +244,80 @@ def read_version(client: redis.Redis, keys: Keys) -> int | None:
 def live_workers(client: redis.Redis, keys: Keys) -> dict[str, list[dict[str, Any]]]:
     """Every unexpired heartbeat by role, sorted by id: `id`, `age_s` (seconds since the beat)
     and the `version` it reported."""
-    from asyncrl import heartbeat
-
     return {
         role: [
             {"id": w["id"], "age_s": w["age_s"], "version": w.get("version")}
-            for w in heartbeat.live_workers(client, keys, role)
+            for w in role_workers(client, keys, role)
         ]
         for role in ROLES
     }
 
 
+def role_workers(client: redis.Redis, keys: Keys, role: str) -> list[dict[str, Any]]:
+    """The live workers of `role`, sorted by id: their status fields plus `id` and `age_s`
+    (seconds since the last beat)."""
+    prefix = keys.worker(role, "")
+    names = sorted(_text(k) for k in client.scan_iter(match=keys.workers_pattern(role), count=1000))
+    if not names:
+        return []
+    values = cast(list[bytes | None], client.mget(names))
+    now = time.time()
+    workers = []
+    for name, raw in zip(names, values, strict=True):
+        if raw is None:
+            continue  # expired between SCAN and MGET
+        status = _beat_status(raw)
+        if status is None:
+            log.warning("ignoring heartbeat %s: not a msgpack status map", name)
+            continue
+        ts = status.get("ts")
+        age = round(now - ts, 3) if isinstance(ts, int | float) else None
+        workers.append({**status, "id": name[len(prefix) :], "age_s": age})
+    return workers
+
+
+def _beat_status(raw: bytes) -> dict[str, Any] | None:
+    """A heartbeat's status map, or None where the value is not one."""
+    if len(raw) > _MAX_BEAT_BYTES:
+        return None
+    try:
+        # raw=False: str keys and values; no object hooks, so nothing but plain data comes out.
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def stream_depths(client: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
     """Per stream its `length`, and for the two queues the `lag` and `pending` of the group that
-    reads them (`asyncrl.queue.stream_stats`)."""
-    from asyncrl.queue import stream_stats
-
+    reads them (`stream_stats`)."""
     return {
         "prompts": stream_stats(client, keys.prompts, PROMPTS_GROUP),
         "trajectories": stream_stats(client, keys.trajectories, TRAJECTORIES_GROUP),
         "dlq": {"length": int(client.xlen(keys.dlq))},
     }
+
+
+def stream_stats(client: redis.Redis, stream: str, group: str) -> dict[str, int]:
+    """`length` of the stream, `lag` (entries the group has not been handed yet) and `pending`
+    (handed out, not acked) — the figures `asyncrl status` shows per stream."""
+    from redis import exceptions as rx
+
+    try:
+        groups = client.xinfo_groups(stream)
+    except rx.ResponseError:
+        return {"length": 0, "lag": 0, "pending": 0}
+    length = int(client.xlen(stream))
+    info = next((g for g in groups if _text(g["name"]) == group), None)
+    if info is None:
+        # The group will be created at id 0: everything in the stream is still ahead of it.
+        return {"length": length, "lag": length, "pending": 0}
+    lag = info.get("lag")  # Redis ≥ 7; None there when deletions make it unknowable
+    if lag is None:
+        last = _text(info["last-delivered-id"])
+        lag = client.eval(_COUNT_AFTER_LUA, 1, stream, last)
+    return {"length": length, "lag": int(lag), "pending": int(info["pending"])}
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x

@@ -8,6 +8,7 @@ from typing import Any
 import redis
 
 from asyncrl.queue import Consumer, Producer, QueueConfig, RawFields
+from asyncrl.redis_conn import RedisGuard
 
 STREAM, GROUP, DLQ, COUNTERS = "q:s", "g", "q:dlq", "q:counters"
 
@@ -32,8 +33,7 @@ def consumer(
         counters_key=COUNTERS,
         is_alive=alive,
         decode=decode,
-        reconnect_max_s=0.2,
-        should_stop=should_stop,
+        guard=RedisGuard(reconnect_max_s=0.2, should_stop=should_stop),
     )
 
 

@@ -26,8 +26,7 @@ import pytest
 import redis
 
 from asyncrl.launch.status import collect_status
-from asyncrl.queue import stream_stats
-from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
+from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys, stream_stats
 
 from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import msgpack
 import redis
 
-from asyncrl.heartbeat import Heartbeat, is_alive, live_workers
+from asyncrl.heartbeat import Heartbeat, is_alive
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.runstate import Keys
+from asyncrl.runstate import Keys, role_workers
 
 HELPER = Path(__file__).with_name("queue_consumer_proc.py")
 KEYS = Keys("hb")
@@ -26,16 +26,16 @@ def test_heartbeat_lists_the_worker_and_stop_removes_it(redis_client: redis.Redi
         assert 0 < redis_client.pttl(key) <= 3000
         status = msgpack.unpackb(redis_client.get(key))
         assert status["version"] == 7 and abs(status["ts"] - time.time()) < 2
-        (worker,) = live_workers(redis_client, KEYS, "rollout")
+        (worker,) = role_workers(redis_client, KEYS, "rollout")
         assert worker["id"] == "w1" and worker["version"] == 7 and worker["busy"] is True
         assert 0 <= worker["age_s"] < 2
-        assert live_workers(redis_client, KEYS, "trainer") == []
+        assert role_workers(redis_client, KEYS, "trainer") == []
         alive = is_alive(redis_client, KEYS, "rollout", cache_s=0)
         assert alive("w1") and not alive("w2")
         time.sleep(1.2)  # beats every ttl/3: the TTL is refreshed
         assert redis_client.pttl(key) > 2000
     assert not redis_client.exists(key)
-    assert live_workers(redis_client, KEYS, "rollout") == []
+    assert role_workers(redis_client, KEYS, "rollout") == []
     assert not alive("w1")
 
 
@@ -47,7 +47,7 @@ def test_status_failure_still_beats_and_bad_values_are_ignored(redis_client: red
         # A pickle is never unpickled, and junk does not hide the well-formed workers.
         redis_client.set(KEYS.worker("rollout", "evil"), b"\x80\x04\x95\x00cos\nsystem\n.")
         redis_client.set(KEYS.worker("rollout", "list"), msgpack.packb([1, 2]))
-        assert [w["id"] for w in live_workers(redis_client, KEYS, "rollout")] == ["w1"]
+        assert [w["id"] for w in role_workers(redis_client, KEYS, "rollout")] == ["w1"]
 
 
 def test_killed_worker_heartbeat_expires_after_ttl(
@@ -80,7 +80,7 @@ def test_killed_worker_heartbeat_expires_after_ttl(
     while redis_client.exists(key):
         assert time.monotonic() - killed_at < 1.5, "heartbeat outlived its TTL"
         time.sleep(0.02)
-    assert live_workers(redis_client, KEYS, "rollout") == []
+    assert role_workers(redis_client, KEYS, "rollout") == []
 
 
 def test_heartbeat_survives_redis_restart(redis_server: RedisServer) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import redis
 
-from asyncrl.queue import Consumer, Producer, QueueConfig, RedisGuard
+from asyncrl.queue import Consumer, Producer, QueueConfig
+from asyncrl.redis_conn import RedisGuard
 from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, Keys
 from asyncrl.trainer.ledger import Ledger, consumer_name
 from asyncrl.trainer.parallel import Ranks
@@ -24,7 +25,7 @@ def _consumer(client: redis.Redis, keys: Keys, name: str) -> Consumer[object]:
         dlq=keys.dlq,
         counters_key=keys.counters,
         is_alive=lambda _: True,
-        reconnect_max_s=0.2,
+        guard=RedisGuard(reconnect_max_s=0.2),
     )
 
 

@@ -6,7 +6,6 @@ import msgpack
 import numpy as np
 import pytest
 
-from asyncrl import protocol
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -18,6 +17,7 @@ from asyncrl.protocol import (
     encode_group,
     encode_prompt,
     stream_fields,
+    validate,
     validate_group,
 )
 
@@ -522,5 +522,5 @@ def test_bad_group_checked_sample_by_sample_is_rejected_alike(
     monkeypatch: pytest.MonkeyPatch, group: TrajectoryGroup, kwargs: dict[str, Any], reason: str
 ) -> None:
     # Long groups are checked on each sample's own arrays; every group here takes that path.
-    monkeypatch.setattr(protocol, "_CONCAT_MAX_TOKENS", 0)
+    monkeypatch.setattr(validate, "_CONCAT_MAX_TOKENS", 0)
     assert reason_of(encode_group(group), **kwargs) == reason

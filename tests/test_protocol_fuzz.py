@@ -10,7 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl import protocol
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -21,7 +20,9 @@ from asyncrl.protocol import (
     decode_prompt,
     encode_group,
     encode_prompt,
+    validate,
     validate_group,
+    wire,
 )
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -185,7 +186,7 @@ def test_deep_nesting_is_rejected(
     monkeypatch: pytest.MonkeyPatch, unpackb: Any, opener: bytes
 ) -> None:
     # The C unpacker has a fixed stack; the pure-Python fallback recurses, so both are checked.
-    monkeypatch.setattr(protocol.msgpack, "unpackb", unpackb)
+    monkeypatch.setattr(wire.msgpack, "unpackb", unpackb)
     data = opener * 100_000 + b"\xc0"
     with pytest.raises(ValidationError) as info:
         decode_group(data)
@@ -196,7 +197,7 @@ def test_oversize_input_is_rejected_before_unpacking(monkeypatch: pytest.MonkeyP
     def must_not_unpack(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("unpackb called on an oversize message")
 
-    monkeypatch.setattr(protocol.msgpack, "unpackb", must_not_unpack)
+    monkeypatch.setattr(wire.msgpack, "unpackb", must_not_unpack)
     limits = Limits(max_message_bytes=1024)
     for decode in (decode_group, decode_prompt):
         with pytest.raises(ValidationError) as info:
@@ -292,10 +293,10 @@ def test_token_rules_match_their_plain_reading_on_both_paths(
     group = _valid_group()
     group.samples = samples
     expected = _first_broken_rule(samples, 16, current)
-    saved = protocol._CONCAT_MAX_TOKENS
+    saved = validate._CONCAT_MAX_TOKENS
     try:
         for split in (False, True):  # concatenated, and sample by sample as long groups are
-            protocol._CONCAT_MAX_TOKENS = 0 if split else saved
+            validate._CONCAT_MAX_TOKENS = 0 if split else saved
             try:
                 validate_group(group, current_version=current, limits=VOCAB_16)
                 got = None
@@ -303,4 +304,4 @@ def test_token_rules_match_their_plain_reading_on_both_paths(
                 got = exc.reason
             assert got == expected, (split, got, expected)
     finally:
-        protocol._CONCAT_MAX_TOKENS = saved
+        validate._CONCAT_MAX_TOKENS = saved

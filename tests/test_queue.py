@@ -14,17 +14,9 @@ import pytest
 import redis
 
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.queue import (
-    Consumer,
-    Producer,
-    QueueConfig,
-    RawFields,
-    RedisGuard,
-    Stopped,
-    stream_stats,
-    trim_acked,
-)
-from asyncrl.runstate import Counter
+from asyncrl.queue import Consumer, Producer, QueueConfig, RawFields, trim_acked
+from asyncrl.redis_conn import RedisGuard, Stopped
+from asyncrl.runstate import Counter, stream_stats
 
 from queue_helpers import COUNTERS, DLQ, GROUP, STREAM, add, consumer, counter
 
@@ -223,8 +215,7 @@ def test_ack_retry_after_lost_reply_applies_once(
         dlq=DLQ,
         counters_key=COUNTERS,
         is_alive=bool,
-        reconnect_max_s=0.1,
-        on_outage=outages.append,
+        guard=RedisGuard(reconnect_max_s=0.1, on_outage=outages.append),
     )
     c.read(count=1, block_ms=100)
 
@@ -278,7 +269,7 @@ def test_stream_stats(redis_client: redis.Redis) -> None:
 
 def test_consumer_and_producer_survive_redis_restart(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
-    producer = Producer(client, STREAM, reconnect_max_s=0.1)
+    producer = Producer(client, STREAM, guard=RedisGuard(reconnect_max_s=0.1))
     outages: list[bool] = []
     c = Consumer(
         client,
@@ -288,8 +279,7 @@ def test_consumer_and_producer_survive_redis_restart(redis_server: RedisServer) 
         dlq=DLQ,
         counters_key=COUNTERS,
         is_alive=bool,
-        reconnect_max_s=0.1,
-        on_outage=outages.append,
+        guard=RedisGuard(reconnect_max_s=0.1, on_outage=outages.append),
     )
     delivered: list[str] = []
     values: list[bytes] = []
@@ -412,7 +402,7 @@ def test_producer_pauses_under_memory_pressure_instead_of_raising(tmp_path: Path
         stop = threading.Event()
         threading.Timer(0.3, stop.set).start()
         with pytest.raises(Stopped):
-            Producer(client, STREAM, should_stop=stop.is_set).add({"n": "x"})
+            Producer(client, STREAM, guard=RedisGuard(should_stop=stop.is_set)).add({"n": "x"})
         assert stop.is_set()
         client.close()
 

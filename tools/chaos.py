@@ -204,7 +204,7 @@ def _i32(values: list[int]) -> bytes:
 
 def _wire_group(group_id: str, prompt_ids: list[int], samples: list[list[int]]) -> dict[str, Any]:
     """Stream fields of a trajectory group, packed by hand as an outsider would (the wire
-    format of asyncrl/protocol.py, not its encoder)."""
+    format of asyncrl/protocol/, not its encoder)."""
     data = {
         "schema": 1,
         "run": RUN_ID,

@@ -24,7 +24,7 @@ The JSON object is stable; scripts may rely on it:
 
 - `streams`: `length` is the stream's entry count (acked entries stay until trimmed), `lag` the
   entries not yet delivered to the consumer group (`rollout` for prompts, `trainer` for
-  trajectories), `pending` those delivered but not acked (`asyncrl.queue.stream_stats`). A
+  trajectories), `pending` those delivered but not acked (`asyncrl.runstate.stream_stats`). A
   stream that does not exist yet reads as zeros; one without its consumer group has delivered
   nothing, so all its entries are lag.
 - `counters`: the run-accounting hash (DESIGN §9); missing fields are 0. `entries_rejected`

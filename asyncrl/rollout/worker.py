@@ -39,8 +39,7 @@ from asyncrl.protocol import (
     stream_fields,
 )
 from asyncrl.provenance import prompt_groups
-from asyncrl.queue import Stopped
-from asyncrl.redis_conn import connect
+from asyncrl.redis_conn import Stopped, connect
 from asyncrl.rollout.episodes import (
     STALE,
     EnvironmentLoopDied,
@@ -77,7 +76,8 @@ class RolloutWorker:
         from asyncrl.metrics.server import serve
         from asyncrl.model import ensure_model, max_positions, vocab_size
         from asyncrl.model_identity import model_identity
-        from asyncrl.queue import Consumer, RedisGuard
+        from asyncrl.queue import Consumer
+        from asyncrl.redis_conn import RedisGuard
         from asyncrl.tasks.base import build_task
         from asyncrl.weights import build_subscriber
         from asyncrl.weights.base import kept_dtype
@@ -150,9 +150,7 @@ class RolloutWorker:
             is_alive=is_alive(self.client, self.keys, "rollout"),
             decode=self._decode,
             groups=prompt_groups(self.keys),
-            reconnect_max_s=cfg.redis.reconnect_max_s,
-            should_stop=lambda: self.stopping,
-            on_outage=self.metrics.redis_outage,
+            guard=self.redis,
         )
         self.limits = Limits(
             max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(model_dir)

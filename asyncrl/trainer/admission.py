@@ -42,6 +42,7 @@ import redis
 
 from asyncrl.protocol import PromptGroup, encode_prompt
 from asyncrl.queue import EntryFields, Producer, QueueConfig
+from asyncrl.redis_conn import RedisGuard
 from asyncrl.runstate import Counter, Counters, Keys, read_counters
 from asyncrl.tasks.base import Task
 
@@ -108,16 +109,14 @@ class Admission:
         counters: Mapping[str, int] | None = None,
         held: Callable[[], dict[str, str]] = dict,
         queue: QueueConfig | None = None,
-        reconnect_max_s: float = 5.0,
-        should_stop: Callable[[], bool] | None = None,
-        on_outage: Callable[[bool], None] | None = None,
+        guard: RedisGuard | None = None,
     ) -> None:
         """`consumed_before`: the groups the steps consumed beyond step × `groups_per_step` (a
         run resumed with another G); `counters`: the run counters as last known (a
         checkpoint's), to find a loss of Redis's data by; `held`: entry id → group of the
         trajectory entries the trainer holds, kept in flight through such a loss; `queue`
-        bounds each prompt entry and says when Redis is full; the rest is the prompt
-        producer's (`asyncrl.queue.Producer`)."""
+        bounds each prompt entry and says when Redis is full; `guard` is the prompt producer's
+        (`asyncrl.queue.Producer`)."""
         self.client = client
         self.keys = keys
         self.task = task
@@ -130,14 +129,7 @@ class Admission:
         self._items = task.train_items(cursor.seed, cursor.epoch)
         self._cursor_unknown = False
         self._lock = threading.Lock()
-        self._producer = Producer(
-            client,
-            keys.prompts,
-            queue,
-            reconnect_max_s=reconnect_max_s,
-            should_stop=should_stop,
-            on_outage=on_outage,
-        )
+        self._producer = Producer(client, keys.prompts, queue, guard=guard)
         self._reseed_script = client.register_script(_RESEED_LUA)
         self._held = held
         self._counters = Counters.from_hash(counters or {})

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from asyncrl.metrics.poller import RunGauges
     from asyncrl.metrics.roles import RoleMetrics
     from asyncrl.metrics.trackers import TrackerFeed
-    from asyncrl.queue import Consumer, RedisGuard
+    from asyncrl.queue import Consumer
+    from asyncrl.redis_conn import RedisGuard
     from asyncrl.tasks.base import Task
     from asyncrl.weights import SyncRecord, WeightPublisher
 
@@ -288,7 +289,7 @@ def build_consumer(
     name: str,
     limits: Limits,
     state: LoopState,
-    metrics: RoleMetrics,
+    redis_guard: RedisGuard,
 ) -> Consumer[TrajectoryGroup]:
     from asyncrl.heartbeat import is_alive
     from asyncrl.provenance import trajectory_groups
@@ -305,9 +306,7 @@ def build_consumer(
         is_alive=is_alive(client, keys, "trainer"),
         decode=decoder(limits, state),
         groups=trajectory_groups(keys),
-        reconnect_max_s=cfg.redis.reconnect_max_s,
-        should_stop=lambda: state.stopping,
-        on_outage=metrics.redis_outage,
+        guard=redis_guard,
     )
 
 
@@ -320,8 +319,6 @@ def build_admission(
     resumed: Resumed,
     consumer: Consumer[TrajectoryGroup],
     max_staleness: int,
-    state: LoopState,
-    metrics: RoleMetrics,
 ) -> Admission:
     cursor = resumed.cursor or Cursor(seed=cfg.run.seed)
     g = cfg.trainer.groups_per_step
@@ -339,9 +336,7 @@ def build_admission(
         counters=resumed.counters,
         held=consumer.held_groups,
         queue=cfg.queue,
-        reconnect_max_s=cfg.redis.reconnect_max_s,
-        should_stop=lambda: state.stopping,
-        on_outage=metrics.redis_outage,
+        guard=redis_guard,
     )
 
 
@@ -442,8 +437,7 @@ def build(cfg: Config) -> TrainerParts:
     from asyncrl.metrics.server import serve
     from asyncrl.model import ensure_model, max_positions, vocab_size
     from asyncrl.model_identity import model_identity, publish_identity
-    from asyncrl.queue import RedisGuard
-    from asyncrl.redis_conn import connect
+    from asyncrl.redis_conn import RedisGuard, connect
     from asyncrl.tasks.base import build_task
 
     keys = Keys(cfg.run.id)
@@ -496,12 +490,12 @@ def build(cfg: Config) -> TrainerParts:
         moe_layers=None if moe is None else moe.layers,
         moe_top_k=None if moe is None else moe.top_k,
     )
-    consumer = build_consumer(cfg, client, keys, name, limits, state, metrics)
+    consumer = build_consumer(cfg, client, keys, name, limits, state, redis_guard)
     admission = None
     rank0 = None
     if ranks.rank == 0:
         admission = build_admission(
-            cfg, client, redis_guard, keys, task, resumed, consumer, max_staleness, state, metrics
+            cfg, client, redis_guard, keys, task, resumed, consumer, max_staleness
         )
         rank0 = build_rank_zero(cfg, client, keys, device, admission, state, metrics, max_staleness)
     ledger = Ledger(

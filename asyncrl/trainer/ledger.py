@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
     from asyncrl.lease import Lease
     from asyncrl.protocol import TrajectoryGroup
-    from asyncrl.queue import Consumer, RedisGuard
+    from asyncrl.queue import Consumer
+    from asyncrl.redis_conn import RedisGuard
     from asyncrl.trainer.admission import Admission
     from asyncrl.trainer.parallel import Ranks
 

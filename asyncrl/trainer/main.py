@@ -29,7 +29,7 @@ from asyncrl.lease import LeaseLost
 from asyncrl.lora import synced
 from asyncrl.metrics.record import EvalRecord, StepRecord
 from asyncrl.protocol import TrajectoryGroup
-from asyncrl.queue import Stopped
+from asyncrl.redis_conn import Stopped
 from asyncrl.runstate import Counter
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.builder import RankZero, build

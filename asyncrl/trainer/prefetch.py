@@ -22,7 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
-from asyncrl.queue import Consumer, Delivery, Stopped
+from asyncrl.queue import Consumer, Delivery
+from asyncrl.redis_conn import Stopped
 
 T = TypeVar("T")
 
