@@ -81,7 +81,7 @@ def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
         return path
     if (problem := missing_model(cfg)) is not None:
         raise SystemExit(problem)
-    from asyncrl.engines.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     digits = getattr(cfg.task, "digits", 2)
     build_tiny_model(path, digits=digits, seed=cfg.run.seed, moe=cfg.model.tiny_moe)

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.engines.base import EngineError, Generation
 from asyncrl.engines.config import SamplingParams
-from asyncrl.engines.tiny_model import BOS_ID, EOS_ID, build_tokenizer
+from asyncrl.tiny_model import BOS_ID, EOS_ID, build_tokenizer
 from asyncrl.environments.base import Environment, StepResult
 from asyncrl.evaluate import held_out_reward
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.engines.tiny_model import build_tokenizer
+from asyncrl.tiny_model import build_tokenizer
 from asyncrl.tasks.base import DatasetError, DatasetTask
 from asyncrl.tasks.config import DatasetTaskConfig
 

@@ -19,7 +19,7 @@ from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.mismatch import RoutingAgreement, same_sets
 from asyncrl.engines.config import SamplingParams
 from asyncrl.engines.routing import MoeShape, moe_shape, moe_shape_of_config, routing_hooks
-from asyncrl.engines.tiny_model import new_tiny_model, new_tiny_moe
+from asyncrl.tiny_model import new_tiny_model, new_tiny_moe
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.mismatch_report import render
 from asyncrl.protocol import (

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from asyncrl.engines.tiny_model import BOS_ID, build_tokenizer
+from asyncrl.tiny_model import BOS_ID, build_tokenizer
 from asyncrl.tasks.base import ArithmeticTask, DatasetError, DatasetTask, build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
 
