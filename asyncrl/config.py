@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.configbase import Section
 from asyncrl.metrics.config import MetricsConfig
-from asyncrl.model import ModelConfig
+from asyncrl.model_config import ModelConfig
 from asyncrl.queue import QueueConfig
 from asyncrl.redis_conn import RedisConfig, redact_url
 from asyncrl.rollout.config import RolloutConfig

@@ -27,7 +27,7 @@ from asyncrl.lora import (
     wrap,
     write_adapter,
 )
-from asyncrl.model import LoraConfig
+from asyncrl.model_config import LoraConfig
 from asyncrl.runstate import Keys
 from asyncrl.trainer.builder import build_models, build_optimizer, resume
 from asyncrl.trainer.checkpoint import TrainerState, list_checkpoints, save_checkpoint

@@ -157,7 +157,7 @@ def lora_models(args: argparse.Namespace) -> dict[str, list[tuple[str, torch.Ten
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from asyncrl.lora import synced, wrap
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
 
     config = Qwen2Config(
         vocab_size=32000,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
 from asyncrl.engines.routing import Routing, moe_shape, routing_hooks
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs, sequence_logprobs
 from asyncrl.lora import synced, wrap
-from asyncrl.model import LoraConfig
+from asyncrl.model_config import LoraConfig
 
 
 class TorchEngine:

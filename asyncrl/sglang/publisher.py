@@ -70,7 +70,7 @@ from asyncrl.weights.groups import comm_device, master_store, resolve_backend
 
 if TYPE_CHECKING:
     from asyncrl.engines.base import RolloutEngine
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
     from asyncrl.runstate import Keys
     from asyncrl.sglang.config import SglangWeightsConfig
 

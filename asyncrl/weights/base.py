@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import redis
 
     from asyncrl.engines.base import RolloutEngine
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
     from asyncrl.runstate import Keys
     from asyncrl.weights.config import WeightsConfig
 
