@@ -154,9 +154,9 @@ def receiver(args: argparse.Namespace) -> None:
     import torch
 
     from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.rollout.backends import build_subscriber, kept_dtype
     from asyncrl.runstate import Keys
-    from asyncrl.weights import BroadcastWeightsConfig, StoreWeightsConfig, build_subscriber
-    from asyncrl.weights.base import kept_dtype
+    from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
     client = redis.Redis.from_url(args.redis)
     if args.transport == "raw":
@@ -226,13 +226,9 @@ def part_sync(args: argparse.Namespace, transport: str) -> dict[str, Any]:
 
     from asyncrl.launch.redis_server import RedisServer
     from asyncrl.runstate import Keys
-    from asyncrl.weights import (
-        BroadcastWeightsConfig,
-        StoreWeightsConfig,
-        SyncRecord,
-        build_publisher,
-    )
-    from asyncrl.weights.base import text
+    from asyncrl.trainer.backends import build_publisher
+    from asyncrl.weights.base import SyncRecord, text
+    from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
     base = baseline_mb()
     model = build_model(args.size)

@@ -42,15 +42,11 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.rollout.backends import build_subscriber
 from asyncrl.runstate import Keys
-from asyncrl.weights import (
-    BroadcastWeightsConfig,
-    SyncRecord,
-    WeightPublisher,
-    build_publisher,
-    build_subscriber,
-)
-from asyncrl.weights.base import text
+from asyncrl.trainer.backends import build_publisher
+from asyncrl.weights.base import SyncRecord, WeightPublisher, text
+from asyncrl.weights.config import BroadcastWeightsConfig
 from asyncrl.weights.groups import Group, local_addr_towards, new_group
 
 RUN = "bench"

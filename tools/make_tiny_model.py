@@ -27,10 +27,10 @@ def main() -> None:
 
     if args.random_for:
         from asyncrl.config import load_config
-        from asyncrl.tiny_model import save_random_tiny_model
         from asyncrl.model import is_complete
         from asyncrl.tasks.config import ReasoningGymTaskConfig
         from asyncrl.tasks.gym import characters
+        from asyncrl.tiny_model import save_random_tiny_model
 
         task = load_config(args.random_for).task
         if not isinstance(task, ReasoningGymTaskConfig):
