@@ -172,10 +172,7 @@ def receiver(args: argparse.Namespace) -> None:
     model_mb = rss_mb("VmRSS") - base
 
     def on_weights(tensors: dict[str, torch.Tensor], version: int) -> None:
-        engine.stage_weights(tensors, version)
-        # The staged tensors are applied at the next decode step; this worker has none.
-        with engine._lock:
-            engine._apply_pending()
+        engine.stage_weights(tensors, version)  # applied at once: the engine is idle
         report = {"version": version, "hwm_mb": rss_mb(), "base_mb": base, "model_mb": model_mb}
         client.set(_held_key(args.worker), json.dumps(report))
 

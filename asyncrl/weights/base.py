@@ -245,6 +245,7 @@ class BackgroundPublisher(ABC):
         self._narrow_to: torch.dtype | None = None
         self._closing = False
         self._stats = PublisherStats()
+        self._formed = 0  # groups formed by a transport that forms them
         self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
         self._loop_errors = _LoopErrors("weight publisher: sender loop error")
 
@@ -319,6 +320,13 @@ class BackgroundPublisher(ABC):
     @property
     def rebuilds(self) -> int:
         return self._stats.rebuilds
+
+    def _group_formed(self) -> None:
+        """Count a group a transport formed: each after the first is a rebuild."""
+        if self._formed:
+            with self._cond:
+                self._stats.rebuilds += 1
+        self._formed += 1
 
     def close(self) -> None:
         with self._cond:
