@@ -11,18 +11,28 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
 from asyncrl.algo.config import AlgoConfig
-from asyncrl.configbase import Section
+from asyncrl.configbase import Section, type_or
 from asyncrl.metrics.config import MetricsConfig
-from asyncrl.model import ModelConfig
+from asyncrl.model_config import ModelConfig
 from asyncrl.queue import QueueConfig
 from asyncrl.redis_conn import RedisConfig, redact_url
 from asyncrl.rollout.config import RolloutConfig
+from asyncrl.sglang.config import SglangWeightsConfig
 from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
 from asyncrl.trainer.config import TrainerConfig
-from asyncrl.weights.config import BroadcastWeightsConfig, WeightsConfig
+from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
+
+WeightsConfig = Annotated[
+    Annotated[BroadcastWeightsConfig, Tag("broadcast")]
+    | Annotated[StoreWeightsConfig, Tag("store")]
+    | Annotated[SglangWeightsConfig, Tag("sglang")],
+    Discriminator(type_or("broadcast")),
+]
+"""The weight-sync transports, by `type`: the seam's own (`asyncrl.weights.config`) and SGLang's;
+`type` left out: `broadcast`."""
 
 
 class ConfigError(ValueError):

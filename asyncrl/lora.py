@@ -28,7 +28,7 @@ import torch
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 """peft's file in an adapter directory: a LoRA checkpoint holds it instead of `config.json`."""

@@ -1,60 +1,14 @@
-"""Which model a run trains, and building the offline quickstart model when it is absent."""
+"""The model directory a run trains: checking it, building the offline quickstart model when it is
+absent, and reading its limits. Its config is `asyncrl.model_config`."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
-
-from pydantic import Field
-
-from asyncrl.configbase import Section
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
-
-
-class LoraConfig(Section):
-    """Train a LoRA adapter (peft) instead of every weight: the base stays frozen, checkpoints and
-    weight syncs carry the adapter only, and the KL reference is the base with the adapter
-    disabled (`asyncrl.lora`)."""
-
-    rank: int = Field(default=8, gt=0)
-    """Rank r of each adapter pair (A: r × in, B: out × r)."""
-    alpha: int = Field(default=16, gt=0)
-    """Scale numerator: the adapter adds (alpha / rank) · B A to each target weight."""
-    dropout: float = Field(default=0.0, ge=0, lt=1)
-    """Dropout on the adapter's input while training (none in rollouts)."""
-    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = Field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
-    """Module names (suffixes, as peft matches them) that get an adapter, or `all-linear`: every
-    linear layer but the output head."""
-    trainable_modules: list[str] = Field(default_factory=list)
-    """Modules trained in full beside the adapter (peft's `modules_to_save`, e.g. `lm_head`);
-    they are checkpointed and synced whole."""
-
-
-class ModelConfig(Section):
-    path: str = "runs/models/tiny-add"
-    """Local Hugging Face model directory (config.json, safetensors, tokenizer). The trainer
-    starts from it and rollout engines load it; no hub downloads."""
-    build_tiny: bool = False
-    """Build the offline tiny quickstart model (Qwen2 architecture, warmed on the arithmetic
-    task) at `path` if it is absent. Needs `task.type: arithmetic` or `agentic`."""
-    tiny_moe: bool = False
-    """With `build_tiny`: build the tiny model as a Qwen3-MoE (8 experts, top-2) instead of a
-    Qwen2, warmed up the same way."""
-    lora: LoraConfig | None = None
-    """Set: train a LoRA adapter on the frozen base at `path` (needs the `lora` extra: peft)."""
 
 
 def is_complete(path: Path) -> bool:
@@ -81,7 +35,7 @@ def ensure_model(cfg: Config, *, wait_s: float = 0.0) -> Path:
         return path
     if (problem := missing_model(cfg)) is not None:
         raise SystemExit(problem)
-    from asyncrl.engines.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     digits = getattr(cfg.task, "digits", 2)
     build_tiny_model(path, digits=digits, seed=cfg.run.seed, moe=cfg.model.tiny_moe)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import redis
 
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
     from asyncrl.runstate import Keys
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.engines.tiny_model import new_tiny_model
+from asyncrl.tiny_model import new_tiny_model
 from asyncrl.trainer.checkpoint import CheckpointError, TrainerState, save_checkpoint
 from asyncrl.trainer.parallel import full_state
 

@@ -67,7 +67,7 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The warmed quickstart model (`build_tiny_model`), built once per test session (~35 s)."""
-    from asyncrl.engines.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     out = tmp_path_factory.mktemp("warm") / "tiny-add2"
     build_tiny_model(out)
@@ -77,7 +77,7 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained tiny model with the quickstart tokenizer (seed 0), made once per session."""
-    from asyncrl.engines.tiny_model import save_random_tiny_model
+    from asyncrl.tiny_model import save_random_tiny_model
 
     return save_random_tiny_model(tmp_path_factory.mktemp("random") / "tiny", seed=0)
 
@@ -85,7 +85,7 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def random_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained tiny Qwen3-MoE (2 layers, 8 experts, top-2) with the quickstart tokenizer."""
-    from asyncrl.engines.tiny_model import save_random_tiny_model
+    from asyncrl.tiny_model import save_random_tiny_model
 
     return save_random_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-moe", seed=0, moe=True)
 
@@ -101,7 +101,7 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny model whose tokenizer spells lower-case text and has a chat template."""
     from transformers import AutoTokenizer
 
-    from asyncrl.engines.tiny_model import save_random_tiny_model
+    from asyncrl.tiny_model import save_random_tiny_model
 
     chars = " abcdefghijklmnopqrstuvwxyz:.,?!\n0123456789+="
     out = save_random_tiny_model(tmp_path_factory.mktemp("chat") / "tiny", seed=0, chars=chars)

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from asyncrl.engines.base import build_engine
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.rollout.backends import build_engine
 
 # Variable lengths in one batch exercise left padding and per-row positions.
 PROMPTS = [[1, 4, 5, 13], [1, 7], [1, 3, 9, 13, 8, 8, 14], [1], [1, 6, 6, 6, 6, 6, 6, 6, 6, 6]]

@@ -11,7 +11,6 @@ import pytest
 
 from asyncrl.engines.base import EngineError, Generation
 from asyncrl.engines.config import SamplingParams
-from asyncrl.engines.tiny_model import BOS_ID, EOS_ID, build_tokenizer
 from asyncrl.environments.base import Environment, StepResult
 from asyncrl.evaluate import held_out_reward
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
@@ -19,6 +18,7 @@ from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
 from asyncrl.tasks.agentic import AgenticTask, ArithmeticToolEnvironment, LogNormalLatency
 from asyncrl.tasks.base import ArithmeticTask, PromptItem, build_task
 from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
+from asyncrl.tiny_model import BOS_ID, EOS_ID, build_tokenizer
 
 PARAMS = SamplingParams(max_new_tokens=4)
 
@@ -232,8 +232,8 @@ def test_an_engine_crash_fails_the_calls_groups_not_the_scheduler(random_model: 
     # A token id past the vocabulary makes the builtin engine's embedding raise IndexError, not
     # an EngineError: the groups of that call fail (the worker dead-letters them), and the
     # scheduler goes on with the next call.
-    from asyncrl.engines.base import build_engine
     from asyncrl.engines.config import TorchEngineConfig
+    from asyncrl.rollout.backends import build_engine
 
     tok = build_tokenizer()
     task = ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=2), tok)
@@ -293,8 +293,8 @@ def test_scheduler_keeps_episodes_in_flight_behind_a_slow_tool(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from asyncrl.engines.base import build_engine
     from asyncrl.engines.config import TorchEngineConfig
+    from asyncrl.rollout.backends import build_engine
 
     groups, n, turns, latency = 12, 2, 3, 0.4
     tok = AutoTokenizer.from_pretrained(random_model)
@@ -352,8 +352,8 @@ def test_close_cancels_episodes_waiting_on_their_tools(
 
     from transformers import AutoTokenizer
 
-    from asyncrl.engines.base import build_engine
     from asyncrl.engines.config import TorchEngineConfig
+    from asyncrl.rollout.backends import build_engine
 
     tok = AutoTokenizer.from_pretrained(random_model)
     task = AgenticTask(
@@ -384,8 +384,8 @@ def test_generate_calls_report_prompt_tokens_from_the_prefix_cache(random_model:
     """The worker's `asyncrl_rollout_prompt_tokens_total{source}` comes from these reports."""
     from transformers import AutoTokenizer
 
-    from asyncrl.engines.base import build_engine
     from asyncrl.engines.config import TorchEngineConfig
+    from asyncrl.rollout.backends import build_engine
     from asyncrl.rollout.episodes import GenerateCall
 
     tok = AutoTokenizer.from_pretrained(random_model)

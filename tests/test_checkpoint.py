@@ -94,7 +94,7 @@ def test_the_model_files_are_save_pretrained_s_byte_for_byte(moe: bool, tmp_path
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from asyncrl.engines.tiny_model import new_tiny_model, new_tiny_moe
+    from asyncrl.tiny_model import new_tiny_model, new_tiny_moe
     from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
     from asyncrl.trainer.parallel import full_state
 

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.engines.tiny_model import build_tokenizer
 from asyncrl.tasks.base import DatasetError, DatasetTask
 from asyncrl.tasks.config import DatasetTaskConfig
+from asyncrl.tiny_model import build_tokenizer
 
 ROWS: list[dict[str, Any]] = [
     {"prompt": "1+2=", "answer": 3},

@@ -476,12 +476,12 @@ class _Scripted:
 
 def _scheduler(tmp_path: Path, mode: str, errors: list[str], max_context: int | None = None) -> Any:
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.engines.tiny_model import build_tokenizer
     from asyncrl.environments import build_environments
     from asyncrl.environments.config import PythonEnvironmentConfig
     from asyncrl.rollout.episodes import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
     from asyncrl.tasks.config import ArithmeticTaskConfig
+    from asyncrl.tiny_model import build_tokenizer
 
     (tmp_path / "turns_env.py").write_text(textwrap.dedent(TURNS))
     tok = build_tokenizer()
@@ -632,10 +632,10 @@ def test_a_first_turn_past_the_context_bound_fails_its_group_with_the_reason(
 
 def test_a_plain_prompt_past_the_context_bound_fails_its_group() -> None:
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.engines.tiny_model import build_tokenizer
     from asyncrl.rollout.episodes import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask
     from asyncrl.tasks.config import ArithmeticTaskConfig
+    from asyncrl.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     task = ArithmeticTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
@@ -651,11 +651,11 @@ def test_a_plain_prompt_past_the_context_bound_fails_its_group() -> None:
 def _remote_scheduler(url: str, timeout_s: float = 60.0) -> Any:
     """A scheduler whose episodes hold sessions on the env-server at `url`."""
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.engines.tiny_model import build_tokenizer
     from asyncrl.environments import build_environments
     from asyncrl.rollout.episodes import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
     from asyncrl.tasks.config import ArithmeticTaskConfig
+    from asyncrl.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     task = WithEnvironment(

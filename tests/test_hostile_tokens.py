@@ -16,8 +16,8 @@ import msgpack
 import pytest
 import redis
 
-from asyncrl.engines.tiny_model import VOCAB
 from asyncrl.runstate import Keys
+from asyncrl.tiny_model import VOCAB
 
 from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
 

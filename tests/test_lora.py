@@ -27,12 +27,14 @@ from asyncrl.lora import (
     wrap,
     write_adapter,
 )
-from asyncrl.model import LoraConfig
+from asyncrl.model_config import LoraConfig
+from asyncrl.rollout.backends import build_subscriber
 from asyncrl.runstate import Keys
+from asyncrl.trainer.backends import build_publisher
 from asyncrl.trainer.builder import build_models, build_optimizer, resume
 from asyncrl.trainer.checkpoint import TrainerState, list_checkpoints, save_checkpoint
 from asyncrl.trainer.parallel import full_state
-from asyncrl.weights import StoreWeightsConfig, build_publisher, build_subscriber
+from asyncrl.weights.config import StoreWeightsConfig
 
 from engine_helpers import PROMPTS, load_model, reference_logprobs
 from role_procs import asyncrl

@@ -11,7 +11,7 @@ import redis
 import torch
 
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.model import LoraConfig
+from asyncrl.model_config import LoraConfig
 from asyncrl.model_identity import model_identity
 from asyncrl.runstate import PROMPTS_GROUP, Keys
 

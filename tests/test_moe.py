@@ -19,7 +19,6 @@ from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.mismatch import RoutingAgreement, same_sets
 from asyncrl.engines.config import SamplingParams
 from asyncrl.engines.routing import MoeShape, moe_shape, moe_shape_of_config, routing_hooks
-from asyncrl.engines.tiny_model import new_tiny_model, new_tiny_moe
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.mismatch_report import render
 from asyncrl.protocol import (
@@ -35,6 +34,7 @@ from asyncrl.serve.server import make_server
 from asyncrl.sglang.client import RequestFailure
 from asyncrl.sglang.config import SglangEngineConfig
 from asyncrl.sglang.engine import SglangEngine, parse_routed_experts
+from asyncrl.tiny_model import new_tiny_model, new_tiny_moe
 from asyncrl.trainer.batch import collate, group_rows
 from asyncrl.trainer.step import token_logprobs, train_step
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.engines.tiny_model import build_tokenizer
 from asyncrl.protocol import PromptGroup, ValidationError, decode_prompt, encode_prompt
 from asyncrl.tasks.base import RecordsTask, build_task
 from asyncrl.tasks.config import PythonRewardConfig, PythonTaskConfig
 from asyncrl.tasks.plugins import IsolatedReward, RewardFailure
+from asyncrl.tiny_model import build_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -372,8 +372,8 @@ def test_scheduler_fails_the_group_with_the_rewards_reason(
     reason is the reward's, not `task_error` or `env_error`."""
     from test_agentic import PARAMS, ScriptedEngine, digit
 
-    from asyncrl.engines.tiny_model import EOS_ID
     from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.tiny_model import EOS_ID
 
     tok = build_tokenizer()
     cfg = load_config(

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from asyncrl.engines.base import Generation
 from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
-from asyncrl.engines.tiny_model import save_random_tiny_model
+from asyncrl.tiny_model import save_random_tiny_model
 
 from engine_helpers import PROMPTS, load_model, make_engine, perturbed, reference_logprobs
 

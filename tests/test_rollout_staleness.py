@@ -19,8 +19,9 @@ from asyncrl.runstate import PROMPTS_GROUP, Keys, read_accounting
 from asyncrl.tasks.base import build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
 from asyncrl.trainer.admission import Admission, Cursor
-from asyncrl.weights import StoreWeightsConfig, build_publisher
+from asyncrl.trainer.backends import build_publisher
 from asyncrl.weights.base import WeightPublisher
+from asyncrl.weights.config import StoreWeightsConfig
 
 from role_procs import Role, RoleConfig, stop_all, wait_until
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.engines.tiny_model import EOS_ID
+from asyncrl.tiny_model import EOS_ID
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncrl.engines.base import EngineError, build_engine
+from asyncrl.engines.base import EngineError
 from asyncrl.engines.config import SamplingParams
+from asyncrl.rollout.backends import build_engine
 from asyncrl.sglang.client import http_info, http_json
 from asyncrl.sglang.config import SglangEngineConfig
 from asyncrl.sglang.engine import SglangEngine

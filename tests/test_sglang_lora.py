@@ -20,7 +20,7 @@ from test_sglang_e2e import run_sglang
 from asyncrl.engines.sampling import SamplingParams
 from asyncrl.launch.redis_server import free_port
 from asyncrl.lora import synced, wrap, write_adapter
-from asyncrl.model import LoraConfig
+from asyncrl.model_config import LoraConfig
 from asyncrl.runstate import Keys
 from asyncrl.sglang.client import RequestFailure, http_json, lora_flags
 from asyncrl.sglang.config import SglangEngineConfig, SglangWeightsConfig

@@ -6,9 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from asyncrl.engines.tiny_model import BOS_ID, build_tokenizer
 from asyncrl.tasks.base import ArithmeticTask, DatasetError, DatasetTask, build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
+from asyncrl.tiny_model import BOS_ID, build_tokenizer
 
 TOKENIZER = build_tokenizer()
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.engines.tiny_model import BOS_ID, EOS_ID, INFO_FILE, build_tiny_model
+from asyncrl.tiny_model import BOS_ID, EOS_ID, INFO_FILE, build_tiny_model
 
 
 def test_short_build_is_loadable_cached_and_atomic(tmp_path: Path) -> None:

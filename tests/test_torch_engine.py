@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
-from asyncrl.engines.tiny_model import EOS_ID, save_random_tiny_model
+from asyncrl.tiny_model import EOS_ID, save_random_tiny_model
 
 from engine_helpers import PROMPTS, load_model, make_engine, perturbed, reference_logprobs
 

@@ -187,7 +187,7 @@ def test_restart_acks_every_ranks_covered_entries_once(
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.engines.tiny_model import new_tiny_model
+    from asyncrl.tiny_model import new_tiny_model
     from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
     from asyncrl.trainer.main import Trainer
     from asyncrl.trainer.parallel import full_state
@@ -257,7 +257,7 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.engines.tiny_model import new_tiny_model
+    from asyncrl.tiny_model import new_tiny_model
     from asyncrl.trainer.checkpoint import TrainerState, record_version, save_checkpoint
     from asyncrl.trainer.main import Trainer
     from asyncrl.trainer.parallel import full_state
@@ -306,7 +306,7 @@ def _checkpoint_at_step_10(run_dir: Path, random_model: Path, **state: object) -
     """A checkpoint of a run that trained 10 steps of 8 groups."""
     import torch
 
-    from asyncrl.engines.tiny_model import new_tiny_model
+    from asyncrl.tiny_model import new_tiny_model
     from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
     from asyncrl.trainer.parallel import full_state
 

@@ -22,15 +22,11 @@ import torch
 
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Keys
-from asyncrl.weights import (
-    BroadcastWeightsConfig,
-    SyncRecord,
-    WeightPublisher,
-    build_publisher,
-)
-from asyncrl.weights.base import text
+from asyncrl.trainer.backends import build_publisher
+from asyncrl.weights.base import SyncRecord, WeightPublisher, text
 from asyncrl.weights.broadcast import BroadcastPublisher
 from asyncrl.weights.buckets import Layout
+from asyncrl.weights.config import BroadcastWeightsConfig
 
 from role_procs import wait_until
 from weights_proc import (

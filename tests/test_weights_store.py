@@ -12,14 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.rollout.backends import build_subscriber
 from asyncrl.runstate import Keys
-from asyncrl.weights import (
-    StoreWeightsConfig,
-    SyncRecord,
-    build_publisher,
-    build_subscriber,
-)
+from asyncrl.trainer.backends import build_publisher
+from asyncrl.weights.base import SyncRecord
 from asyncrl.weights.buckets import checksum_tensors
+from asyncrl.weights.config import StoreWeightsConfig
 from asyncrl.weights.store import version_path
 
 from role_procs import wait_until

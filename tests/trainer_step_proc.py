@@ -21,8 +21,8 @@ import torch
 
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.engines.config import SamplingParams
-from asyncrl.engines.tiny_model import new_tiny_model
 from asyncrl.protocol import Sample, TrajectoryGroup
+from asyncrl.tiny_model import new_tiny_model
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.parallel import full_state, shard
 from asyncrl.trainer.step import train_step

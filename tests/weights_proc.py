@@ -30,9 +30,10 @@ import redis
 import torch
 from pydantic import TypeAdapter
 
+from asyncrl.config import WeightsConfig
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.rollout.backends import build_subscriber
 from asyncrl.runstate import Keys
-from asyncrl.weights import WeightsConfig, build_subscriber
 from asyncrl.weights.broadcast import BroadcastSubscriber
 from asyncrl.weights.buckets import checksum_tensors
 

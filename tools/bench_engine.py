@@ -24,8 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
 from asyncrl.engines.sampling import SamplingParams
-from asyncrl.engines.tiny_model import save_random_tiny_model
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.tiny_model import save_random_tiny_model
 
 
 def _runners(

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from asyncrl.engines.sampling import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.lora import synced, wrap
-from asyncrl.model import LoraConfig
+from asyncrl.model_config import LoraConfig
 
 
 def model_of(args: argparse.Namespace) -> torch.nn.Module:

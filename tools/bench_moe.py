@@ -35,11 +35,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.mismatch import RoutingAgreement
 from asyncrl.engines.config import SamplingParams
-from asyncrl.engines.tiny_model import build_tiny_model
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.protocol import Sample, TrajectoryGroup
 from asyncrl.tasks.base import ArithmeticTask
 from asyncrl.tasks.config import ArithmeticTaskConfig
+from asyncrl.tiny_model import build_tiny_model
 from asyncrl.trainer.batch import collate, group_rows
 from asyncrl.trainer.step import token_logprobs, train_step
 

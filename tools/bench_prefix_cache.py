@@ -25,8 +25,8 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncrl.config import load_config
-from asyncrl.engines.base import build_engine
 from asyncrl.model import ensure_model
+from asyncrl.rollout.backends import build_engine
 from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
 from asyncrl.tasks.base import build_task
 

@@ -154,9 +154,9 @@ def receiver(args: argparse.Namespace) -> None:
     import torch
 
     from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.rollout.backends import build_subscriber, kept_dtype
     from asyncrl.runstate import Keys
-    from asyncrl.weights import BroadcastWeightsConfig, StoreWeightsConfig, build_subscriber
-    from asyncrl.weights.base import kept_dtype
+    from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
     client = redis.Redis.from_url(args.redis)
     if args.transport == "raw":
@@ -172,10 +172,7 @@ def receiver(args: argparse.Namespace) -> None:
     model_mb = rss_mb("VmRSS") - base
 
     def on_weights(tensors: dict[str, torch.Tensor], version: int) -> None:
-        engine.stage_weights(tensors, version)
-        # The staged tensors are applied at the next decode step; this worker has none.
-        with engine._lock:
-            engine._apply_pending()
+        engine.stage_weights(tensors, version)  # applied at once: the engine is idle
         report = {"version": version, "hwm_mb": rss_mb(), "base_mb": base, "model_mb": model_mb}
         client.set(_held_key(args.worker), json.dumps(report))
 
@@ -226,13 +223,9 @@ def part_sync(args: argparse.Namespace, transport: str) -> dict[str, Any]:
 
     from asyncrl.launch.redis_server import RedisServer
     from asyncrl.runstate import Keys
-    from asyncrl.weights import (
-        BroadcastWeightsConfig,
-        StoreWeightsConfig,
-        SyncRecord,
-        build_publisher,
-    )
-    from asyncrl.weights.base import text
+    from asyncrl.trainer.backends import build_publisher
+    from asyncrl.weights.base import SyncRecord, text
+    from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
     base = baseline_mb()
     model = build_model(args.size)

@@ -42,15 +42,11 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.rollout.backends import build_subscriber
 from asyncrl.runstate import Keys
-from asyncrl.weights import (
-    BroadcastWeightsConfig,
-    SyncRecord,
-    WeightPublisher,
-    build_publisher,
-    build_subscriber,
-)
-from asyncrl.weights.base import text
+from asyncrl.trainer.backends import build_publisher
+from asyncrl.weights.base import SyncRecord, WeightPublisher, text
+from asyncrl.weights.config import BroadcastWeightsConfig
 from asyncrl.weights.groups import Group, local_addr_towards, new_group
 
 RUN = "bench"
@@ -157,7 +153,7 @@ def lora_models(args: argparse.Namespace) -> dict[str, list[tuple[str, torch.Ten
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from asyncrl.lora import synced, wrap
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
 
     config = Qwen2Config(
         vocab_size=32000,

@@ -1027,7 +1027,7 @@ def run_chaos(
         workdir = Path(tempfile.mkdtemp(prefix="asyncrl-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if model is None:
-        from asyncrl.engines.tiny_model import save_random_tiny_model
+        from asyncrl.tiny_model import save_random_tiny_model
 
         model = workdir / "model"
         if not (model / "config.json").exists():

@@ -27,10 +27,10 @@ def main() -> None:
 
     if args.random_for:
         from asyncrl.config import load_config
-        from asyncrl.engines.tiny_model import save_random_tiny_model
         from asyncrl.model import is_complete
         from asyncrl.tasks.config import ReasoningGymTaskConfig
         from asyncrl.tasks.gym import characters
+        from asyncrl.tiny_model import save_random_tiny_model
 
         task = load_config(args.random_for).task
         if not isinstance(task, ReasoningGymTaskConfig):
@@ -41,7 +41,7 @@ def main() -> None:
         print(json.dumps({"out": args.out, "chars": len(chars)}))
         return
 
-    from asyncrl.engines.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     info = build_tiny_model(args.out, digits=args.digits, seed=args.seed, moe=args.moe)
     if not info["reached_target"]:

@@ -1,23 +1,23 @@
 """The engine seam: what a rollout worker (and held-out evaluation) needs from whatever generates
 tokens. `RolloutEngine` is all of it; `InProcessWeights` is the extra capability of an engine
-whose weights live in this process, so that only such an engine is handed tensors."""
+whose weights live in this process, so that only such an engine is handed tensors.
+
+The seam only declares: the engines are members of their own modules (`torch_engine`,
+`asyncrl.sglang.engine`), and the rollout role picks one (`asyncrl.rollout.backends`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, assert_never, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from asyncrl.engines.config import EngineConfig, SamplingParams, TorchEngineConfig
-from asyncrl.sglang.config import SglangEngineConfig
+from asyncrl.engines.config import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import torch
-
-    from asyncrl.model import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -132,31 +132,3 @@ class Rescoring(Protocol):
         """(version of the weights used, float32 log-probs of each sequence's tokens after its
         first `n_prompt`) for `(token ids, n_prompt)` pairs, computed in `dtype` parameters."""
         ...
-
-
-def build_engine(
-    cfg: EngineConfig,
-    *,
-    model_path: str,
-    lora: LoraConfig | None = None,
-    capture_routing: bool = False,
-) -> RolloutEngine:
-    """The engine `cfg.type` names, serving the Hugging Face model in the local directory
-    `model_path` on the device its config names, serving the adapter of `lora` (`model.lora`),
-    recording each token's experts with `capture_routing` (an MoE model);
-    heavy imports happen here."""
-    match cfg:
-        case TorchEngineConfig():
-            from asyncrl.engines.torch_engine import TorchEngine
-
-            return TorchEngine.from_config(
-                cfg, model_path=model_path, lora=lora, capture_routing=capture_routing
-            )
-        case SglangEngineConfig():
-            from asyncrl.sglang.engine import SglangEngine
-
-            return SglangEngine.from_config(
-                cfg, model_path=model_path, lora=lora, capture_routing=capture_routing
-            )
-        case _:
-            assert_never(cfg)

@@ -1,16 +1,16 @@
 """Config of the rollout engines and of sampling. Nothing here imports torch: the CLI validates
 configs without it.
 
-Engines are chosen by `type` (a pydantic discriminated union), so an unknown engine is reported
-with the allowed values and adding one is one class plus one union member.
+Engines are chosen by `type` (a pydantic discriminated union, `rollout.config.EngineConfig`,
+assembled where the rollout section is), so an unknown engine is reported with the allowed values
+and adding one is one class plus one union member; this module declares only the builtin one.
 """
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field
 
-from asyncrl.configbase import Section, type_or
-from asyncrl.sglang.config import SglangEngineConfig
+from asyncrl.configbase import Section
 
 
 class TorchEngineConfig(Section):
@@ -42,13 +42,6 @@ class TorchEngineConfig(Section):
     across a weight swap. False: a swap drops every entry the new weights did not compute, so a
     token's version names the weights behind its whole context (SGLang's `retract` flushes its
     cache the same way)."""
-
-
-EngineConfig = Annotated[
-    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SglangEngineConfig, Tag("sglang")],
-    Discriminator(type_or("torch")),
-]
-"""`type` left out: the builtin engine."""
 
 
 class SamplingParams(Section):

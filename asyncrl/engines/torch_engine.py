@@ -33,8 +33,9 @@ from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.prefix_cache import CachedPrefix, PrefixCache
 from asyncrl.engines.routing import Routing, moe_shape, routing_hooks
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs, sequence_logprobs
+from asyncrl.engines.staging import StagedWeights
 from asyncrl.lora import synced, wrap
-from asyncrl.model import LoraConfig
+from asyncrl.model_config import LoraConfig
 
 
 class TorchEngine:
@@ -73,17 +74,13 @@ class TorchEngine:
         weights are looked at; tests use it to make an in-flight swap land on a chosen step."""
         device = next(model.parameters()).device
         self._generator = torch.Generator(device=device).manual_seed(seed)
-        self._version = version
-        # Every name a state dict may use, tied aliases included; updates must cover what trains
-        # (all parameters, or a LoRA model's adapter).
-        self._targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-        self._required = {name for name, _ in synced(model)}
         self._generate_lock = threading.Lock()
-        self._lock = threading.Lock()  # guards _pending and _busy
-        self._pending: tuple[int, Mapping[str, torch.Tensor]] | None = None
-        self._busy = False
         self._prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._prefix_stale = prefix_cache_stale
+        # Unless stale prefixes are allowed, a swap drops every entry the new weights did not
+        # compute.
+        drop = None if self._prefixes is None or prefix_cache_stale else self._prefixes.drop_older
+        self._weights = StagedWeights(model, version, drop)
         self._scorer: tuple[int, torch.nn.Module] | None = None
         """(version, copy of the model in another dtype) for `rescore`."""
 
@@ -119,41 +116,19 @@ class TorchEngine:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._weights.version
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in synced(self.model)}
 
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        missing = self._required - tensors.keys()
-        unknown = tensors.keys() - self._targets.keys()
-        if missing or unknown:
-            raise ValueError(
-                f"weights for version {version}: missing {sorted(missing)[:5]}, "
-                f"unknown {sorted(unknown)[:5]}"
-            )
-        for name, tensor in tensors.items():
-            if tensor.shape != self._targets[name].shape:
-                raise ValueError(
-                    f"weights for version {version}: {name} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(self._targets[name].shape)}"
-                )
-        with self._lock:
-            newest = self._pending[0] if self._pending is not None else self._version
-            if version <= newest:
-                raise ValueError(f"version {version} is not newer than {newest}")
-            self._pending = (version, tensors)
-            if not self._busy:
-                self._apply_pending()
+        self._weights.stage(tensors, version)
 
     def relabel(self, version: int) -> None:
         """Name the weights held `version` without changing them (SGLang's
         /update_weight_version, for `asyncrl serve`: switching a LoRA server's adapter changes
         no base weight). ValueError for an older version or while weights are staged."""
-        with self._lock:
-            if self._pending is not None or version < self._version:
-                raise ValueError(f"version {version}: the engine holds or stages a newer one")
-            self._version = version
+        self._weights.relabel(version)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, min_new_tokens: int = 0
@@ -168,7 +143,7 @@ class TorchEngine:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: dict[int, Generation] = {}
         with self._generate_lock:
-            self._set_busy(True)
+            self._weights.set_busy(True)
             training = self.model.training
             self.model.eval()
             hooks = routing_hooks(self.model) if self.capture_routing else contextlib.nullcontext()
@@ -183,7 +158,7 @@ class TorchEngine:
                         results.update(zip(chunk, generations, strict=True))
             finally:
                 self.model.train(training)
-                self._set_busy(False)
+                self._weights.set_busy(False)
         return [results[i] for i in range(len(prompts))]
 
     @torch.inference_mode()
@@ -206,7 +181,7 @@ class TorchEngine:
         other than the engine's, the weights are a copy cast to it (made once per version):
         the engine's own rounded weights, so the audit measures the compute path alone."""
         with self._scoring():
-            version = self._version
+            version = self._weights.version
             model = self._scoring_model(getattr(torch, dtype))
             model.eval()
             device = self._generator.device
@@ -222,47 +197,26 @@ class TorchEngine:
         """Forwards outside generation (`score`, `rescore`): under the generate lock, with no
         weight swap under them; the model's train/eval mode restored."""
         with self._generate_lock:
-            self._set_busy(True)
+            self._weights.set_busy(True)
             training = self.model.training
             try:
                 yield
             finally:
                 self.model.train(training)
-                self._set_busy(False)
+                self._weights.set_busy(False)
 
     def _scoring_model(self, dtype: torch.dtype) -> torch.nn.Module:
         if next(self.model.parameters()).dtype == dtype:
             return self.model
-        if self._scorer is None or self._scorer[0] != self._version:
+        if self._scorer is None or self._scorer[0] != self._weights.version:
             scorer: torch.nn.Module = copy.deepcopy(self.model)
-            self._scorer = (self._version, scorer.to(dtype))
+            self._scorer = (self._weights.version, scorer.to(dtype))
         return self._scorer[1]
-
-    def _set_busy(self, busy: bool) -> None:
-        with self._lock:
-            self._busy = busy
-            if not busy:
-                self._apply_pending()
-
-    def _apply_pending(self) -> None:
-        """Copy staged weights into the model; caller holds `_lock`."""
-        if self._pending is None:
-            return
-        version, tensors = self._pending
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                self._targets[name].copy_(tensor)
-        self._version = version
-        self._pending = None
-        if self._prefixes is not None and not self._prefix_stale:
-            self._prefixes.drop_older(version)
 
     def _step_version(self, step: int) -> int:
         if self.before_step is not None:
             self.before_step(step)
-        with self._lock:
-            self._apply_pending()
-            return self._version
+        return self._weights.current()
 
     @torch.inference_mode()
     def _generate_batch(

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Annotated
 
-from asyncrl.configbase import Section
-from asyncrl.engines.config import EngineConfig, SamplingParams, TorchEngineConfig
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from asyncrl.configbase import Section, type_or
+from asyncrl.engines.config import SamplingParams, TorchEngineConfig
+from asyncrl.sglang.config import SglangEngineConfig
+
+EngineConfig = Annotated[
+    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SglangEngineConfig, Tag("sglang")],
+    Discriminator(type_or("torch")),
+]
+"""The engines a rollout worker may run, by `type`; `type` left out: the builtin engine."""
 
 
 class RolloutConfig(Section):

@@ -53,7 +53,7 @@ from asyncrl.tasks.base import PromptItem
 
 if TYPE_CHECKING:
     from asyncrl.queue import Delivery
-    from asyncrl.weights import WeightSubscriber
+    from asyncrl.weights.base import WeightSubscriber
 
     Prompt = Delivery[PromptGroup]
 
@@ -70,7 +70,6 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from asyncrl.device import resolve_device
-        from asyncrl.engines.base import build_engine
         from asyncrl.heartbeat import Heartbeat, is_alive
         from asyncrl.metrics.roles import RoleMetrics
         from asyncrl.metrics.server import serve
@@ -78,9 +77,8 @@ class RolloutWorker:
         from asyncrl.model_identity import model_identity
         from asyncrl.queue import Consumer
         from asyncrl.redis_conn import RedisGuard
+        from asyncrl.rollout.backends import build_engine, build_subscriber, kept_dtype
         from asyncrl.tasks.base import build_task
-        from asyncrl.weights import build_subscriber
-        from asyncrl.weights.base import kept_dtype
 
         self.cfg = cfg
         self.id = worker_id or default_worker_id()

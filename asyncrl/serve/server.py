@@ -61,7 +61,7 @@ from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.serve import native, openai_api
 from asyncrl.serve.native import ApiError, Body, Job, Output, Spec
-from asyncrl.sglang.publisher import broadcast_tensors, join_update_group
+from asyncrl.weights.groups import broadcast_all, join_update_group
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class ServeApp:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ApiError(f"bad update_weights_from_distributed request: {exc!r}") from None
         try:
-            broadcast_tensors(group, list(tensors.values()))
+            broadcast_all(group, list(tensors.values()))
         except RuntimeError as exc:
             # The group is unusable after a failed collective: drop it, the trainer re-forms.
             self._groups.pop(name, None)

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from asyncrl.device import sglang_device_args, visible_devices_env
 
 if TYPE_CHECKING:
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
     from asyncrl.sglang.config import SglangEngineConfig
 
 log = logging.getLogger(__name__)

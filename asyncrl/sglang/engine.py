@@ -75,7 +75,7 @@ from asyncrl.sglang.client import (
 
 if TYPE_CHECKING:
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
     from asyncrl.sglang.config import SglangEngineConfig
 
 log = logging.getLogger(__name__)

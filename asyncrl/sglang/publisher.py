@@ -41,11 +41,8 @@ staging buffer, a background thread sends, and versions staged during a send coa
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,14 +60,21 @@ from safetensors.torch import save_file
 from asyncrl.device import synchronize
 from asyncrl.sglang.client import RequestFailure, http_info, http_json, parse_version
 from asyncrl.sglang.engine import adapter_name
-from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce, read_hash
-from asyncrl.weights.broadcast import Lease, lease_key
+from asyncrl.weights.base import BackgroundPublisher, SyncRecord, announce
 from asyncrl.weights.buckets import FlatBuffer
-from asyncrl.weights.groups import comm_device, master_store, resolve_backend
+from asyncrl.weights.groups import (
+    broadcast_all,
+    comm_device,
+    join_update_group,
+    master_store,
+    resolve_backend,
+)
+from asyncrl.weights.members import Lease, join_record, live_joins
+from asyncrl.weights.store import VersionedDir
 
 if TYPE_CHECKING:
     from asyncrl.engines.base import RolloutEngine
-    from asyncrl.model import LoraConfig
+    from asyncrl.model_config import LoraConfig
     from asyncrl.runstate import Keys
     from asyncrl.sglang.config import SglangWeightsConfig
 
@@ -84,67 +88,10 @@ _MAX_FAILURES = 3  # failed deliveries of one version; then it waits for the nex
 _POLL_S = 0.1
 
 
-def join_update_group(
-    backend: str,
-    store: dist.Store,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    timeout: timedelta,
-) -> dist.ProcessGroup:
-    """Join the weight-update group `group_name` over `store`, as SGLang's servers do.
-
-    The servers build their end with `_new_process_group_helper` on `PrefixStore(group_name,
-    store)`, which adds per-group and per-device prefixes of its own and (for gloo) one backend
-    per device type; only the same call here produces the same store keys and the same set of
-    backends. No default group is needed: an empty rank list makes the helper treat the group as
-    standalone. A trainer whose default group is bound to a device would have the helper split
-    this group off it, which cannot work with outside members, hence the refusal.
-    """
-    from torch.distributed.distributed_c10d import (
-        GroupName,
-        _get_default_group,
-        _new_process_group_helper,
-        _world,
-    )
-
-    if dist.is_initialized() and _get_default_group().bound_device_id is not None:
-        raise RuntimeError(
-            "the default process group is bound to a device (init_process_group(device_id=...)); "
-            "SGLang weight-update groups cannot be created beside it"
-        )
-    if backend == "hccl":
-        import torch_npu  # noqa: F401  # registers the hccl backend with torch.distributed
-
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        backend,
-        dist.PrefixStore(group_name, store),
-        group_name=GroupName(group_name),
-        timeout=timeout,
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-def broadcast_tensors(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
-    """Broadcast each tensor from rank 0 of `pg`, in order, all in flight at once."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    for work in [pg.broadcast([t], opts) for t in tensors]:
-        work.wait()
-
-
 def _timed_out(exc: Exception) -> bool:
     return isinstance(exc, TimeoutError) or (
         isinstance(exc, RequestFailure) and exc.reason == "timeout"
     )
-
-
-def version_dir(store_dir: Path, version: int) -> Path:
-    return store_dir / "sglang" / f"v{version:012d}"
 
 
 @dataclass(frozen=True)
@@ -183,18 +130,8 @@ class ServerInfo:
 
 def live_servers(client: redis.Redis, keys: Keys) -> list[str]:
     """URLs of the SGLang servers registered by workers whose lease holds, sorted."""
-    h = read_hash(client, keys.weights)
-    joined = {f.removeprefix("join:"): v for f, v in h.items() if f.startswith("join:")}
-    pipe = client.pipeline(transaction=False)
-    for worker in joined:
-        pipe.exists(lease_key(keys, worker))
-    urls: set[str] = set()
-    for (worker, info), alive in zip(joined.items(), pipe.execute(), strict=True):
-        if alive:
-            urls.update(json.loads(info).get("sglang", []))
-        else:
-            client.hdel(keys.weights, f"join:{worker}")
-    return sorted(urls)
+    joins, _ = live_joins(client, keys)
+    return sorted({url for info in joins.values() for url in join_record(info).get("sglang", [])})
 
 
 class SglangPublisher(BackgroundPublisher):
@@ -229,9 +166,7 @@ class SglangPublisher(BackgroundPublisher):
         else:
             if cfg.store_dir is None:
                 raise ValueError("weights.store_dir is unset: resolve it ({run.dir}/weights) first")
-            self._dir = cfg.store_dir
-            self._keep = cfg.keep_last
-            (self._dir / "sglang").mkdir(parents=True, exist_ok=True)
+            self._versions = VersionedDir(cfg.store_dir / "sglang", cfg.keep_last)
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
         self._members: list[ServerInfo] = []
@@ -241,7 +176,6 @@ class SglangPublisher(BackgroundPublisher):
         self._holders_version: int | None = None
         self._unresponsive: set[str] = set()  # failed to join; retried at the next version
         self._failures = 0
-        self._formed = 0
         announce(client, keys, transport=f"sglang-{cfg.transport}", backend=self._backend)
         self._start()
 
@@ -340,10 +274,7 @@ class SglangPublisher(BackgroundPublisher):
             culprits = {u for u, exc in failed.items() if not _timed_out(exc)} or set(failed)
             self._unresponsive |= culprits
             raise RuntimeError(f"weight-update group {name}: {sorted(failed)} did not join")
-        if self._formed:
-            with self._cond:
-                self._stats.rebuilds += 1
-        self._formed += 1
+        self._group_formed()
         log.info("SGLang weight-update group %s: %d server(s), %d ranks", name, len(members), world)
 
     def _check_replies(
@@ -404,7 +335,7 @@ class SglangPublisher(BackgroundPublisher):
                 for m in self._members
             ]
             try:
-                broadcast_tensors(self._group, [buffer.tensors[s.name] for s in specs])
+                broadcast_all(self._group, [buffer.tensors[s.name] for s in specs])
                 assert self._device is not None
                 synchronize(self._device)
             finally:
@@ -417,12 +348,9 @@ class SglangPublisher(BackgroundPublisher):
     # -- store transport ------------------------------------------------------------------------
 
     def _write(self, buffer: FlatBuffer, version: int) -> Path:
-        """The version's directory in the store (written aside, renamed in), with the oldest
-        past `keep_last` removed."""
-        path = version_dir(self._dir, version)
-        if not path.exists():
-            tmp = path.with_name(f".{path.name}.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
+        """The version's directory in the store, with the oldest past `keep_last` removed."""
+
+        def fill(tmp: Path) -> None:
             tmp.mkdir()
             if self._lora is not None:
                 from asyncrl.lora import write_adapter
@@ -430,10 +358,9 @@ class SglangPublisher(BackgroundPublisher):
                 write_adapter(tmp, buffer.tensors, self._lora)
             else:
                 save_file(buffer.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-            os.replace(tmp, path)
-        versions = sorted(p for p in (self._dir / "sglang").iterdir() if p.name.startswith("v"))
-        for old in versions[: -self._keep]:
-            shutil.rmtree(old, ignore_errors=True)
+
+        path = self._versions.write(version, fill)
+        self._versions.prune()
         return path
 
     def _send_disk(self, buffer: FlatBuffer, version: int, urls: list[str]) -> list[str]:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from asyncrl.queue import Consumer
     from asyncrl.redis_conn import RedisGuard
     from asyncrl.tasks.base import Task
-    from asyncrl.weights import SyncRecord, WeightPublisher
+    from asyncrl.weights.base import SyncRecord, WeightPublisher
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -355,7 +355,7 @@ def build_rank_zero(
     from asyncrl.metrics.poller import RunGauges
     from asyncrl.metrics.record import MISMATCH_LOG
     from asyncrl.metrics.trackers import RunInfo, TrackerFeed
-    from asyncrl.weights import build_publisher
+    from asyncrl.trainer.backends import build_publisher
 
     def on_sync(record: SyncRecord) -> None:
         """Called on the publisher's thread after each delivery."""

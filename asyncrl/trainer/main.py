@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
     from asyncrl.evaluate import Evaluator
     from asyncrl.runstate import Keys
-    from asyncrl.weights import WeightPublisher
+    from asyncrl.weights.base import WeightPublisher
 
 log = logging.getLogger("asyncrl.trainer")
 

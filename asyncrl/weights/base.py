@@ -1,8 +1,9 @@
 """The weight-sync seam: a publisher on trainer rank 0, a subscriber in each rollout worker.
 
 Both ends are small Protocols so that the trainer and the rollout engine never see a transport;
-`build_publisher` / `build_subscriber` pick one from `WeightsConfig.type`, and are the only
-places that do. The choices common to all transports live here, in two base classes:
+the roles pick one from `WeightsConfig.type` (`trainer.backends.build_publisher`,
+`rollout.backends.build_subscriber`), the only places that do. The choices common to all
+transports live here, in two base classes:
 
 - Publishing never waits on the network. `publish()` copies the parameters into a staging buffer
   (the only time the trainer blocks, returned in seconds; on an accelerator the copies are only
@@ -33,23 +34,18 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, assert_never
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
 from asyncrl.device import copies_done
-from asyncrl.sglang.config import SglangWeightsConfig
 from asyncrl.weights.buckets import FlatBuffer, Layout
-from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 from asyncrl.weights.fields import SyncFields
 
 if TYPE_CHECKING:
     import redis
 
-    from asyncrl.engines.base import RolloutEngine
-    from asyncrl.model import LoraConfig
     from asyncrl.runstate import Keys
-    from asyncrl.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -171,79 +167,6 @@ class WeightSubscriber(Protocol):
         ...
 
 
-def build_publisher(
-    cfg: WeightsConfig,
-    client: redis.Redis,
-    keys: Keys,
-    *,
-    device: torch.device | str,
-    on_record: Callable[[SyncRecord], None] | None = None,
-    lora: LoraConfig | None = None,
-) -> WeightPublisher:
-    """`lora` (`model.lora`) matters to SGLang servers only, which load adapters by name; the
-    other transports carry whatever tensors they are given."""
-    match cfg:
-        case BroadcastWeightsConfig():
-            from asyncrl.weights.broadcast import BroadcastPublisher
-
-            return BroadcastPublisher(cfg, client, keys, torch.device(device), on_record)
-        case StoreWeightsConfig():
-            from asyncrl.weights.store import StorePublisher
-
-            return StorePublisher(cfg, client, keys, torch.device(device), on_record)
-        case SglangWeightsConfig():
-            from asyncrl.sglang.publisher import SglangPublisher
-
-            return SglangPublisher(cfg, client, keys, torch.device(device), on_record, lora)
-        case _:
-            assert_never(cfg)
-
-
-def build_subscriber(
-    cfg: WeightsConfig,
-    client: redis.Redis,
-    keys: Keys,
-    worker_id: str,
-    *,
-    device: torch.device | str,
-    on_weights: OnWeights,
-    engine: RolloutEngine | None = None,
-    keeps_dtype: torch.dtype | None = None,
-) -> WeightSubscriber:
-    """`on_weights` receives the tensors of in-process transports; `engine` is the worker's
-    engine, which the SGLang member asks for its servers' URLs (it receives no tensors).
-    `keeps_dtype` (`kept_dtype(engine)`): the broadcast publisher may send floating tensors in
-    it; the store's files keep the trainer's dtypes (their readers are not known)."""
-    match cfg:
-        case BroadcastWeightsConfig():
-            from asyncrl.weights.broadcast import BroadcastSubscriber
-
-            return BroadcastSubscriber(
-                cfg, client, keys, worker_id, torch.device(device), on_weights, keeps_dtype
-            )
-        case StoreWeightsConfig():
-            from asyncrl.weights.store import StoreSubscriber
-
-            return StoreSubscriber(cfg, client, keys, worker_id, torch.device(device), on_weights)
-        case SglangWeightsConfig():
-            from asyncrl.sglang.publisher import SglangSubscriber
-
-            return SglangSubscriber.for_engine(cfg, client, keys, worker_id, engine)
-        case _:
-            assert_never(cfg)
-
-
-def kept_dtype(engine: RolloutEngine | None) -> torch.dtype | None:
-    """The one floating dtype an in-process engine keeps its synced weights in; None for an
-    engine that keeps several, or that is not in process."""
-    from asyncrl.engines.base import InProcessWeights
-
-    if not isinstance(engine, InProcessWeights):
-        return None
-    dtypes = {t.dtype for t in engine.state_dict_for_sync().values() if t.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else None
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -322,6 +245,7 @@ class BackgroundPublisher(ABC):
         self._narrow_to: torch.dtype | None = None
         self._closing = False
         self._stats = PublisherStats()
+        self._formed = 0  # groups formed by a transport that forms them
         self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
         self._loop_errors = _LoopErrors("weight publisher: sender loop error")
 
@@ -396,6 +320,13 @@ class BackgroundPublisher(ABC):
     @property
     def rebuilds(self) -> int:
         return self._stats.rebuilds
+
+    def _group_formed(self) -> None:
+        """Count a group a transport formed: each after the first is a rebuild."""
+        if self._formed:
+            with self._cond:
+                self._stats.rebuilds += 1
+        self._formed += 1
 
     def close(self) -> None:
         with self._cond:

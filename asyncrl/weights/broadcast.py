@@ -59,13 +59,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
-from uuid import uuid4
 
 import redis
 import torch
@@ -93,13 +89,16 @@ from asyncrl.weights.buckets import (
 from asyncrl.weights.config import BroadcastWeightsConfig
 from asyncrl.weights.groups import (
     Group,
+    broadcast_all,
     comm_device,
     local_addr_towards,
     master_store,
     new_group,
+    post_broadcasts,
     release_group,
     resolve_backend,
 )
+from asyncrl.weights.members import Lease, join_record, leased, live_joins
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -110,76 +109,6 @@ log = logging.getLogger(__name__)
 
 _READY_POLL_S = 0.01
 _MAX_FAILURES = 3  # failed deliveries of one version; then it waits for the next publish
-
-
-def lease_key(keys: Keys, worker_id: str) -> str:
-    return f"{keys.weights}:lease:{worker_id}"
-
-
-class Lease:
-    """A subscriber's registration: `join:{id}` in the weights hash, live while its lease key
-    exists. Its own thread refreshes both every third of `lease_s`, so that a long receive or a
-    slow callback never lets the lease lapse."""
-
-    def __init__(
-        self, client: redis.Redis, keys: Keys, worker_id: str, lease_s: float, info: dict
-    ) -> None:
-        self._client, self._keys, self._id, self._lease_s = client, keys, worker_id, lease_s
-        # Host and pid may both repeat when a container restarts; the incarnation does not.
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "incarnation": uuid4().hex}
-        self._info = json.dumps({**record, **info})
-        self._stop = threading.Event()
-        self._register(first=True)
-        self._thread = threading.Thread(target=self._beat, name="weights-lease", daemon=True)
-        self._thread.start()
-
-    def _register(self, *, first: bool = False) -> None:
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(lease_key(self._keys, self._id), "1", px=int(self._lease_s * 1000))
-        pipe.hset(self._keys.weights, f"join:{self._id}", self._info)
-        if first:
-            # A predecessor under this id (killed, restarted) may have left its readiness: the
-            # publisher would take this process for a member that holds the weights.
-            pipe.hdel(self._keys.weights, f"ready:{self._id}")
-        pipe.execute()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._lease_s / 3):
-            try:
-                self._register()
-            except redis.RedisError as exc:
-                log.warning("weights lease of %s not refreshed: %s", self._id, exc)
-
-    def end(self) -> None:
-        """Unregister at once (with the subscriber's readiness), so that no epoch is proposed to
-        a subscriber that is leaving."""
-        self._stop.set()
-        self._thread.join()
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(lease_key(self._keys, self._id))
-        pipe.hdel(self._keys.weights, f"join:{self._id}", f"ready:{self._id}")
-        pipe.execute()
-
-
-def _record(join: str) -> dict:
-    """A `join:` record; one that does not parse declares nothing."""
-    try:
-        record = json.loads(join)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _post(group: Group, tensors: list[torch.Tensor]) -> list[dist.Work]:
-    """Start a broadcast from rank 0 of each tensor, in order; all in flight at once."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return [group.broadcast([t], opts) for t in tensors]
-
-
-def _broadcast_all(group: Group, tensors: list[torch.Tensor]) -> None:
-    for work in _post(group, tensors):
-        work.wait()
 
 
 class BroadcastPublisher(BackgroundPublisher):
@@ -213,7 +142,6 @@ class BroadcastPublisher(BackgroundPublisher):
         self._unresponsive: set[str] = set()  # live, proposed, never ready: not worth a resend
         self._failures = 0  # failed deliveries of `_holders_version`
         self._joins: dict[str, str] = {}  # the `join:` record last seen of each live subscriber
-        self._formed = 0
         h = read_hash(client, keys.weights)
         # Epochs keep counting across trainer restarts, so that no subscriber mistakes a new
         # epoch for one it was in; what a previous publisher left mid-way is cleared.
@@ -231,29 +159,18 @@ class BroadcastPublisher(BackgroundPublisher):
         starts afresh: what its predecessor held or left unanswered says nothing about it. A hash
         without the rendezvous fields (Redis restarted empty) gets them again.
         """
-        h = read_hash(self._client, self._keys.weights)
+        joins, h = live_joins(self._client, self._keys)
         if "master" not in h:
             log.warning("weights: the rendezvous fields are gone from Redis; writing them again")
             announce(self._client, self._keys, **self._rendezvous)
-        joins = {f.removeprefix("join:"): v for f, v in h.items() if f.startswith("join:")}
-        joined = sorted(joins)
-        pipe = self._client.pipeline(transaction=False)
-        for worker in joined:
-            pipe.exists(lease_key(self._keys, worker))
-        alive = pipe.execute()
-        gone = [w for w, a in zip(joined, alive, strict=True) if not a]
-        if gone:
-            self._client.hdel(
-                self._keys.weights, *(f"{p}:{w}" for w in gone for p in ("join", "ready"))
-            )
-        live = [w for w, a in zip(joined, alive, strict=True) if a]
+        live = list(joins)
         renewed = {w for w in live if self._joins.get(w) != joins[w]}
         if renewed:
             self._holders -= renewed
             self._unresponsive -= renewed
             self._failures = 0  # a newcomer deserves its tries, even of a version that failed
         self._joins = {w: joins[w] for w in live}
-        declared = {floating_dtype(_record(joins[w]).get("dtype")) for w in live}
+        declared = {floating_dtype(join_record(joins[w]).get("dtype")) for w in live}
         self._narrow_to = declared.pop() if len(declared) == 1 else None
         return live, h
 
@@ -287,10 +204,7 @@ class BroadcastPublisher(BackgroundPublisher):
             pending = [c for c in candidates if c not in ready]
             if not pending or time.monotonic() > deadline:
                 return ready
-            pipe = self._client.pipeline(transaction=False)
-            for worker in pending:
-                pipe.exists(lease_key(self._keys, worker))
-            if not any(pipe.execute()):
+            if not any(leased(self._client, self._keys, pending)):
                 return ready  # only subscribers whose lease lapsed are missing: they are gone
             time.sleep(_READY_POLL_S)
 
@@ -309,10 +223,7 @@ class BroadcastPublisher(BackgroundPublisher):
             log.warning("weights epoch %d: no answer from %s", epoch, sorted(self._unresponsive))
         self._members, self._seq = members, 0
         announce(self._client, self._keys, epoch=str(epoch), members=json.dumps(members))
-        if self._formed:
-            with self._cond:
-                self._stats.rebuilds += 1
-        self._formed += 1
+        self._group_formed()
         log.info("weights epoch %d: %d subscriber(s)", epoch, len(members))
         if members:
             store = dist.PrefixStore(f"wsync/{epoch}", self._store)
@@ -335,10 +246,8 @@ class BroadcastPublisher(BackgroundPublisher):
                 return []
             if time.monotonic() > deadline:
                 return missing
-            pipe = self._client.pipeline(transaction=False)
-            for worker in missing:
-                pipe.exists(lease_key(self._keys, worker))
-            gone = [m for m, alive in zip(missing, pipe.execute(), strict=True) if not alive]
+            alive = leased(self._client, self._keys, missing)
+            gone = [m for m, a in zip(missing, alive, strict=True) if not a]
             if gone:
                 return gone
             time.sleep(_READY_POLL_S)
@@ -378,9 +287,9 @@ class BroadcastPublisher(BackgroundPublisher):
             torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self._device),
             *(buffer.flat[s:e] for s, e in bucket_ranges(header.total_bytes, self._bucket_bytes)),
         ]
-        works = _post(self._group, tensors)
+        works = post_broadcasts(self._group, tensors)
         trailer = torch.tensor([checksum(buffer.flat)], dtype=torch.int64, device=self._device)
-        works += _post(self._group, [trailer])
+        works += post_broadcasts(self._group, [trailer])
         for work in works:
             work.wait()
         # On an accelerator wait() only orders streams: the buffer is free for reuse (and the
@@ -521,10 +430,10 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
     def _receive(self, group: Group) -> None:
         try:
             header_t = Header.empty(self._comm)
-            _broadcast_all(group, [header_t])
+            broadcast_all(group, [header_t])
             header = Header.from_tensor(header_t.cpu())
             layout_t = torch.empty(header.layout_bytes, dtype=torch.uint8, device=self._comm)
-            _broadcast_all(group, [layout_t])
+            broadcast_all(group, [layout_t])
             layout = Layout.from_bytes(layout_t.cpu().numpy().tobytes())
             if layout.total_bytes != header.total_bytes:
                 raise ValueError("layout and header disagree on the size")
@@ -532,7 +441,7 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
             ranges = bucket_ranges(header.total_bytes, header.bucket_bytes)
             trailer = torch.zeros(1, dtype=torch.int64, device=self._comm)
             buckets = [flat[s:e] for s, e in ranges]
-            works = _post(group, [*buckets, trailer])
+            works = post_broadcasts(group, [*buckets, trailer])
             # Each bucket is summed once it is in, while the next ones are still arriving: the
             # check then costs one bucket's pass after the last byte, not the whole buffer's.
             sums = []

@@ -1,15 +1,14 @@
-"""Config of the weight-sync seam (DESIGN §7): one union member per transport, chosen by `type`
-(`broadcast` when absent), each with only its own fields. Imports no torch, so config validation
-stays fast."""
+"""Config of the weight-sync seam's own transports (DESIGN §7), each with only its own fields. The
+union they are members of, chosen by `type` (`broadcast` when absent), is assembled with the
+config tree (`asyncrl.config.WeightsConfig`), beside SGLang's member. Imports no torch, so config
+validation stays fast."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field
 
-from asyncrl.configbase import type_or
-from asyncrl.sglang.config import SglangWeightsConfig
 from asyncrl.weights.fields import GroupFields, StoreFields
 
 
@@ -29,11 +28,3 @@ class StoreWeightsConfig(StoreFields):
 
     type: Literal["store"] = "store"
     """Weight-sync backend."""
-
-
-WeightsConfig = Annotated[
-    Annotated[BroadcastWeightsConfig, Tag("broadcast")]
-    | Annotated[StoreWeightsConfig, Tag("store")]
-    | Annotated[SglangWeightsConfig, Tag("sglang")],
-    Discriminator(type_or("broadcast")),
-]

@@ -131,3 +131,63 @@ def release_group(group: Group, *, broken: bool) -> None:
         group.abort()
     else:
         group.shutdown()
+
+
+def join_update_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: timedelta,
+) -> dist.ProcessGroup:
+    """Join the weight-update group `group_name` over `store`, as SGLang's servers do.
+
+    The servers build their end with `_new_process_group_helper` on `PrefixStore(group_name,
+    store)`, which adds per-group and per-device prefixes of its own and (for gloo) one backend
+    per device type; only the same call here produces the same store keys and the same set of
+    backends. No default group is needed: an empty rank list makes the helper treat the group as
+    standalone. A trainer whose default group is bound to a device would have the helper split
+    this group off it, which cannot work with outside members, hence the refusal.
+    """
+    from torch.distributed.distributed_c10d import (
+        GroupName,
+        _get_default_group,
+        _new_process_group_helper,
+        _world,
+    )
+
+    if dist.is_initialized() and _get_default_group().bound_device_id is not None:
+        raise RuntimeError(
+            "the default process group is bound to a device (init_process_group(device_id=...)); "
+            "SGLang weight-update groups cannot be created beside it"
+        )
+    if backend == "hccl":
+        import torch_npu  # noqa: F401  # registers the hccl backend with torch.distributed
+
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        dist.PrefixStore(group_name, store),
+        group_name=GroupName(group_name),
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def post_broadcasts(
+    group: Group | dist.ProcessGroup, tensors: list[torch.Tensor]
+) -> list[dist.Work]:
+    """Start a broadcast from rank 0 of each tensor, in order; all in flight at once."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return [group.broadcast([t], opts) for t in tensors]
+
+
+def broadcast_all(group: Group | dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """Broadcast each tensor from rank 0 of `group`, in order, all in flight at once."""
+    for work in post_broadcasts(group, tensors):
+        work.wait()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,19 +39,21 @@ from asyncrl.weights.buckets import FlatBuffer, checksum, checksum_tensors
 from asyncrl.weights.config import StoreWeightsConfig
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import redis
 
     from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
 
-_VERSION_FILE = re.compile(r"v\d{12}\.safetensors")  # zero-padded: name order is version order
+_VERSION = re.compile(r"v\d{12}")  # zero-padded: name order is version order
+
+
+def version_name(version: int, suffix: str = "") -> str:
+    return f"v{version:012d}{suffix}"
 
 
 def version_path(store_dir: Path, version: int) -> Path:
-    return store_dir / f"v{version:012d}.safetensors"
+    return store_dir / version_name(version, ".safetensors")
 
 
 def _fsync(path: Path) -> None:
@@ -58,6 +62,60 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class VersionedDir:
+    """Versions written atomically into one directory, the newest `keep` kept: version v is
+    `{root}/v{v:012d}{suffix}`, a file or a directory of files. Each is written under a hidden
+    temporary name beside it, fsynced, renamed over (atomic on POSIX) and the directory fsynced,
+    so a reader finds a complete version or none; a writer that starts removes the partial ones
+    a crashed writer left. The store transport writes safetensors files in it, SGLang's
+    model and adapter directories (`asyncrl.sglang.publisher`)."""
+
+    def __init__(self, root: Path, keep: int, suffix: str = "") -> None:
+        self.root, self._keep, self._suffix = root, keep, suffix
+        root.mkdir(parents=True, exist_ok=True)
+        for partial in root.glob(f".v*{suffix}.tmp"):
+            _remove(partial)
+
+    def path(self, version: int) -> Path:
+        return self.root / version_name(version, self._suffix)
+
+    def write(self, version: int, fill: Callable[[Path], None]) -> Path:
+        """The path of `version`, made by `fill(path)` unless it exists: versions are never
+        reused, so an existing one is this version's (a resend after a failed announce)."""
+        path = self.path(version)
+        if path.exists():
+            return path
+        tmp = path.with_name(f".{path.name}.tmp")
+        _remove(tmp)
+        try:
+            fill(tmp)
+            for written in [*tmp.iterdir(), tmp] if tmp.is_dir() else [tmp]:
+                _fsync(written)
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+        _fsync(self.root)
+        return path
+
+    def prune(self) -> None:
+        """Remove the versions older than the newest `keep`."""
+        names = sorted(
+            p.name
+            for p in self.root.iterdir()
+            if _VERSION.fullmatch(p.name.removesuffix(self._suffix))
+        )
+        for old in names[: -self._keep]:
+            _remove(self.root / old)
 
 
 class StorePublisher(BackgroundPublisher):
@@ -74,28 +132,16 @@ class StorePublisher(BackgroundPublisher):
         # Staged in host memory: that is where the file is written from.
         super().__init__(torch.device("cpu"), on_record, close_timeout_s=3 * cfg.sync_timeout_s)
         self._client, self._keys = client, keys
-        self._dir, self._keep = cfg.store_dir, cfg.keep_last
-        self._dir.mkdir(parents=True, exist_ok=True)
-        for partial in self._dir.glob(".v*.safetensors.tmp"):
-            partial.unlink()
+        self._versions = VersionedDir(cfg.store_dir, cfg.keep_last, ".safetensors")
         announce(client, keys, transport="store")
         self._start()
 
     def _send(self, buffer: FlatBuffer, version: int) -> tuple[int, int | None]:
-        path = version_path(self._dir, version)
-        # A resend after a failed announce (Redis down) finds the file written: versions are
-        # never reused, so an existing file is this version's.
-        if not path.exists():
-            tmp = path.with_name(f".{path.name}.tmp")
+        def fill(tmp: Path) -> None:
             meta = {"version": str(version), "checksum": str(checksum(buffer.flat))}
-            try:
-                save_file(buffer.tensors, tmp, metadata=meta)
-                _fsync(tmp)
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            _fsync(self._dir)
+            save_file(buffer.tensors, tmp, metadata=meta)
+
+        path = self._versions.write(version, fill)
         announce(
             self._client,
             self._keys,
@@ -103,10 +149,7 @@ class StorePublisher(BackgroundPublisher):
             store_version=str(version),
             store_path=str(path),
         )
-        for old in sorted(p for p in self._dir.iterdir() if _VERSION_FILE.fullmatch(p.name))[
-            : -self._keep
-        ]:
-            old.unlink(missing_ok=True)
+        self._versions.prune()
         return path.stat().st_size, None
 
     def _wants_resend(self) -> bool:
