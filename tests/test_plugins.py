@@ -20,7 +20,7 @@ from asyncrl.engines.tiny_model import build_tokenizer
 from asyncrl.protocol import PromptGroup, ValidationError, decode_prompt, encode_prompt
 from asyncrl.tasks.base import RecordsTask, build_task
 from asyncrl.tasks.config import PythonRewardConfig, PythonTaskConfig
-from asyncrl.tasks.plugins import IsolatedReward, RewardFailure
+from asyncrl.tasks.isolated import IsolatedReward, RewardFailure
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ class _UserCode(Section):
     @field_validator("python_path")
     @classmethod
     def _absolute(cls, dirs: list[str]) -> list[str]:
-        from asyncrl.tasks.plugins import absolute_dirs
+        from asyncrl.tasks.isolated import absolute_dirs
 
         return absolute_dirs(dirs)
 
@@ -133,7 +133,7 @@ class ToolEnvironmentConfig(_UserCode):
     @field_validator("tools")
     @classmethod
     def _resolve(cls, paths: list[str], info: ValidationInfo) -> list[str]:
-        from asyncrl.tasks.plugins import load_object
+        from asyncrl.tasks.isolated import load_object
 
         names: dict[str, str] = {}
         for i, path in enumerate(paths):

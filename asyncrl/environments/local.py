@@ -30,7 +30,7 @@ _METHODS = ("reset", "step", "close")
 def check_class(path: str, python_path: Sequence[str], kwargs: dict[str, Any]) -> type[Any]:
     """The environment class named by `path`; ValueError with a one-line reason when it does not
     import, lacks a coroutine of the protocol or cannot take `kwargs`."""
-    from asyncrl.tasks.plugins import call_shape, check_signature, load_object
+    from asyncrl.tasks.isolated import call_shape, check_signature, load_object
 
     cls = load_object(path, python_path)
     if not isinstance(cls, type):

@@ -201,7 +201,7 @@ def _fits(value: Any, prop: dict[str, Any]) -> bool:
 def load_tools(paths: list[str], python_path: list[str]) -> dict[str, Tool]:
     """The tools named by import path, by name; ValueError naming `environment.tools[i]` when
     one has no usable schema."""
-    from asyncrl.tasks.plugins import load_object
+    from asyncrl.tasks.isolated import load_object
 
     tools: dict[str, Tool] = {}
     for i, path in enumerate(paths):

@@ -51,7 +51,7 @@ from asyncrl.environments.base import (
 from asyncrl.environments.tools import tool_call_counts
 from asyncrl.protocol import Sample
 from asyncrl.tasks.base import EpisodicTask, PromptItem, Task
-from asyncrl.tasks.plugins import RewardFailure
+from asyncrl.tasks.isolated import RewardFailure
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

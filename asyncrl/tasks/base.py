@@ -406,7 +406,7 @@ def _is_messages(value: object) -> bool:
 
 def _python_task(cfg: PythonTaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
     """The user's factory called once; its `Task` as it is, or its records wrapped."""
-    from asyncrl.tasks.plugins import factory_kwargs, load_object
+    from asyncrl.tasks.isolated import factory_kwargs, load_object
 
     factory = load_object(cfg.path, cfg.python_path)
     made = factory(**factory_kwargs(factory, cfg.kwargs, tokenizer))

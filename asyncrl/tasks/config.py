@@ -26,7 +26,7 @@ class MathRewardConfig(Section):
 
 
 class _PluginConfig(Section):
-    """User code by import path (`asyncrl.tasks.plugins`). `python_path` and `kwargs` come
+    """User code by import path (`asyncrl.tasks.isolated`). `python_path` and `kwargs` come
     before `path` because checking `path` needs them."""
 
     type: str
@@ -42,7 +42,7 @@ class _PluginConfig(Section):
     @field_validator("python_path")
     @classmethod
     def _absolute(cls, dirs: list[str]) -> list[str]:
-        from asyncrl.tasks.plugins import absolute_dirs
+        from asyncrl.tasks.isolated import absolute_dirs
 
         return absolute_dirs(dirs)
 
@@ -69,7 +69,7 @@ class PythonRewardConfig(_PluginConfig):
     @field_validator("kwargs")
     @classmethod
     def _sendable(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.tasks.plugins import unsendable
+        from asyncrl.tasks.isolated import unsendable
 
         problem = unsendable(kwargs)
         if problem is not None:
@@ -79,7 +79,7 @@ class PythonRewardConfig(_PluginConfig):
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: str, info: ValidationInfo) -> str:
-        from asyncrl.tasks.plugins import call_shape, check_signature, load_object
+        from asyncrl.tasks.isolated import call_shape, check_signature, load_object
 
         kwargs = info.data.get("kwargs", {})
         fn = load_object(path, info.data.get("python_path", []))
@@ -183,7 +183,7 @@ class PythonTaskConfig(_PluginConfig, _RecordsConfig):
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: str, info: ValidationInfo) -> str:
-        from asyncrl.tasks.plugins import call_shape, check_signature, factory_kwargs, load_object
+        from asyncrl.tasks.isolated import call_shape, check_signature, factory_kwargs, load_object
 
         factory = load_object(path, info.data.get("python_path", []))
         kwargs = factory_kwargs(factory, info.data.get("kwargs", {}), tokenizer=None)

@@ -130,7 +130,7 @@ class IsolatedReward:
     """`fn(response, answer, **kwargs)` of a user module, run in a child process; a
     `RewardFn`. Thread-safe: calls are serialised (the scheduler scores one at a time).
 
-    The child is a fresh interpreter (`python -m asyncrl.tasks.plugins`), not a
+    The child is a fresh interpreter (`python -m asyncrl.tasks.isolated`), not a
     multiprocessing spawn, which would re-run the parent's main script in it; it talks msgpack
     over two pipes and ends when the parent closes them or dies.
     """
