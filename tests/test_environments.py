@@ -27,7 +27,7 @@ from asyncrl.environments.base import EnvironmentFailure, StepResult
 from asyncrl.environments.client import RemotePool
 from asyncrl.environments.config import RemoteEnvironmentConfig
 from asyncrl.environments.server import make_server
-from asyncrl.tasks.base import PromptItem
+from asyncrl.items import PromptItem
 
 from role_procs import CHILD_ENV, wait_until
 
@@ -481,10 +481,10 @@ class _Scripted:
 def _scheduler(tmp_path: Path, mode: str, errors: list[str], max_context: int | None = None) -> Any:
     from asyncrl.engines.config import SamplingParams
     from asyncrl.engines.tiny_model import build_tokenizer
-    from asyncrl.environments import build_environments
     from asyncrl.environments.config import PythonEnvironmentConfig
     from asyncrl.rollout.episodes import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
+    from asyncrl.tasks.build import build_environments
     from asyncrl.tasks.config import ArithmeticTaskConfig
 
     (tmp_path / "turns_env.py").write_text(textwrap.dedent(TURNS))
@@ -656,9 +656,9 @@ def _remote_scheduler(url: str, timeout_s: float = 60.0) -> Any:
     """A scheduler whose episodes hold sessions on the env-server at `url`."""
     from asyncrl.engines.config import SamplingParams
     from asyncrl.engines.tiny_model import build_tokenizer
-    from asyncrl.environments import build_environments
     from asyncrl.rollout.episodes import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
+    from asyncrl.tasks.build import build_environments
     from asyncrl.tasks.config import ArithmeticTaskConfig
 
     tok = build_tokenizer()

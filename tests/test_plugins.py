@@ -18,7 +18,8 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engines.tiny_model import build_tokenizer
 from asyncrl.protocol import PromptGroup, ValidationError, decode_prompt, encode_prompt
-from asyncrl.tasks.base import RecordsTask, build_task
+from asyncrl.tasks.base import RecordsTask
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import PythonRewardConfig, PythonTaskConfig
 from asyncrl.tasks.isolated import IsolatedReward, RewardFailure
 

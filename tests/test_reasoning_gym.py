@@ -16,7 +16,7 @@ import reasoning_gym
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engines.tiny_model import SPECIAL_TOKENS, build_tokenizer, save_random_tiny_model
-from asyncrl.tasks.base import build_task
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import ReasoningGymTaskConfig
 from asyncrl.tasks.gym import ReasoningGymTask, characters, check_task
 

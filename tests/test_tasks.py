@@ -7,7 +7,8 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from asyncrl.engines.tiny_model import BOS_ID, build_tokenizer
-from asyncrl.tasks.base import ArithmeticTask, DatasetError, DatasetTask, build_task
+from asyncrl.tasks.base import ArithmeticTask, DatasetError, DatasetTask
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
 
 TOKENIZER = build_tokenizer()

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from asyncrl.environments.base import (
-    ENV_REASONS,
     EnvironmentFailure,
     Observation,
     StepResult,
@@ -36,10 +35,11 @@ from asyncrl.environments.base import (
     malformed,
 )
 from asyncrl.environments.server import PROTOCOL
+from asyncrl.reasons import ENV_REASONS
 
 if TYPE_CHECKING:
     from asyncrl.environments.config import RemoteEnvironmentConfig
-    from asyncrl.tasks.base import PromptItem
+    from asyncrl.items import PromptItem
 
 log = logging.getLogger(__name__)
 _CLOSE_TIMEOUT_S = 5.0

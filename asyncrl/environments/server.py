@@ -55,7 +55,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from asyncrl import __version__
 from asyncrl.environments.base import (
-    ENV_REASONS,
     EnvironmentFailure,
     check_observation,
     check_step,
@@ -63,6 +62,7 @@ from asyncrl.environments.base import (
 )
 from asyncrl.environments.local import check_class
 from asyncrl.metrics.roles import REGISTRY, RoleMetrics
+from asyncrl.reasons import ENV_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class EnvServer:
         return len(self._sessions)
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.tasks.base import PromptItem
+        from asyncrl.items import PromptItem
 
         raw = body.get("item")
         if not isinstance(raw, dict):

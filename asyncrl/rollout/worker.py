@@ -31,6 +31,7 @@ import numpy as np
 
 from asyncrl.config import Config
 from asyncrl.engines.base import InProcessWeights, Rescoring
+from asyncrl.items import PromptItem
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -50,7 +51,6 @@ from asyncrl.rollout.episodes import (
     GenerateCall,
 )
 from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
-from asyncrl.tasks.base import PromptItem
 
 if TYPE_CHECKING:
     from asyncrl.queue import Delivery
@@ -78,7 +78,7 @@ class RolloutWorker:
         from asyncrl.model import ensure_model, max_positions, vocab_size
         from asyncrl.model_identity import model_identity
         from asyncrl.queue import Consumer, RedisGuard
-        from asyncrl.tasks.base import build_task
+        from asyncrl.tasks.build import build_task
         from asyncrl.weights import build_subscriber
         from asyncrl.weights.base import kept_dtype
 

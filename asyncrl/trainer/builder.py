@@ -444,7 +444,7 @@ def build(cfg: Config) -> TrainerParts:
     from asyncrl.model_identity import model_identity, publish_identity
     from asyncrl.queue import RedisGuard
     from asyncrl.redis_conn import connect
-    from asyncrl.tasks.base import build_task
+    from asyncrl.tasks.build import build_task
 
     keys = Keys(cfg.run.id)
     device = resolve_device(cfg.trainer.device)
