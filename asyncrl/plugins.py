@@ -1,5 +1,6 @@
 """User code by import path: rewards, task factories, environment classes and tools from
-outside the package, loaded one way and configured from one base.
+outside the package, loaded one way (their config sections derive from
+`asyncrl.configbase.PluginConfig`).
 
 `load_object("mypkg.rewards:score", python_path)` imports `mypkg.rewards` with the given
 directories and the working directory on `sys.path`, and returns its `score`. Configs call it
@@ -7,7 +8,8 @@ when they are validated, so a path that does not import or a function that canno
 call fails the config with one line naming the key, before any process starts. How each kind
 runs is its owner's: a reward in a process of its own (`asyncrl.tasks.isolated`), an
 environment under a per-call timeout (`asyncrl.environments.local`), tools on threads
-(`asyncrl.environments.tools`).
+(`asyncrl.environments.tools`). Nothing here imports beyond the standard library, so that a
+reward's process starts without pydantic.
 """
 
 from __future__ import annotations
@@ -18,10 +20,6 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from pydantic import Field, field_validator
-
-from asyncrl.configbase import Section
 
 
 def absolute_dirs(dirs: Sequence[str]) -> list[str]:
@@ -82,33 +80,3 @@ def factory_kwargs(
 def call_shape(name: str, args: Sequence[str], kwargs: dict[str, Any]) -> str:
     """How a plugin is called, for errors: `fn(response, answer, bonus=...)`."""
     return f"{name}({', '.join([*args, *(f'{k}=...' for k in kwargs)])})"
-
-
-class PluginPath(Section):
-    """Where user code is imported from."""
-
-    type: str
-    """Backend; each member narrows it to its tag (declared here so that it comes first)."""
-
-    python_path: list[str] = Field(default_factory=list)
-    """Directories put first on `sys.path` before the user's code is imported (relative ones
-    against the working directory); the working directory itself is always on it."""
-
-    @field_validator("python_path")
-    @classmethod
-    def _absolute(cls, dirs: list[str]) -> list[str]:
-        return absolute_dirs(dirs)
-
-
-class PluginConfig(PluginPath):
-    """One function or class of user code by import path, called with `kwargs`. `python_path`
-    and `kwargs` come before `path` because checking `path` needs them: each member checks
-    its `path` (that it imports and takes the call) in a validator of its own."""
-
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments it is called with (a reward: on every call; a task factory: once; an
-    environment class: once per episode)."""
-
-    path: str
-    """"package.module:name", imported from `python_path`, the working directory and
-    PYTHONPATH; checked when the config loads."""

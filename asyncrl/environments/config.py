@@ -5,8 +5,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from asyncrl.configbase import Section
-from asyncrl.plugins import PluginConfig, PluginPath, load_object
+from asyncrl.configbase import PluginConfig, PluginPath, Section
+from asyncrl.plugins import load_object
 
 
 class PythonEnvironmentConfig(PluginConfig):

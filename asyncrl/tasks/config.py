@@ -6,9 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from asyncrl.configbase import Section
+from asyncrl.configbase import PluginConfig, Section
 from asyncrl.environments.config import EnvironmentConfig
-from asyncrl.plugins import PluginConfig, call_shape, check_signature, factory_kwargs, load_object
+from asyncrl.plugins import call_shape, check_signature, factory_kwargs, load_object
 
 
 class ExactRewardConfig(Section):
