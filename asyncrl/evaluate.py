@@ -20,8 +20,9 @@ from asyncrl.config import Config
 from asyncrl.engines.base import RolloutEngine
 from asyncrl.engines.config import SamplingParams, TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.items import PromptItem
 from asyncrl.rollout.episodes import EpisodeScheduler
-from asyncrl.tasks.base import PromptItem, Task
+from asyncrl.tasks.base import Task
 
 log = logging.getLogger(__name__)
 

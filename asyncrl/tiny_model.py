@@ -32,7 +32,8 @@ from transformers import (
 
 from asyncrl.engines.config import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.tasks.base import ArithmeticTask, PromptItem
+from asyncrl.items import PromptItem
+from asyncrl.tasks.base import ArithmeticTask
 from asyncrl.tasks.config import ArithmeticTaskConfig
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")

@@ -140,7 +140,7 @@ def arithmetic_admission(
     to release prompts to real rollout workers without a trainer."""
     from transformers import AutoTokenizer
 
-    from asyncrl.tasks.base import build_task
+    from asyncrl.tasks.build import build_task
     from asyncrl.tasks.config import ArithmeticTaskConfig
     from asyncrl.trainer.admission import Admission, Cursor
 

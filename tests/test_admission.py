@@ -26,6 +26,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncrl.items import PromptItem
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import ValidationError, decode_prompt
 from asyncrl.provenance import prompt_groups
@@ -39,7 +40,6 @@ from asyncrl.runstate import (
     read_counters,
     stream_depths,
 )
-from asyncrl.tasks.base import PromptItem
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 
 ITEMS_PER_EPOCH = 5  # small, so a run crosses many epochs

@@ -13,10 +13,12 @@ from asyncrl.engines.base import EngineError, Generation
 from asyncrl.engines.config import SamplingParams
 from asyncrl.environments.base import Environment, StepResult
 from asyncrl.evaluate import held_out_reward
+from asyncrl.items import PromptItem
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
 from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
 from asyncrl.tasks.agentic import AgenticTask, ArithmeticToolEnvironment, LogNormalLatency
-from asyncrl.tasks.base import ArithmeticTask, PromptItem, build_task
+from asyncrl.tasks.base import ArithmeticTask
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
 from asyncrl.tiny_model import BOS_ID, EOS_ID, build_tokenizer
 

@@ -27,7 +27,7 @@ from asyncrl.environments.base import EnvironmentFailure, StepResult
 from asyncrl.environments.client import RemotePool
 from asyncrl.environments.config import RemoteEnvironmentConfig
 from asyncrl.environments.server import make_server
-from asyncrl.tasks.base import PromptItem
+from asyncrl.items import PromptItem
 
 from role_procs import CHILD_ENV, wait_until
 
@@ -476,10 +476,10 @@ class _Scripted:
 
 def _scheduler(tmp_path: Path, mode: str, errors: list[str], max_context: int | None = None) -> Any:
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.environments import build_environments
     from asyncrl.environments.config import PythonEnvironmentConfig
     from asyncrl.rollout.episodes import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
+    from asyncrl.tasks.build import build_environments
     from asyncrl.tasks.config import ArithmeticTaskConfig
     from asyncrl.tiny_model import build_tokenizer
 
@@ -651,9 +651,9 @@ def test_a_plain_prompt_past_the_context_bound_fails_its_group() -> None:
 def _remote_scheduler(url: str, timeout_s: float = 60.0) -> Any:
     """A scheduler whose episodes hold sessions on the env-server at `url`."""
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.environments import build_environments
     from asyncrl.rollout.episodes import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
+    from asyncrl.tasks.build import build_environments
     from asyncrl.tasks.config import ArithmeticTaskConfig
     from asyncrl.tiny_model import build_tokenizer
 

@@ -17,6 +17,7 @@ from asyncrl.metrics.record import StepRecord
 from asyncrl.metrics.roles import REGISTRY, RoleMetrics
 from asyncrl.metrics.server import MetricsServer, serve
 from asyncrl.metrics.table import METRICS, metrics_doc
+from asyncrl.reasons import EngineReason, EnvReason, GroupReason
 from asyncrl.runstate import Counter
 
 # The names the Grafana dashboard is built on (DESIGN §8): renaming one breaks it.
@@ -273,3 +274,24 @@ def test_metrics_imports_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_metrics_import_none_of_their_subjects() -> None:
+    """The table takes its label values from `asyncrl.reasons`: counting what tasks,
+    environments, engines or rollout workers do needs none of them loaded."""
+    code = (
+        "import json, sys, asyncrl.metrics.roles, asyncrl.metrics.poller, asyncrl.metrics.server; "
+        "names = [m.split('.')[1] for m in sys.modules if m.startswith('asyncrl.')]; "
+        "print(json.dumps(names))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout))
+    assert not loaded & {"tasks", "environments", "engines", "rollout", "trainer"}, loaded
+
+
+def test_every_engine_and_environment_reason_has_its_group_reason() -> None:
+    """A group failed by an engine or environment call is dead-lettered as `engine_{reason}` or
+    `env_{reason}`: each must be a label value of `asyncrl_rollout_groups_failed_total`, not
+    counted as `other`."""
+    made = {f"engine_{r}" for r in EngineReason} | {f"env_{r}" for r in EnvReason}
+    assert made <= set(GroupReason), made - set(GroupReason)

@@ -17,9 +17,10 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.protocol import PromptGroup, ValidationError, decode_prompt, encode_prompt
-from asyncrl.tasks.base import RecordsTask, build_task
+from asyncrl.tasks.base import RecordsTask
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import PythonRewardConfig, PythonTaskConfig
-from asyncrl.tasks.plugins import IsolatedReward, RewardFailure
+from asyncrl.tasks.isolated import IsolatedReward, RewardFailure
 from asyncrl.tiny_model import build_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

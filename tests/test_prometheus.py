@@ -274,7 +274,7 @@ def _serve_episodes(port: int) -> tuple[subprocess.Popen[str], Callable[[], None
     from asyncrl.environments.client import RemotePool
     from asyncrl.environments.config import RemoteEnvironmentConfig
     from asyncrl.environments.server import spawn
-    from asyncrl.tasks.base import PromptItem
+    from asyncrl.items import PromptItem
 
     proc, url = spawn("asyncrl.tasks.agentic:ArithmeticToolEnvironment", "--port", str(port))
     pool = RemotePool(RemoteEnvironmentConfig(urls=[url]))

@@ -196,7 +196,7 @@ class Items:
     """A train split whose prompt ids name their position."""
 
     def train_items(self, seed: int, epoch: int) -> list[Any]:
-        from asyncrl.tasks.base import PromptItem
+        from asyncrl.items import PromptItem
 
         return [PromptItem(f"e{epoch}p{i}", f"prompt {i}", [1, 3 + i], str(i)) for i in range(50)]
 

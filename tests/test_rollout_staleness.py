@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import PROMPTS_GROUP, Keys, read_accounting
-from asyncrl.tasks.base import build_task
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
 from asyncrl.trainer.admission import Admission, Cursor
 from asyncrl.trainer.backends import build_publisher

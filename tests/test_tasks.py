@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from asyncrl.tasks.base import ArithmeticTask, DatasetError, DatasetTask, build_task
+from asyncrl.tasks.base import ArithmeticTask, DatasetError, DatasetTask
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, DatasetTaskConfig, TaskConfig
 from asyncrl.tiny_model import BOS_ID, build_tokenizer
 

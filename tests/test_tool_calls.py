@@ -19,15 +19,6 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.environments.base import render_observation, render_prompt
 from asyncrl.environments.config import ToolEnvironmentConfig
 from asyncrl.environments.tools import (
-    BAD_ARGUMENTS,
-    BAD_CALL,
-    MALFORMED_JSON,
-    TOO_MANY_CALLS,
-    TOOL_BUSY,
-    TOOL_ERROR,
-    TOOL_TIMEOUT,
-    UNCLOSED_CALL,
-    UNKNOWN_TOOL,
     CallError,
     ToolCall,
     load_tools,
@@ -36,7 +27,8 @@ from asyncrl.environments.tools import (
     tool_environments,
     tool_prompt,
 )
-from asyncrl.tasks.base import PromptItem
+from asyncrl.items import PromptItem
+from asyncrl.reasons import ToolCallOutcome
 
 # The structure of Qwen2.5-Instruct's template (tools in the system turn, calls and responses
 # in XML tags, consecutive tool messages in one user turn), written out here: no download.
@@ -248,14 +240,23 @@ def test_parses_several_calls_with_text_around() -> None:
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
-        ('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', MALFORMED_JSON),
-        ("<tool_call>add(1, 2)</tool_call>", MALFORMED_JSON),
-        ('<tool_call>["add", 1]</tool_call>', BAD_CALL),
-        ('<tool_call>{"arguments": {}}</tool_call>', BAD_CALL),
-        ('<tool_call>{"name": 7}</tool_call>', BAD_CALL),
-        ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', BAD_ARGUMENTS),
-        ('<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>', BAD_ARGUMENTS),
-        ('<tool_call>{"name": "add", "arguments": {"a": 1', UNCLOSED_CALL),
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',
+            ToolCallOutcome.MALFORMED_JSON,
+        ),
+        ("<tool_call>add(1, 2)</tool_call>", ToolCallOutcome.MALFORMED_JSON),
+        ('<tool_call>["add", 1]</tool_call>', ToolCallOutcome.BAD_CALL),
+        ('<tool_call>{"arguments": {}}</tool_call>', ToolCallOutcome.BAD_CALL),
+        ('<tool_call>{"name": 7}</tool_call>', ToolCallOutcome.BAD_CALL),
+        (
+            '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+            ToolCallOutcome.BAD_ARGUMENTS,
+        ),
+        (
+            '<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>',
+            ToolCallOutcome.BAD_ARGUMENTS,
+        ),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1', ToolCallOutcome.UNCLOSED_CALL),
     ],
 )
 def test_malformed_calls_become_errors_by_reason(text: str, reason: str) -> None:
@@ -268,7 +269,7 @@ def test_malformed_calls_become_errors_by_reason(text: str, reason: str) -> None
 def test_a_bad_call_does_not_hide_the_good_ones() -> None:
     calls = parse_tool_calls(f"{_call('add', a=1, b=2)}<tool_call>{{oops</tool_call>")
     assert calls[0] == ToolCall("add", {"a": 1, "b": 2})
-    assert isinstance(calls[1], CallError) and calls[1].reason == MALFORMED_JSON
+    assert isinstance(calls[1], CallError) and calls[1].reason == ToolCallOutcome.MALFORMED_JSON
 
 
 def test_schemas_come_from_signatures_and_docstrings(tool_dir: Path) -> None:
@@ -343,17 +344,21 @@ def test_an_episode_with_tools(tool_dir: Path, tokenizer: PreTrainedTokenizerFas
     assert contents[0] == "46"
     assert contents[1].startswith("error: unknown tool 'mul'; available: add, convert")
     assert json.loads(contents[2]) == {"amount": pytest.approx(6.21), "unit": "mi"}
-    assert turn1.info == {"tool_calls": {"ok": 2, UNKNOWN_TOOL: 1}}
+    assert turn1.info == {"tool_calls": {"ok": 2, ToolCallOutcome.UNKNOWN_TOOL: 1}}
 
     bad, long = (m["content"] for m in turn2.observation)
     assert bad.startswith('error: add: argument a="12" does not fit')
     assert long == "ab" * 100  # within max_result_chars
-    assert turn2.info == {"tool_calls": {BAD_ARGUMENTS: 1, "ok": 1}}
+    assert turn2.info == {"tool_calls": {ToolCallOutcome.BAD_ARGUMENTS: 1, "ok": 1}}
 
     # No call: the final answer, left to the task's reward.
     assert final.done and final.observation is None and final.reward is None
     assert final.info == {"ended": "answer"}
-    assert (env.turns, env.calls, dict(env.errors)) == (3, 3, {UNKNOWN_TOOL: 1, BAD_ARGUMENTS: 1})
+    assert (env.turns, env.calls, dict(env.errors)) == (
+        3,
+        3,
+        {ToolCallOutcome.UNKNOWN_TOOL: 1, ToolCallOutcome.BAD_ARGUMENTS: 1},
+    )
 
 
 @pytest.mark.parametrize(
@@ -394,7 +399,9 @@ def test_hanging_tools_time_out(tool_dir: Path) -> None:
     assert hang == "error: hang gave no result in 0.2s"
     assert block == "error: block gave no result in 0.2s"
     assert fail == "error: fail raised RuntimeError: no luck with 3"
-    assert result.info == {"tool_calls": {TOOL_TIMEOUT: 2, TOOL_ERROR: 1}}
+    assert result.info == {
+        "tool_calls": {ToolCallOutcome.TOOL_TIMEOUT: 2, ToolCallOutcome.TOOL_ERROR: 1}
+    }
     assert not result.done
 
 
@@ -417,14 +424,16 @@ def test_hung_sync_calls_hold_their_own_tools_threads_only(tool_dir: Path) -> No
         hung, other = asyncio.run(turns())
     finally:
         usertools.RELEASE.set()
-    assert hung.info == {"tool_calls": {TOOL_TIMEOUT: 32, TOOL_BUSY: 8}}
+    assert hung.info == {
+        "tool_calls": {ToolCallOutcome.TOOL_TIMEOUT: 32, ToolCallOutcome.TOOL_BUSY: 8}
+    }
     busy = hung.observation[-1]["content"]
     assert (
         busy
         == "error: stall is busy (all 32 of its threads are held by calls not returned); not run"
     )
     assert [m["content"] for m in other.observation] == ["3", busy]
-    assert other.info == {"tool_calls": {"ok": 1, TOOL_BUSY: 1}}
+    assert other.info == {"tool_calls": {"ok": 1, ToolCallOutcome.TOOL_BUSY: 1}}
 
 
 @pytest.mark.parametrize(
@@ -448,7 +457,9 @@ def test_a_tool_that_exits_or_returns_what_json_cannot_write_answers_the_model(
     env = tool_environments(_cfg(tool_dir))(ITEM, "q0/0")
     result = asyncio.run(env.step(call + _call("add", a=1, b=2)))
     assert [m["content"] for m in result.observation] == [said, "3"]
-    assert result.info == {"tool_calls": {TOOL_ERROR: 1, "ok": 1}} and not result.done
+    assert (
+        result.info == {"tool_calls": {ToolCallOutcome.TOOL_ERROR: 1, "ok": 1}} and not result.done
+    )
 
 
 def test_turn_and_call_limits(tool_dir: Path) -> None:
@@ -464,7 +475,7 @@ def test_turn_and_call_limits(tool_dir: Path) -> None:
     shout, three, over = (m["content"] for m in first.observation)
     assert (shout, three) == ("xxxxx", "3")  # cut to max_result_chars
     assert over.startswith("error")
-    assert first.info["tool_calls"] == {"ok": 2, TOO_MANY_CALLS: 1}
+    assert first.info["tool_calls"] == {"ok": 2, ToolCallOutcome.TOO_MANY_CALLS: 1}
     # The last allowed turn ends the episode even though it calls a tool; nothing is run.
     assert last.done and last.info == {"ended": "max_turns"}
     assert env.calls == 2
@@ -472,8 +483,16 @@ def test_turn_and_call_limits(tool_dir: Path) -> None:
 
 def test_reported_counts_are_kept_to_known_outcomes() -> None:
     """A served environment's `info` is JSON from elsewhere: junk is left out, never raised."""
-    info = {"tool_calls": {"ok": 2, TOOL_ERROR: 1, "made_up": 3, UNKNOWN_TOOL: "x", BAD_CALL: -1}}
-    assert tool_call_counts(info) == [("ok", 2), (TOOL_ERROR, 1)]
+    info = {
+        "tool_calls": {
+            "ok": 2,
+            ToolCallOutcome.TOOL_ERROR: 1,
+            "made_up": 3,
+            ToolCallOutcome.UNKNOWN_TOOL: "x",
+            ToolCallOutcome.BAD_CALL: -1,
+        }
+    }
+    assert tool_call_counts(info) == [("ok", 2), (ToolCallOutcome.TOOL_ERROR, 1)]
     assert tool_call_counts({"tool_calls": [1]}) == [] == tool_call_counts({})
 
 
@@ -520,7 +539,7 @@ def test_the_scheduler_runs_tool_episodes_of_a_task(tool_dir: Path, template: st
     from asyncrl.config import load_config
     from asyncrl.engines.config import SamplingParams
     from asyncrl.rollout.episodes import EpisodeScheduler
-    from asyncrl.tasks.base import build_task
+    from asyncrl.tasks.build import build_task
 
     tokenizer = _tokenizer(template)
     env = {"type": "tools", "python_path": [str(tool_dir)], "tools": ["usertools:add"]}
@@ -573,7 +592,12 @@ def test_the_scheduler_runs_tool_episodes_of_a_task(tool_dir: Path, template: st
         trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
         assert trained == f"{turns[0]}<|im_end|>{turns[1]}<|im_end|>"
         assert s.reward == 1.0 and s.meta == {"turns": 2}
-    assert sorted(counted) == [("ok", 1), ("ok", 1), (UNKNOWN_TOOL, 1), (UNKNOWN_TOOL, 1)]
+    assert sorted(counted) == [
+        ("ok", 1),
+        ("ok", 1),
+        (ToolCallOutcome.UNKNOWN_TOOL, 1),
+        (ToolCallOutcome.UNKNOWN_TOOL, 1),
+    ]
 
 
 def test_the_example_runs_an_episode(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -601,7 +625,7 @@ def test_a_dataset_prompt_of_chat_messages_keeps_every_message(
 ) -> None:
     """A dataset row whose prompt is a conversation starts its tool episodes from all of it,
     its own system message kept in place of the configured one."""
-    from asyncrl.tasks.base import build_task
+    from asyncrl.tasks.build import build_task
 
     tokenizer = _tokenizer(QWEN_STYLE_TEMPLATE)
     messages = [

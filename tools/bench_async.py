@@ -78,7 +78,7 @@ from asyncrl.metrics.record import StepRecord
 from asyncrl.model import ensure_model
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import Counter, Keys, read_counters
-from asyncrl.tasks.base import build_task
+from asyncrl.tasks.build import build_task
 from asyncrl.trainer.checkpoint import list_checkpoints
 
 PROBE = "bench-probe"
@@ -110,7 +110,7 @@ def http_hop_s(cfg: Config) -> float:
     """Mean seconds of one call through an env-server whose tool answers at once."""
     from asyncrl.environments.client import RemotePool
     from asyncrl.environments.config import RemoteEnvironmentConfig
-    from asyncrl.tasks.base import PromptItem
+    from asyncrl.items import PromptItem
 
     proc, url = start_env_server(cfg, latency=False)
     item = PromptItem("12+34;56+78", "12+34=", [1], "12+34=46;56+78=134")

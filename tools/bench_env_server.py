@@ -29,8 +29,8 @@ from asyncrl.environments.base import Environment
 from asyncrl.environments.client import RemotePool
 from asyncrl.environments.config import RemoteEnvironmentConfig
 from asyncrl.environments.server import spawn
+from asyncrl.items import PromptItem
 from asyncrl.tasks.agentic import ArithmeticToolEnvironment
-from asyncrl.tasks.base import PromptItem
 
 TOOL = "asyncrl.tasks.agentic:ArithmeticToolEnvironment"
 ITEM = PromptItem("12+34;56+78;11+11", "12+34=", [1, 2, 3], "12+34=46;56+78=134;11+11=22")

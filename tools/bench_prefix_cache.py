@@ -28,7 +28,7 @@ from asyncrl.config import load_config
 from asyncrl.model import ensure_model
 from asyncrl.rollout.backends import build_engine
 from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
-from asyncrl.tasks.base import build_task
+from asyncrl.tasks.build import build_task
 
 MODES = {
     "off": ["rollout.engine.prefix_cache_tokens=0"],

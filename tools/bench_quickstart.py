@@ -33,7 +33,7 @@ from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.metrics.jsonl import read_jsonl
 from asyncrl.metrics.record import EvalRecord, Record, StepRecord, read_record
 from asyncrl.model import ensure_model
-from asyncrl.tasks.base import build_task
+from asyncrl.tasks.build import build_task
 
 TARGET = 0.9
 

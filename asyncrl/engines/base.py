@@ -48,9 +48,7 @@ class Generation:
 class EngineError(RuntimeError):
     """Generation failed for some prompts after retries; the caller dead-letters them.
 
-    `reason` is a short stable code: `timeout`, `unreachable`, `server_error` (HTTP 5xx),
-    `malformed` (bad reply), `rejected` (HTTP 4xx), `aborted` (the server aborted the request,
-    e.g. paused with mode abort) or `no_server` (none in rotation).
+    `reason` is a short stable code, an `asyncrl.reasons.EngineReason`.
     """
 
     def __init__(

@@ -26,23 +26,18 @@ import math
 import numbers
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, assert_never
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from asyncrl.items import PromptItem
+from asyncrl.reasons import ENV_REASONS, EnvReason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from asyncrl.environments.config import EnvironmentConfig
-    from asyncrl.tasks.base import PromptItem
 
 Observation = str | list[dict[str, str]] | None
 """Text appended as tokens of the tokenizer (special tokens written in it are parsed), or chat
 messages (`{"role": ..., "content": ...}`) rendered with the tokenizer's chat template and its
 generation prompt; None: nothing appended."""
-
-ENV_REASONS = ("error", "timeout", "malformed", "unavailable")
-"""Why an environment call failed (label of `asyncrl_environment_errors_total`; the group's
-dead-letter reason is `env_{reason}`): its code raised, it outlived its timeout, its reply does
-not fit the protocol, or no server could take or keep the episode."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ class StepResult:
     """The episode's reward when done; None: scored by the task's reward on the last turn."""
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form details (logged, not trained on). `tool_calls`, when present, maps outcomes
-    of `asyncrl.environments.tools.TOOL_CALL_OUTCOMES` to the turn's counts of them
+    of `asyncrl.reasons.ToolCallOutcome` to the turn's counts of them
     (`asyncrl_tool_calls_total`)."""
 
 
@@ -81,13 +76,14 @@ class Environment(Protocol):
         ...
 
 
-EnvironmentFactory = Callable[["PromptItem", str], Environment]
+EnvironmentFactory = Callable[[PromptItem, str], Environment]
 """A fresh environment for one episode of an item; the second argument is the episode's id,
 unique per episode."""
 
 
 class EnvironmentFailure(Exception):
-    """An environment call that gave nothing usable; `reason` is one of `ENV_REASONS`."""
+    """An environment call that gave nothing usable; `reason` is an `EnvReason` (a string read
+    from an env-server is checked against `ENV_REASONS` first)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         assert reason in ENV_REASONS, reason
@@ -131,7 +127,7 @@ async def contained(call: Awaitable[T]) -> T:
 
 
 def malformed(detail: str) -> EnvironmentFailure:
-    return EnvironmentFailure("malformed", detail)
+    return EnvironmentFailure(EnvReason.MALFORMED, detail)
 
 
 def check_observation(obs: object) -> Observation:
@@ -212,44 +208,3 @@ def render_observation(
         raise ValueError("the chat template drops the content of an assistant turn")
     ids = list(tokenizer(after, add_special_tokens=False)["input_ids"])
     return ids[1:] if ended_by is not None and ids[:1] == [ended_by] else ids
-
-
-def build_environments(cfg: EnvironmentConfig) -> EnvironmentFactory:
-    """The factory of one episode's environment under `cfg`."""
-    from asyncrl.environments.config import (
-        PythonEnvironmentConfig,
-        RemoteEnvironmentConfig,
-        ToolEnvironmentConfig,
-    )
-
-    match cfg:
-        case PythonEnvironmentConfig():
-            from asyncrl.environments.local import TimedEnvironment, check_class
-
-            cls = check_class(cfg.path, cfg.python_path, cfg.kwargs)
-            return lambda item, episode_id: TimedEnvironment(cls(**cfg.kwargs), cfg.timeout_s)
-        case RemoteEnvironmentConfig():
-            from asyncrl.environments.client import RemotePool
-
-            pool = RemotePool(cfg)
-            return lambda item, episode_id: pool.environment()
-        case ToolEnvironmentConfig():
-            from asyncrl.environments.tools import tool_environments
-
-            return tool_environments(cfg)
-        case _:
-            assert_never(cfg)
-
-
-def build_prompt(
-    cfg: EnvironmentConfig, tokenizer: PreTrainedTokenizerBase
-) -> Callable[[PromptItem], list[int]] | None:
-    """The token ids an episode of an item starts from under `cfg`; None: the task's own
-    `prompt_ids` (the environment's `reset` adds to them)."""
-    from asyncrl.environments.config import ToolEnvironmentConfig
-
-    if not isinstance(cfg, ToolEnvironmentConfig):
-        return None
-    from asyncrl.environments.tools import tool_prompt
-
-    return tool_prompt(cfg, tokenizer)

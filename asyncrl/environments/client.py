@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from asyncrl.environments.base import (
-    ENV_REASONS,
     EnvironmentFailure,
     Observation,
     StepResult,
@@ -43,10 +42,11 @@ from asyncrl.environments.base import (
     malformed,
 )
 from asyncrl.environments.server import KEEP_ALIVE_S, PROTOCOL, TIMEOUT_HEADER, read_token
+from asyncrl.reasons import ENV_REASONS
 
 if TYPE_CHECKING:
     from asyncrl.environments.config import RemoteEnvironmentConfig
-    from asyncrl.tasks.base import PromptItem
+    from asyncrl.items import PromptItem
 
 log = logging.getLogger(__name__)
 _CLOSE_TIMEOUT_S = 5.0

@@ -2,45 +2,20 @@
 Nothing here imports torch or an HTTP client."""
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from asyncrl.configbase import Section
+from asyncrl.configbase import PluginConfig, PluginPath, Section
+from asyncrl.plugins import load_object
 
 
-class _UserCode(Section):
-    """User code imported by path, run in the rollout worker's event loop."""
-
-    type: str
-    """Backend; each member narrows it to its tag (declared here so that it comes first)."""
-
-    python_path: list[str] = Field(default_factory=list)
-    """Directories put first on `sys.path` before the user's code is imported (relative ones
-    against the working directory)."""
-
-    @field_validator("python_path")
-    @classmethod
-    def _absolute(cls, dirs: list[str]) -> list[str]:
-        from asyncrl.tasks.plugins import absolute_dirs
-
-        return absolute_dirs(dirs)
-
-
-class PythonEnvironmentConfig(_UserCode):
+class PythonEnvironmentConfig(PluginConfig):
     """Your own `Environment` class (`asyncrl.environments.base`), run in the rollout worker's
-    event loop: one instance per episode, `Class(**kwargs)`. `python_path` and `kwargs` come
-    before `path` because checking `path` needs them."""
+    event loop: one instance per episode, `Class(**kwargs)`."""
 
     type: Literal["python"] = "python"
     """Environment backend."""
-
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the class's constructor."""
-
-    path: str
-    """"package.module:Class", imported from `python_path`, the working directory and
-    PYTHONPATH; checked when the config loads."""
 
     timeout_s: float = Field(default=60.0, gt=0)
     """Seconds one `reset` or `step` may take before the episode fails (`env_timeout`)."""
@@ -99,7 +74,7 @@ class RemoteEnvironmentConfig(Section):
         return [u.rstrip("/") for u in urls]
 
 
-class ToolEnvironmentConfig(_UserCode):
+class ToolEnvironmentConfig(PluginPath):
     """Episodes in which the policy calls tools (`asyncrl.environments.tools`), run in the
     rollout worker's event loop. The episode's prompt is the item's chat messages when its task
     gave them (a dataset's message rows, every message kept), else its prompt as a user turn,
@@ -144,8 +119,6 @@ class ToolEnvironmentConfig(_UserCode):
     @field_validator("tools")
     @classmethod
     def _resolve(cls, paths: list[str], info: ValidationInfo) -> list[str]:
-        from asyncrl.tasks.plugins import load_object
-
         names: dict[str, str] = {}
         for i, path in enumerate(paths):
             try:

@@ -19,9 +19,11 @@ from asyncrl.environments.base import (
     check_step,
     contained,
 )
+from asyncrl.plugins import call_shape, check_signature, load_object
+from asyncrl.reasons import EnvReason
 
 if TYPE_CHECKING:
-    from asyncrl.tasks.base import PromptItem
+    from asyncrl.items import PromptItem
 
 log = logging.getLogger(__name__)
 _METHODS = ("reset", "step", "close")
@@ -30,8 +32,6 @@ _METHODS = ("reset", "step", "close")
 def check_class(path: str, python_path: Sequence[str], kwargs: dict[str, Any]) -> type[Any]:
     """The environment class named by `path`; ValueError with a one-line reason when it does not
     import, lacks a coroutine of the protocol or cannot take `kwargs`."""
-    from asyncrl.tasks.plugins import call_shape, check_signature, load_object
-
     cls = load_object(path, python_path)
     if not isinstance(cls, type):
         raise ValueError(f"{path!r} is a {type(cls).__name__}, not a class")
@@ -66,6 +66,8 @@ class TimedEnvironment:
         try:
             return await asyncio.wait_for(contained(call), self._timeout_s)
         except TimeoutError:
-            raise EnvironmentFailure("timeout", f"{name} took over {self._timeout_s}s") from None
+            raise EnvironmentFailure(
+                EnvReason.TIMEOUT, f"{name} took over {self._timeout_s}s"
+            ) from None
         except Escaped as exc:
-            raise EnvironmentFailure("error", f"{name} raised {exc}") from None
+            raise EnvironmentFailure(EnvReason.ERROR, f"{name} raised {exc}") from None

@@ -70,7 +70,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from asyncrl import __version__
 from asyncrl.environments.base import (
-    ENV_REASONS,
     EnvironmentFailure,
     check_observation,
     check_step,
@@ -79,6 +78,7 @@ from asyncrl.environments.base import (
 )
 from asyncrl.environments.local import check_class
 from asyncrl.metrics.roles import REGISTRY, RoleMetrics
+from asyncrl.reasons import ENV_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class EnvServer:
 
 def _prompt_item(raw: object) -> Any:
     """The `item` of a create request, every field of its exact JSON type."""
-    from asyncrl.tasks.base import PromptItem
+    from asyncrl.items import PromptItem
 
     if not isinstance(raw, dict):
         raise _Refused(HTTPStatus.BAD_REQUEST, "malformed", "body needs an `item` object")

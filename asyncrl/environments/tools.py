@@ -13,12 +13,11 @@ allowed::
 Each call's result goes back as a chat message `{"role": "tool", "content": "46"}`, which those
 templates render as a user turn holding `<tool_response>\\n46\\n</tool_response>`. A call that
 cannot run is answered too, with an error the model can read (`error: unknown tool 'mul';
-available: add`), and counted by reason (`CallError.reason`): `malformed_json`, `bad_call` (not
-an object with a string `name`), `unclosed_call` (no `</tool_call>`, e.g. cut by the token
-limit), `unknown_tool`, `bad_arguments`, `too_many_calls`, `tool_error` (it raised, `sys.exit()`
-included, or returned what JSON cannot write), `tool_timeout` and `tool_busy` (a sync tool whose
-threads are all held by calls that have not returned; `SyncThreads`). A bad call never fails
-the episode: telling the model is what trains it.
+available: add`), and counted by reason (`CallError.reason`, an `asyncrl.reasons`
+`ToolCallOutcome`: `malformed_json`, `bad_call`, `unclosed_call`, `unknown_tool`,
+`bad_arguments`, `too_many_calls`, `tool_error`, `tool_timeout`, and `tool_busy` for a sync
+tool whose threads are all held by calls that have not returned; `SyncThreads`). A bad call
+never fails the episode: telling the model is what trains it.
 
 A turn without a call is the final answer: the episode ends, scored by the task's reward
 (`StepResult.reward` None). Each turn's calls are counted by outcome (`ok` or the reason) in
@@ -52,26 +51,16 @@ from asyncrl.environments.base import (
     contained,
     render_prompt,
 )
+from asyncrl.plugins import load_object
+from asyncrl.reasons import TOOL_CALL_OUTCOMES, ToolCallOutcome
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from asyncrl.environments.config import ToolEnvironmentConfig
-    from asyncrl.tasks.base import PromptItem
+    from asyncrl.items import PromptItem
 
 log = logging.getLogger(__name__)
-
-MALFORMED_JSON, BAD_CALL, UNCLOSED_CALL = "malformed_json", "bad_call", "unclosed_call"
-UNKNOWN_TOOL, BAD_ARGUMENTS, TOO_MANY_CALLS = "unknown_tool", "bad_arguments", "too_many_calls"
-TOOL_ERROR, TOOL_TIMEOUT, TOOL_BUSY = "tool_error", "tool_timeout", "tool_busy"
-OK = "ok"
-TOOL_CALL_OUTCOMES = (
-    OK,
-    *(MALFORMED_JSON, BAD_CALL, UNCLOSED_CALL, UNKNOWN_TOOL, BAD_ARGUMENTS, TOO_MANY_CALLS),
-    *(TOOL_ERROR, TOOL_TIMEOUT, TOOL_BUSY),
-)
-"""What became of one tool call (label of `asyncrl_tool_calls_total`): it ran and returned, or
-why it did not."""
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
@@ -101,7 +90,7 @@ class CallError:
     """A call that did not run (or failed): `reason` is a stable code, `message` what the model
     is told."""
 
-    reason: str
+    reason: ToolCallOutcome
     message: str
 
 
@@ -127,7 +116,7 @@ def parse_tool_calls(text: str) -> list[ToolCall | CallError]:
     """
     calls: list[ToolCall | CallError] = [_parse_one(m.group(1)) for m in _CALL.finditer(text)]
     if OPEN in _CALL.sub("", text):
-        calls.append(CallError(UNCLOSED_CALL, f"error: {OPEN} without {CLOSE}"))
+        calls.append(CallError(ToolCallOutcome.UNCLOSED_CALL, f"error: {OPEN} without {CLOSE}"))
     return calls
 
 
@@ -135,15 +124,19 @@ def _parse_one(body: str) -> ToolCall | CallError:
     try:
         call = json.loads(body)
     except json.JSONDecodeError as exc:
-        return CallError(MALFORMED_JSON, f"error: the tool call is not valid JSON ({exc.msg})")
+        return CallError(
+            ToolCallOutcome.MALFORMED_JSON, f"error: the tool call is not valid JSON ({exc.msg})"
+        )
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return CallError(BAD_CALL, 'error: expected {"name": <tool name>, "arguments": {...}}')
+        return CallError(
+            ToolCallOutcome.BAD_CALL, 'error: expected {"name": <tool name>, "arguments": {...}}'
+        )
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
-        return CallError(BAD_ARGUMENTS, "error: arguments must be a JSON object")
+        return CallError(ToolCallOutcome.BAD_ARGUMENTS, "error: arguments must be a JSON object")
     return ToolCall(call["name"], arguments)
 
 
@@ -201,8 +194,6 @@ def _fits(value: Any, prop: dict[str, Any]) -> bool:
 def load_tools(paths: list[str], python_path: list[str]) -> dict[str, Tool]:
     """The tools named by import path, by name; ValueError naming `environment.tools[i]` when
     one has no usable schema."""
-    from asyncrl.tasks.plugins import load_object
-
     tools: dict[str, Tool] = {}
     for i, path in enumerate(paths):
         fn = load_object(path, python_path)
@@ -314,13 +305,17 @@ class ToolEnvironment:
         if not calls or self.turns >= self._cfg.max_turns:
             return StepResult(None, True, None, {"ended": "answer" if not calls else "max_turns"})
         limit = self._cfg.max_calls_per_turn
-        over = CallError(TOO_MANY_CALLS, f"error: at most {limit} tool calls per turn; not run")
+        over = CallError(
+            ToolCallOutcome.TOO_MANY_CALLS, f"error: at most {limit} tool calls per turn; not run"
+        )
         results = await asyncio.gather(
             *(self._run(c) for c in calls[:limit]), *(_done(over) for _ in calls[limit:])
         )
-        outcomes = Counter(r.reason if isinstance(r, CallError) else OK for r in results)
-        self.calls += outcomes[OK]
-        self.errors.update({k: n for k, n in outcomes.items() if k != OK})
+        outcomes = Counter(
+            r.reason if isinstance(r, CallError) else ToolCallOutcome.OK for r in results
+        )
+        self.calls += outcomes[ToolCallOutcome.OK]
+        self.errors.update({k: n for k, n in outcomes.items() if k != ToolCallOutcome.OK})
         messages = [{"role": "tool", "content": self._content(r)} for r in results]
         return StepResult(messages, False, None, {"tool_calls": dict(outcomes)})
 
@@ -334,21 +329,30 @@ class ToolEnvironment:
         tool = self._tools.get(call.name)
         if tool is None:
             known = ", ".join(self._tools)
-            return CallError(UNKNOWN_TOOL, f"error: unknown tool {call.name!r}; available: {known}")
+            return CallError(
+                ToolCallOutcome.UNKNOWN_TOOL,
+                f"error: unknown tool {call.name!r}; available: {known}",
+            )
         problem = tool.check(call.arguments)
         if problem is not None:
-            return CallError(BAD_ARGUMENTS, f"error: {call.name}: {problem}")
+            return CallError(ToolCallOutcome.BAD_ARGUMENTS, f"error: {call.name}: {problem}")
         timeout = self._cfg.timeout_s
         try:
             value = await asyncio.wait_for(contained(self._invoke(tool, call.arguments)), timeout)
         except TimeoutError:
-            return CallError(TOOL_TIMEOUT, f"error: {call.name} gave no result in {timeout}s")
+            return CallError(
+                ToolCallOutcome.TOOL_TIMEOUT, f"error: {call.name} gave no result in {timeout}s"
+            )
         except Busy as exc:
-            return CallError(TOOL_BUSY, f"error: {call.name} is busy ({exc}); not run")
+            return CallError(
+                ToolCallOutcome.TOOL_BUSY, f"error: {call.name} is busy ({exc}); not run"
+            )
         except Escaped as exc:
-            return CallError(TOOL_ERROR, f"error: {call.name} raised {exc}")
+            return CallError(ToolCallOutcome.TOOL_ERROR, f"error: {call.name} raised {exc}")
         except Exception as exc:  # the tool's own failure is the model's to read
-            return CallError(TOOL_ERROR, f"error: {call.name} raised {type(exc).__name__}: {exc}")
+            return CallError(
+                ToolCallOutcome.TOOL_ERROR, f"error: {call.name} raised {type(exc).__name__}: {exc}"
+            )
         return _text(call.name, value)
 
     async def _invoke(self, tool: Tool, arguments: dict[str, Any]) -> Any:
@@ -370,7 +374,9 @@ def _text(name: str, value: Any) -> str | CallError:
     try:
         return json.dumps(value, ensure_ascii=False, default=str)
     except Exception as exc:  # circular, nested past the recursion limit, keys JSON cannot hold
-        return CallError(TOOL_ERROR, f"error: {name} returned what JSON cannot write: {exc}")
+        return CallError(
+            ToolCallOutcome.TOOL_ERROR, f"error: {name} returned what JSON cannot write: {exc}"
+        )
 
 
 async def _done(value: CallError) -> CallError:

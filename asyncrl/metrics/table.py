@@ -16,12 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from asyncrl.environments.base import ENV_REASONS
-from asyncrl.environments.tools import TOOL_CALL_OUTCOMES
+from asyncrl.reasons import DropReason, EnvReason, GroupReason, ToolCallOutcome
 from asyncrl.runstate import ROLES
 from asyncrl.runstate import Counter as RunCounter
 
-DROP_REASONS = ("stale", "zero_variance", "invalid")
 STREAMS = ("prompts", "trajectories")
 PHASES = (
     "generate",
@@ -40,26 +38,6 @@ ROUTING_SCOPES = ("used", "router", "worst_layer")
 OUTCOMES = tuple(c.outcome for c in RunCounter)
 """`asyncrl_run_groups` mirrors the run-accounting hash in Redis: field `prompts_released` →
 outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`."""
-
-FAILED_GROUP_REASONS = (
-    *(
-        f"engine_{r}"
-        for r in ("timeout", "unreachable", "server_error", "malformed", "rejected", "aborted")
-    ),
-    "engine_no_server",
-    "engine_error",
-    "task_error",
-    "reward_error",
-    "reward_timeout",
-    "reward_invalid",
-    "context_too_long",
-    *(f"env_{r}" for r in ENV_REASONS),
-    "other",
-)
-"""Every `FailedGroup.reason` (`asyncrl.rollout.episodes`) but `stale` (counted by
-`asyncrl_rollout_groups_dropped_stale_total`): the label of
-`asyncrl_rollout_groups_failed_total`; `other` for a reason added elsewhere and not listed
-here, so that counting never fails a worker."""
 
 BASE_LABELS = ("role", "worker")
 
@@ -135,7 +113,7 @@ METRICS: tuple[Metric, ...] = (
         "counter",
         "Trajectory groups dropped, by reason.",
         "trainer",
-        label=("reason", DROP_REASONS),
+        label=("reason", tuple(DropReason)),
         roles=_TRAINER,
     ),
     Metric(
@@ -422,7 +400,7 @@ METRICS: tuple[Metric, ...] = (
         "outlived its timeout, answered outside the protocol, or no env-server could take or "
         "keep the episode.",
         "rollout",
-        label=("reason", ENV_REASONS),
+        label=("reason", tuple(EnvReason)),
         roles=("rollout",),
     ),
     Metric(
@@ -431,7 +409,7 @@ METRICS: tuple[Metric, ...] = (
         "counter",
         "Prompt groups a rollout worker gave up and dead-lettered, by reason.",
         "rollout",
-        label=("reason", FAILED_GROUP_REASONS),
+        label=("reason", tuple(GroupReason)),
         roles=("rollout",),
     ),
     Metric(
@@ -450,7 +428,7 @@ METRICS: tuple[Metric, ...] = (
         "refused (a request that does not fit, an unknown session, the server full), or how "
         "the environment failed.",
         "env-server",
-        label=("outcome", ("ok", "refused", *ENV_REASONS)),
+        label=("outcome", ("ok", "refused", *EnvReason)),
         roles=("env-server",),
     ),
     Metric(
@@ -507,7 +485,7 @@ METRICS: tuple[Metric, ...] = (
         "the sync tool's threads are all held by calls not returned (tool_busy). The model "
         "reads each failure; none fails a group.",
         "rollout",
-        label=("outcome", TOOL_CALL_OUTCOMES),
+        label=("outcome", tuple(ToolCallOutcome)),
         roles=("rollout",),
     ),
 )

@@ -49,9 +49,11 @@ from asyncrl.environments.base import (
     render_observation,
 )
 from asyncrl.environments.tools import tool_call_counts
+from asyncrl.items import PromptItem
 from asyncrl.protocol import Sample
-from asyncrl.tasks.base import EpisodicTask, PromptItem, Task
-from asyncrl.tasks.plugins import RewardFailure
+from asyncrl.reasons import GroupReason
+from asyncrl.tasks.base import EpisodicTask, Task
+from asyncrl.tasks.isolated import RewardFailure
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -77,8 +79,6 @@ _REVIVALS = 100
 STALE = "stale"
 """The `FailedGroup.reason` of a group `drop_older_than` gave up: no failure, dropped not
 dead-lettered."""
-CONTEXT_TOO_LONG = "context_too_long"
-"""The `FailedGroup.reason` of a group whose first turn would pass `max_context`."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -110,16 +110,10 @@ class FailedGroup(Generic[T]):
 
     tag: T
     reason: str
-    """Short stable code: `engine_{reason}` of an EngineError, `engine_error` for any other
-    failure of a generate call, `task_error` for one of the task's own code (its environment
-    constructor, score or reward), `reward_error`, `reward_timeout` or `reward_invalid` for a
-    call of a `reward.type: python` function that raised, timed out or returned no finite
-    number (wherever it was called), `context_too_long` for an episode whose first turn
-    (prompt, first observation, `max_new_tokens`) would pass the scheduler's `max_context`,
-    or `env_{reason}` for a failed environment call
-    (`asyncrl.environments.base.ENV_REASONS`: its code raised, it timed out, its reply did not
-    fit the protocol, no env-server could take or keep the episode); `stale` for a group
-    `EpisodeScheduler.drop_older_than` gave up (the trainer would drop it)."""
+    """Short stable code, an `asyncrl.reasons.GroupReason` (`engine_{reason}` of an
+    EngineError, `env_{reason}` of an EnvironmentFailure, `reward_*` of a RewardFailure,
+    wherever it was raised); `stale` for a group `EpisodeScheduler.drop_older_than` gave up
+    (the trainer would drop it)."""
     detail: str
 
 
@@ -226,7 +220,7 @@ class EpisodeScheduler(Generic[T]):
     `max_context` bounds the positions of every turn: context plus `max_new_tokens`. An episode
     whose next turn would pass it ends before that turn, its observation never prefilled: as
     truncated (finish "length", scored by the task on its last turn, like an environment that
-    ends without a reward) after a turn, or its group failed (`CONTEXT_TOO_LONG`) before the
+    ends without a reward) after a turn, or its group failed (`context_too_long`) before the
     first, since no sample is left to keep. The model is never run, nor a sample trained, at
     positions it does not have.
     """
@@ -296,7 +290,7 @@ class EpisodeScheduler(Generic[T]):
             except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
                 raise
             except BaseException as exc:  # e.g. an answer the task cannot parse, a sys.exit()
-                self._fail(group, "task_error", _describe(exc))
+                self._fail(group, GroupReason.TASK_ERROR, _describe(exc))
                 return
             self._open[id(env)] = env
             self._to_env([(_Episode(group, i, env, list(item.prompt_ids)), None)])
@@ -489,7 +483,7 @@ class EpisodeScheduler(Generic[T]):
             log.exception("generate failed for %d episode(s)", len(batch))
             gens = [None] * len(batch)
             for ep in batch:
-                self._fail(ep.group, "engine_error", _describe(exc))
+                self._fail(ep.group, GroupReason.ENGINE_ERROR, _describe(exc))
         done = [(ep, g) for ep, g in zip(batch, gens, strict=True) if g is not None]
         n_tokens = sum(len(g.token_ids) for _, g in done)
         self.tokens += n_tokens
@@ -510,7 +504,7 @@ class EpisodeScheduler(Generic[T]):
         except Exception as exc:  # tokens the tokenizer does not know came out of the engine
             log.exception("decoding %d response(s) failed", len(done))
             for ep, _ in done:
-                self._fail(ep.group, "engine_error", _describe(exc))
+                self._fail(ep.group, GroupReason.ENGINE_ERROR, _describe(exc))
             return
         to_env = []
         for (ep, gen), text in zip(done, texts, strict=True):
@@ -537,7 +531,7 @@ class EpisodeScheduler(Generic[T]):
             raise
         except BaseException as exc:  # a user task's score may sys.exit(): its group fails
             log.exception("scoring an episode failed")
-            self._fail(ep.group, "task_error", _describe(exc))
+            self._fail(ep.group, GroupReason.TASK_ERROR, _describe(exc))
             return
         ep.group.samples[ep.index] = ep.sample(value)
 
@@ -555,7 +549,7 @@ class EpisodeScheduler(Generic[T]):
             return
         self._fail(
             ep.group,
-            CONTEXT_TOO_LONG,
+            GroupReason.CONTEXT_TOO_LONG,
             f"{len(ep.context) + observed} tokens of prompt and first observation and "
             f"{self._sampling.max_new_tokens} new ones pass the {self._max_context} positions",
         )

@@ -31,6 +31,7 @@ import numpy as np
 
 from asyncrl.config import Config
 from asyncrl.engines.base import InProcessWeights, Rescoring
+from asyncrl.items import PromptItem
 from asyncrl.protocol import (
     Limits,
     PromptGroup,
@@ -49,7 +50,6 @@ from asyncrl.rollout.episodes import (
     GenerateCall,
 )
 from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
-from asyncrl.tasks.base import PromptItem
 
 if TYPE_CHECKING:
     from asyncrl.queue import Delivery
@@ -78,7 +78,7 @@ class RolloutWorker:
         from asyncrl.queue import Consumer
         from asyncrl.redis_conn import RedisGuard
         from asyncrl.rollout.backends import build_engine, build_subscriber, kept_dtype
-        from asyncrl.tasks.base import build_task
+        from asyncrl.tasks.build import build_task
 
         self.cfg = cfg
         self.id = worker_id or default_worker_id()

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncrl.environments.base import StepResult
-from asyncrl.tasks.base import ArithmeticTask, LazyItems, PromptItem
+from asyncrl.items import PromptItem
+from asyncrl.tasks.base import ArithmeticTask, LazyItems
 from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig, ExactRewardConfig
 from asyncrl.tasks.rewards import RewardFn, build_reward
 

@@ -1,26 +1,21 @@
-"""Tasks: where prompts come from and how responses are scored; chosen by config `type`."""
+"""Tasks: where prompts come from and how responses are scored (`asyncrl.tasks.build` picks
+one by config `type`)."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, assert_never, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 
 from asyncrl.environments.base import render_prompt
+from asyncrl.items import PromptItem
 from asyncrl.protocol import plain_value_problem
-from asyncrl.tasks.config import (
-    AgenticTaskConfig,
-    ArithmeticTaskConfig,
-    DatasetTaskConfig,
-    PythonTaskConfig,
-    ReasoningGymTaskConfig,
-    TaskConfig,
-)
+from asyncrl.tasks.config import ArithmeticTaskConfig, DatasetTaskConfig, PythonTaskConfig
 from asyncrl.tasks.rewards import build_reward
 
 if TYPE_CHECKING:
@@ -29,29 +24,6 @@ if TYPE_CHECKING:
     from asyncrl.environments.base import Environment, EnvironmentFactory
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PromptItem:
-    """One prompt with its reference answer."""
-
-    prompt_id: str
-    """Stable id, unique within the task (same file or seed: same id)."""
-
-    prompt: str
-    """The prompt text as the task states it, before any chat template."""
-
-    prompt_ids: list[int]
-    """The token ids the engine conditions on (chat template and special tokens applied)."""
-
-    answer: Any
-    """Reference answer handed to the reward as the task gives it: a string, or a plain value
-    (number, bool, list, string-keyed map of those) that travels on the wire unchanged."""
-
-    messages: list[dict[str, str]] | None = None
-    """The prompt as chat messages, where the task gave it so (a dataset row of messages;
-    `prompt` is then the last one's content): what a tools environment renders its prompt
-    from. Not sent to rollout workers, which get `prompt_ids`."""
 
 
 class Task(Protocol):
@@ -402,61 +374,3 @@ def _is_messages(value: object) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in value
     )
-
-
-def _python_task(cfg: PythonTaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
-    """The user's factory called once; its `Task` as it is, or its records wrapped."""
-    from asyncrl.tasks.plugins import factory_kwargs, load_object
-
-    factory = load_object(cfg.path, cfg.python_path)
-    made = factory(**factory_kwargs(factory, cfg.kwargs, tokenizer))
-    if all(callable(getattr(made, m, None)) for m in ("train_items", "eval_items", "score")):
-        return made
-    if isinstance(made, Mapping) and "train" in made and set(made) <= {"train", "eval"}:
-        evals = made.get("eval")
-        return RecordsTask(
-            cfg,
-            tokenizer,
-            (f"{cfg.path} train", _numbered(made["train"])),
-            None if evals is None else (f"{cfg.path} eval", _numbered(evals)),
-        )
-    raise DatasetError(
-        f"task.path: {cfg.path} returned {type(made).__name__}; expected a Task "
-        "(train_items, eval_items, score) or {'train': records, 'eval': records}"
-    )
-
-
-def _numbered(records: Iterable[object]) -> Records:
-    for number, record in enumerate(records):
-        yield number, f"record {number}", record
-
-
-def build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
-    """The task of `cfg`; its episodes talk to `cfg.environment` when one is set."""
-    task = _build_task(cfg, tokenizer)
-    if cfg.environment is None:
-        return task
-    from asyncrl.environments.base import build_environments, build_prompt
-
-    env = cfg.environment
-    return WithEnvironment(task, build_environments(env), build_prompt(env, tokenizer))
-
-
-def _build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
-    match cfg:
-        case ArithmeticTaskConfig():
-            return ArithmeticTask(cfg, tokenizer)
-        case DatasetTaskConfig():
-            return DatasetTask(cfg, tokenizer)
-        case AgenticTaskConfig():
-            from asyncrl.tasks.agentic import AgenticTask  # it builds on this module
-
-            return AgenticTask(cfg, tokenizer)
-        case PythonTaskConfig():
-            return _python_task(cfg, tokenizer)
-        case ReasoningGymTaskConfig():
-            from asyncrl.tasks.gym import ReasoningGymTask  # it builds on this module
-
-            return ReasoningGymTask(cfg, tokenizer)
-        case _:
-            assert_never(cfg)

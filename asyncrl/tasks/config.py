@@ -6,8 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from asyncrl.configbase import Section
+from asyncrl.configbase import PluginConfig, Section
 from asyncrl.environments.config import EnvironmentConfig
+from asyncrl.plugins import call_shape, check_signature, factory_kwargs, load_object
 
 
 class ExactRewardConfig(Section):
@@ -25,29 +26,7 @@ class MathRewardConfig(Section):
     """Reward backend."""
 
 
-class _PluginConfig(Section):
-    """User code by import path (`asyncrl.tasks.plugins`). `python_path` and `kwargs` come
-    before `path` because checking `path` needs them."""
-
-    type: str
-    """Backend; each member narrows it to its tag (declared here so that it comes first)."""
-
-    python_path: list[str] = Field(default_factory=list)
-    """Directories put first on `sys.path` before `path` is imported (relative ones against the
-    working directory); the working directory itself is always on it."""
-
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments passed to the function on every call."""
-
-    @field_validator("python_path")
-    @classmethod
-    def _absolute(cls, dirs: list[str]) -> list[str]:
-        from asyncrl.tasks.plugins import absolute_dirs
-
-        return absolute_dirs(dirs)
-
-
-class PythonRewardConfig(_PluginConfig):
+class PythonRewardConfig(PluginConfig):
     """Your own reward: `fn(response: str, answer: Any, **kwargs) -> float` (or an `async def`
     returning one). `response` is the decoded response (special tokens removed), `answer` the
     item's reference answer as the task gives it (a dataset's value as stored: str, number,
@@ -58,10 +37,6 @@ class PythonRewardConfig(_PluginConfig):
     type: Literal["python"] = "python"
     """Reward backend."""
 
-    path: str
-    """"package.module:function", imported from `python_path`, the working directory and
-    PYTHONPATH; checked when the config loads."""
-
     timeout_s: float = Field(default=10.0, gt=0)
     """Seconds one call may take; past that its process (its whole process group, helpers it
     started included) is killed and restarted."""
@@ -69,7 +44,7 @@ class PythonRewardConfig(_PluginConfig):
     @field_validator("kwargs")
     @classmethod
     def _sendable(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.tasks.plugins import unsendable
+        from asyncrl.tasks.isolated import unsendable
 
         problem = unsendable(kwargs)
         if problem is not None:
@@ -79,8 +54,6 @@ class PythonRewardConfig(_PluginConfig):
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: str, info: ValidationInfo) -> str:
-        from asyncrl.tasks.plugins import call_shape, check_signature, load_object
-
         kwargs = info.data.get("kwargs", {})
         fn = load_object(path, info.data.get("python_path", []))
         check_signature(fn, call_shape("fn", ["response", "answer"], kwargs), "", None, **kwargs)
@@ -163,7 +136,7 @@ class DatasetTaskConfig(_RecordsConfig):
     """How a response is scored against the answer."""
 
 
-class PythonTaskConfig(_PluginConfig, _RecordsConfig):
+class PythonTaskConfig(PluginConfig, _RecordsConfig):
     """Your own task: `factory(**kwargs)` (given `tokenizer=` too when it has a `tokenizer`
     parameter) returns either a `Task` (`asyncrl.tasks.base.Task`: `train_items`,
     `eval_items`, `score`; `reward` is then unused), or a map `{"train": records, "eval":
@@ -173,18 +146,12 @@ class PythonTaskConfig(_PluginConfig, _RecordsConfig):
     type: Literal["python"] = "python"
     """Task backend."""
 
-    path: str
-    """"package.module:factory", imported from `python_path`, the working directory and
-    PYTHONPATH; checked when the config loads."""
-
     reward: RewardConfig = Field(default_factory=ExactRewardConfig)
     """How a response is scored against a record's answer (records only)."""
 
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: str, info: ValidationInfo) -> str:
-        from asyncrl.tasks.plugins import call_shape, check_signature, factory_kwargs, load_object
-
         factory = load_object(path, info.data.get("python_path", []))
         kwargs = factory_kwargs(factory, info.data.get("kwargs", {}), tokenizer=None)
         check_signature(factory, call_shape("factory", [], kwargs), **kwargs)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncrl.tasks.base import LazyItems, PromptItem, encode_prompt, epoch_order, use_chat
+from asyncrl.items import PromptItem
+from asyncrl.tasks.base import LazyItems, encode_prompt, epoch_order, use_chat
 from asyncrl.tasks.config import ReasoningGymTaskConfig, TaskConfig
 
 if TYPE_CHECKING:

@@ -99,7 +99,7 @@ def build_reward(cfg: RewardConfig) -> RewardFn:
         case MathRewardConfig():
             return math_reward
         case PythonRewardConfig():
-            from asyncrl.tasks.plugins import IsolatedReward
+            from asyncrl.tasks.isolated import IsolatedReward
 
             return IsolatedReward(cfg.path, cfg.python_path, cfg.kwargs, cfg.timeout_s)
         case _:

@@ -438,7 +438,7 @@ def build(cfg: Config) -> TrainerParts:
     from asyncrl.model import ensure_model, max_positions, vocab_size
     from asyncrl.model_identity import model_identity, publish_identity
     from asyncrl.redis_conn import RedisGuard, connect
-    from asyncrl.tasks.base import build_task
+    from asyncrl.tasks.build import build_task
 
     keys = Keys(cfg.run.id)
     device = resolve_device(cfg.trainer.device)

@@ -1,24 +1,19 @@
-"""User code by import path: a reward function or a task factory from outside the package.
+"""A `reward.type: python` function, run in a process of its own.
 
-`load_object("mypkg.rewards:score", python_path)` imports `mypkg.rewards` with the given
-directories and the working directory on `sys.path`, and returns its `score`. Configs call it
-when they are validated, so a path that does not import or a function that cannot take the
-call fails the config with one line naming the key, before any process starts.
-
-A reward runs in a child process of its own (`IsolatedReward`), one call at a time: a call that
-raises, outlives `timeout_s` or returns anything but a finite number raises `RewardFailure`
-with a stable reason, and the scheduler fails the episode's group with that reason (dead
-letter, counted) — the worker goes on. A thread that never returns cannot be stopped, a process
-can: a timed-out call's process is killed with its whole process group (helpers it forked
-included), and the next call starts a fresh one, so a reward that hangs costs `timeout_s` plus
-a restart per call, never a leaked thread or process.
+The function is loaded by import path (`asyncrl.plugins.load_object`) in a child process of
+its own (`IsolatedReward`) and called there, one call at a time: a call that raises, outlives
+`timeout_s` or returns anything but a finite number raises `RewardFailure` with a stable
+reason, and the scheduler fails the episode's group with that reason (dead letter, counted) —
+the worker goes on. A thread that never returns cannot be stopped, a process can: a timed-out
+call's process is killed with its whole process group (helpers it forked included), and the
+next call starts a fresh one, so a reward that hangs costs `timeout_s` plus a restart per
+call, never a leaked thread or process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import math
 import numbers
@@ -28,13 +23,14 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgpack
 
-REWARD_ERROR, REWARD_TIMEOUT, REWARD_INVALID = "reward_error", "reward_timeout", "reward_invalid"
+from asyncrl.plugins import load_object
+from asyncrl.reasons import GroupReason
 
 # The child imports the user's module before it answers: generous, since that import may pull
 # in heavy libraries, and the config already proved the module imports.
@@ -44,73 +40,13 @@ _EXIT_WAIT_S = 5.0  # a child that died by itself is reaped a moment after its p
 
 
 class RewardFailure(Exception):
-    """A reward call that produced no usable number; `reason` is one of `REWARD_ERROR`,
-    `REWARD_TIMEOUT`, `REWARD_INVALID` (the group's dead-letter reason)."""
+    """A reward call that produced no usable number; `reason` is `GroupReason.REWARD_ERROR`,
+    `REWARD_TIMEOUT` or `REWARD_INVALID` (the group's dead-letter reason)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-def absolute_dirs(dirs: Sequence[str]) -> list[str]:
-    """`python_path` entries made absolute against the working directory, so that the resolved
-    config means the same in every role it is handed to."""
-    return [os.path.abspath(d) for d in dirs]
-
-
-def load_object(path: str, python_path: Sequence[str] = ()) -> Callable[..., Any]:
-    """The callable named by `path` ("package.module:name", name may be dotted); ValueError
-    with a one-line reason when the path is malformed, does not import, or names no callable."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{path!r}: expected 'package.module:function'")
-    for entry in reversed(python_path):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    # `python -m asyncrl` has the working directory on the path; the `asyncrl` script does not.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is a config error
-        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{path!r} is a {type(obj).__name__}, not a function")
-    return obj
-
-
-def check_signature(fn: Callable[..., Any], call: str, *args: Any, **kwargs: Any) -> None:
-    """ValueError unless `fn(*args, **kwargs)` binds; `call` shows the expected call."""
-    try:
-        signature = inspect.signature(fn)
-    except ValueError:  # some builtins have none: the first call will tell
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise ValueError(f"cannot be called as {call}: {exc}") from None
-
-
-def factory_kwargs(
-    factory: Callable[..., Any], kwargs: dict[str, Any], tokenizer: Any
-) -> dict[str, Any]:
-    """The keyword arguments a task factory is called with: `kwargs`, and the tokenizer when
-    it has a `tokenizer` parameter."""
-    try:
-        wants = "tokenizer" in inspect.signature(factory).parameters
-    except ValueError:
-        wants = False
-    return {**kwargs, "tokenizer": tokenizer} if wants else dict(kwargs)
-
-
-def call_shape(name: str, args: Sequence[str], kwargs: dict[str, Any]) -> str:
-    """How a plugin is called, for errors: `fn(response, answer, bonus=...)`."""
-    return f"{name}({', '.join([*args, *(f'{k}=...' for k in kwargs)])})"
 
 
 def unsendable(kwargs: dict[str, Any]) -> str | None:
@@ -130,7 +66,7 @@ class IsolatedReward:
     """`fn(response, answer, **kwargs)` of a user module, run in a child process; a
     `RewardFn`. Thread-safe: calls are serialised (the scheduler scores one at a time).
 
-    The child is a fresh interpreter (`python -m asyncrl.tasks.plugins`), not a
+    The child is a fresh interpreter (`python -m asyncrl.tasks.isolated`), not a
     multiprocessing spawn, which would re-run the parent's main script in it; it talks msgpack
     over two pipes and ends when the parent closes them or dies.
     """
@@ -161,11 +97,13 @@ class IsolatedReward:
                 self._send.send_bytes(msgpack.packb([response, answer]))
                 if not self._recv.poll(self._timeout_s):
                     self._stop()
-                    raise RewardFailure(REWARD_TIMEOUT, f"no result in {self._timeout_s}s")
+                    raise RewardFailure(
+                        GroupReason.REWARD_TIMEOUT, f"no result in {self._timeout_s}s"
+                    )
                 status, value = msgpack.unpackb(self._recv.recv_bytes())
             except (EOFError, OSError):
                 raise RewardFailure(
-                    REWARD_ERROR, f"reward process exited ({self._stop(_EXIT_WAIT_S)})"
+                    GroupReason.REWARD_ERROR, f"reward process exited ({self._stop(_EXIT_WAIT_S)})"
                 ) from None
         if status != "ok":
             raise RewardFailure(status, value)
@@ -241,7 +179,7 @@ def _serve(recv: Connection, send: Connection) -> None:
             if inspect.isawaitable(value):
                 value = loop.run_until_complete(value)
         except Exception:
-            reply = [REWARD_ERROR, traceback.format_exc()[-_DETAIL_CHARS:]]
+            reply = [GroupReason.REWARD_ERROR, traceback.format_exc()[-_DETAIL_CHARS:]]
         else:
             reply = _checked(value)
         send.send_bytes(msgpack.packb(reply))
@@ -250,9 +188,12 @@ def _serve(recv: Connection, send: Connection) -> None:
 def _checked(value: Any) -> list[Any]:
     """["ok", value] for a finite real number (bools and numpy scalars included)."""
     if not isinstance(value, numbers.Real):
-        return [REWARD_INVALID, f"returned {type(value).__name__} {value!r:.200}, not a number"]
+        return [
+            GroupReason.REWARD_INVALID,
+            f"returned {type(value).__name__} {value!r:.200}, not a number",
+        ]
     if not math.isfinite(value):
-        return [REWARD_INVALID, f"returned {value!r}, not finite"]
+        return [GroupReason.REWARD_INVALID, f"returned {value!r}, not finite"]
     return ["ok", float(value)]
 
 
