@@ -27,7 +27,7 @@ from asyncrl.environments.base import EnvironmentFailure
 from asyncrl.environments.client import RemotePool
 from asyncrl.environments.config import RemoteEnvironmentConfig
 from asyncrl.environments.server import spawn
-from asyncrl.tasks.base import PromptItem
+from asyncrl.items import PromptItem
 
 from role_procs import CHILD_ENV, asyncrl, wait_until
 

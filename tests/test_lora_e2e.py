@@ -90,7 +90,7 @@ def held_out_accuracy(config: Path, model: Path) -> float:
 
     from asyncrl.config import load_config
     from asyncrl.evaluate import Evaluator
-    from asyncrl.tasks.base import build_task
+    from asyncrl.tasks.build import build_task
 
     cfg = load_config(config)
     tokenizer = AutoTokenizer.from_pretrained(model)

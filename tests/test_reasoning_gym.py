@@ -15,6 +15,7 @@ import pytest
 import reasoning_gym
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import ReasoningGymTaskConfig
 from asyncrl.tasks.gym import ReasoningGymTask, characters, check_task
 from asyncrl.tiny_model import SPECIAL_TOKENS, build_tokenizer, save_random_tiny_model

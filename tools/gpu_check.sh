@@ -56,7 +56,7 @@ fi
 say "trainer GPU $TRAINER_GPU, server GPU $SERVER_GPU, weight-sync backend $BACKEND"
 
 say "building the tiny model (random weights, offline)"
-"$PYTHON" -c "from asyncrl.engines.tiny_model import save_random_tiny_model as s; s('$WORK/model')"
+"$PYTHON" -c "from asyncrl.tiny_model import save_random_tiny_model as s; s('$WORK/model')"
 
 start_server() {  # $1 = dtype; returns 0 once /health answers
   say "starting SGLang ($1, attention $ATTENTION) on port $PORT"
