@@ -1,0 +1,267 @@
+"""The house rules of `asyncrl/`, read from the imports with `ast` (nothing is imported).
+
+Every import counts: at the top, inside functions and under `if TYPE_CHECKING:`, since each is
+a dependency a reader has to follow. The rules (docs/architecture.md, "Layout"):
+
+- no import circle;
+- a seam only declares: `engines/`, `weights/` and `environments/` keep their Protocol, its
+  types and their own config; none imports a member of its family or anything of `sglang/`,
+  and the choice of backend (the `match` on a config's `type`) lives in the builders;
+- the ground floor (`configbase`, `items`, `plugins`, `reasons`) imports only itself;
+- environments never import tasks; metrics never import what they measure;
+- `sglang/` builds on `weights/`, never the reverse.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "asyncrl"
+
+SEAMS = {
+    "asyncrl.engines": {"asyncrl.engines.base", "asyncrl.engines.config"},
+    "asyncrl.weights": {
+        "asyncrl.weights",
+        "asyncrl.weights.base",
+        "asyncrl.weights.config",
+        "asyncrl.weights.fields",
+    },
+    "asyncrl.environments": {"asyncrl.environments", "asyncrl.environments.base"},
+}
+"""Each seam package and the modules that declare it (the rest of the package are members and
+the parts members share)."""
+
+SEAM_PARTS = {
+    "asyncrl.engines.config",
+    "asyncrl.weights.buckets",
+    "asyncrl.weights.fields",
+    "asyncrl.items",
+    "asyncrl.reasons",
+}
+"""What a seam's declaration may import from asyncrl besides the ground floor: its config and
+the value types its Protocol speaks in."""
+
+GROUND = {"asyncrl.configbase", "asyncrl.items", "asyncrl.plugins", "asyncrl.reasons"}
+
+BACKENDS = {
+    "TorchEngine": "asyncrl.engines",
+    "SglangEngine": "asyncrl.sglang",
+    "BroadcastPublisher": "asyncrl.weights",
+    "BroadcastSubscriber": "asyncrl.weights",
+    "StorePublisher": "asyncrl.weights",
+    "StoreSubscriber": "asyncrl.weights",
+    "SglangPublisher": "asyncrl.sglang",
+    "SglangSubscriber": "asyncrl.sglang",
+    "TimedEnvironment": "asyncrl.environments",
+    "RemotePool": "asyncrl.environments",
+    "ToolEnvironment": "asyncrl.environments",
+}
+"""Backend classes and the package they belong to."""
+
+BUILDERS = {
+    "asyncrl.rollout.backends": "the rollout role's engine and weight subscriber",
+    "asyncrl.trainer.backends": "the trainer's weight publisher",
+    "asyncrl.tasks.build": "the task and its environments, for both roles",
+    # These always run the builtin engine in their own process; none chooses by `type`.
+    "asyncrl.evaluate": "held-out evaluation on the trainer's weights",
+    "asyncrl.serve.server": "`asyncrl serve`, the builtin engine behind SGLang's HTTP API",
+    "asyncrl.tiny_model": "the quickstart model, warmed up on the builtin engine",
+}
+"""The modules outside a backend's package that may name its class, and why."""
+
+SUBJECTS = (
+    "asyncrl.tasks",
+    "asyncrl.environments",
+    "asyncrl.engines",
+    "asyncrl.rollout",
+    "asyncrl.trainer",
+    "asyncrl.weights",
+    "asyncrl.sglang",
+    "asyncrl.serve",
+    "asyncrl.queue",
+)
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _module_of(dotted: str) -> str | None:
+    """The module of `asyncrl` that `dotted` (a module, or a name in one) lies in."""
+    while dotted and dotted not in MODULES:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or None
+
+
+def _imports(name: str) -> Iterator[tuple[str, str]]:
+    """(module imported, name taken from it or '') for every import of asyncrl in `name`."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (target := _module_of(alias.name)) is not None:
+                    yield target, ""
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                target = _module_of(f"{base}.{alias.name}") if base else None
+                if target is not None and target != base and target in MODULES:
+                    yield target, ""
+                elif (target := _module_of(base)) is not None:
+                    yield target, alias.name
+
+
+GRAPH: dict[str, set[str]] = defaultdict(set)
+NAMES: dict[str, set[str]] = defaultdict(set)
+for _mod in MODULES:
+    for _target, _taken in _imports(_mod):
+        if _target != _mod:
+            GRAPH[_mod].add(_target)
+            NAMES[_mod].add(_taken)
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _circles() -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in MODULES:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(GRAPH[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(GRAPH[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_graph_is_read() -> None:
+    # Guards the reader itself: known edges of each kind must be seen.
+    assert "asyncrl.runstate" in GRAPH["asyncrl.heartbeat"]  # top level
+    assert "asyncrl.engines.torch_engine" in GRAPH["asyncrl.rollout.backends"]  # in a function
+    assert "TorchEngine" in NAMES["asyncrl.rollout.backends"]
+
+
+def test_no_import_circle() -> None:
+    assert _circles() == []
+
+
+def test_the_circle_finder_finds_one() -> None:
+    GRAPH["asyncrl.items"].add("asyncrl.tasks.base")
+    try:
+        assert any({"asyncrl.items", "asyncrl.tasks.base"} <= set(c) for c in _circles())
+    finally:
+        GRAPH["asyncrl.items"].discard("asyncrl.tasks.base")
+
+
+def test_seams_only_declare() -> None:
+    wrong = {
+        (module, target)
+        for package, declaring in SEAMS.items()
+        for module in declaring
+        for target in GRAPH[module]
+        if not (target in declaring or target in SEAM_PARTS or target in GROUND)
+        and (_within(target, package) or _within(target, "asyncrl.sglang"))
+    }
+    assert wrong == set(), "a seam imports a member of its family or SGLang's"
+
+
+def test_seam_configs_do_not_import_sglang() -> None:
+    configs = [m for m in MODULES if m.endswith(".config") and _within(m, "asyncrl.engines")]
+    configs += ["asyncrl.weights.config", "asyncrl.environments.config"]
+    wrong = {(m, t) for m in configs for t in GRAPH[m] if _within(t, "asyncrl.sglang")}
+    assert wrong == set()
+
+
+def test_only_builders_name_a_backend_class() -> None:
+    wrong = {
+        (module, cls)
+        for module in MODULES
+        for cls in NAMES[module] & set(BACKENDS)
+        if module not in BUILDERS
+        and not _within(module, BACKENDS[cls])
+        # SGLang's members build on each other (its publisher asks its engine for URLs).
+        and not (_within(module, "asyncrl.sglang") and BACKENDS[cls] == "asyncrl.sglang")
+    }
+    assert wrong == set()
+    assert set(BUILDERS) <= set(MODULES), "a builder named here does not exist"
+
+
+def test_the_ground_floor_imports_only_itself() -> None:
+    wrong = {(m, t) for m in GROUND for t in GRAPH[m] if t not in GROUND}
+    assert wrong == set()
+
+
+def test_environments_never_import_tasks() -> None:
+    wrong = {
+        (m, t)
+        for m in MODULES
+        if _within(m, "asyncrl.environments")
+        for t in GRAPH[m]
+        if _within(t, "asyncrl.tasks")
+    }
+    assert wrong == set()
+
+
+def test_metrics_never_import_their_subjects() -> None:
+    wrong = {
+        (m, t)
+        for m in MODULES
+        if _within(m, "asyncrl.metrics")
+        for t in GRAPH[m]
+        if any(_within(t, s) for s in SUBJECTS)
+    }
+    assert wrong == set()
+
+
+def test_weights_never_import_sglang() -> None:
+    wrong = {
+        (m, t)
+        for m in MODULES
+        if _within(m, "asyncrl.weights")
+        for t in GRAPH[m]
+        if _within(t, "asyncrl.sglang")
+    }
+    assert wrong == set()
