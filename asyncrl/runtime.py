@@ -62,6 +62,8 @@ class StopFlag:
 
 @dataclass
 class RoleRuntime:
+    """One role process's connection to the run (see the module's docstring)."""
+
     cfg: Config
     role: str
     name: str
