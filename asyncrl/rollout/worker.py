@@ -14,6 +14,9 @@ is told to stop while Redis is unreachable stops waiting for it: what it has not
 pending and is delivered again. A worker whose environments' event loop died (user code got
 past every guard) exits 1 with one line saying so: its heartbeat stops, so its prompts are
 taken over, rather than a live worker holding them forever.
+
+`builder` makes the pieces (over the runtime the trainer's builder uses too); this module is the
+loop.
 """
 
 from __future__ import annotations
@@ -23,39 +26,22 @@ import os
 import random
 import signal
 import socket
-import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.engines.base import InProcessWeights, Rescoring
+from asyncrl.engines.base import Rescoring
 from asyncrl.items import PromptItem
-from asyncrl.protocol import (
-    Limits,
-    PromptGroup,
-    TrajectoryGroup,
-    decode_prompt,
-    stream_fields,
-)
-from asyncrl.provenance import prompt_groups
-from asyncrl.redis_conn import Stopped, connect
-from asyncrl.rollout.episodes import (
-    STALE,
-    EnvironmentLoopDied,
-    EpisodeScheduler,
-    FailedGroup,
-    FinishedGroup,
-    GenerateCall,
-)
-from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys
+from asyncrl.protocol import PromptGroup, TrajectoryGroup, stream_fields
+from asyncrl.redis_conn import Stopped
+from asyncrl.rollout.builder import build
+from asyncrl.rollout.episodes import STALE, EnvironmentLoopDied, FailedGroup, FinishedGroup
+from asyncrl.runstate import Counter
 
 if TYPE_CHECKING:
-    from asyncrl.queue import Delivery
-    from asyncrl.weights.base import WeightSubscriber
-
-    Prompt = Delivery[PromptGroup]
+    from asyncrl.rollout.builder import Prompt
 
 log = logging.getLogger("asyncrl.rollout")
 _HOLD_POLL_S = 0.05
@@ -67,155 +53,34 @@ def default_worker_id() -> str:
 
 class RolloutWorker:
     def __init__(self, cfg: Config, worker_id: str | None = None) -> None:
-        from transformers import AutoTokenizer
-
-        from asyncrl.device import resolve_device
-        from asyncrl.heartbeat import Heartbeat, is_alive
-        from asyncrl.metrics.roles import RoleMetrics
-        from asyncrl.metrics.server import serve
-        from asyncrl.model import ensure_model, max_positions, vocab_size
-        from asyncrl.model_identity import model_identity
-        from asyncrl.queue import Consumer
-        from asyncrl.redis_conn import RedisGuard
-        from asyncrl.rollout.backends import build_engine, build_subscriber, kept_dtype
-        from asyncrl.tasks.build import build_task
-
         self.cfg = cfg
-        self.id = worker_id or default_worker_id()
-        self.keys = Keys(cfg.run.id)
-        self.client = connect(cfg.redis)
-        self.metrics = RoleMetrics("rollout", self.id)
-        if cfg.metrics.port:
-            # Before the model loads and the weight group is joined: a port another process
-            # holds ends the worker at once.
-            serve(cfg.metrics.host, cfg.metrics.port, self._health)
-        self.stopping = False
-        self.abandoning = False
-        """A second SIGTERM: leave without finishing the episodes in flight."""
-        # The worker's own Redis calls wait out outages like the queue's do, until SIGTERM.
-        self.redis = RedisGuard(
-            reconnect_max_s=cfg.redis.reconnect_max_s,
-            should_stop=lambda: self.stopping,
-            on_outage=self.metrics.redis_outage,
-        )
-        engine_cfg = cfg.rollout.engine
-        # Weights are received where the engine holds them; servers of their own hold theirs.
-        device = resolve_device(engine_cfg.device if engine_cfg.type == "torch" else "cpu")
-        model_dir = ensure_model(cfg, wait_s=600.0 if cfg.model.build_tiny else 0.0)
-        self.model_dir = model_dir
-        self.identity = model_identity(model_dir, cfg.model.lora)
-        self.identity_checked = False
-        """Whether the trainer's model identity was found equal to ours (`_check_model`)."""
-        # Before it starts an engine, or registers for weights no broadcast could give it.
-        self._check_model()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.task = build_task(cfg.task, self.tokenizer)
-        self.engine = build_engine(
-            engine_cfg,
-            model_path=str(model_dir),
-            lora=cfg.model.lora,
-            capture_routing=cfg.rollout.capture_routing,
-        )
-        self.metrics.redis_up.set(1)
-        # Safe to retry: subscribers make their Redis calls before they start any thread.
-        self.subscriber: WeightSubscriber = self.redis.call(
-            lambda: build_subscriber(
-                cfg.weights,
-                self.client,
-                self.keys,
-                self.id,
-                device=device,
-                on_weights=self._on_weights,
-                engine=self.engine,
-                keeps_dtype=kept_dtype(self.engine),
-            ),
-            "start the weight subscriber",
-        )
-        self.heartbeat = Heartbeat(
-            self.client,
-            self.keys.worker("rollout", self.id),
-            cfg.rollout.heartbeat_ttl_s,
-            lambda: {"version": self.engine.version, "tokens": self.episodes.tokens},
-        )
-        self.consumer = Consumer(
-            self.client,
-            self.keys.prompts,
-            PROMPTS_GROUP,
-            self.id,
-            cfg.queue,
-            dlq=self.keys.dlq,
-            counters_key=self.keys.counters,
-            is_alive=is_alive(self.client, self.keys, "rollout"),
-            decode=self._decode,
-            groups=prompt_groups(self.keys),
-            guard=self.redis,
-        )
-        self.limits = Limits(
-            max_message_bytes=cfg.queue.max_message_bytes, vocab_size=vocab_size(model_dir)
-        )
-        rollout = cfg.rollout
-        self.max_inflight = rollout.max_inflight_episodes or rollout.prompts_per_batch * rollout.n
-        self.episodes: EpisodeScheduler[Prompt] = EpisodeScheduler(
-            self.engine,
-            self.task,
-            self.tokenizer,
-            rollout.sampling,
-            batch_wait_s=rollout.turn_batch_wait_s,
-            max_context=_least(rollout.max_context_tokens, max_positions(model_dir)),
-            on_generate=self._on_generate,
-            on_env_error=lambda reason: self.metrics.environment_errors[reason].inc(),
-            on_tool_calls=lambda outcome, n: self.metrics.tool_calls[outcome].inc(n),
-        )
+        self.parts = build(cfg, worker_id or default_worker_id())
+        rt = self.parts.runtime
+        self.id = rt.name
+        self.keys = rt.keys
+        self.client = rt.client
+        self.metrics = rt.metrics
+        self.stop = rt.stop
+        self.redis = rt.redis
+        self.engine = self.parts.engine
+        self.episodes = self.parts.episodes
+        self.consumer = self.parts.consumer
+        self.tokenizer = self.parts.tokenizer
         self.waiting: list[Prompt] = []
         """Prompt deliveries read but not started: waiting for newer weights."""
         self.read_at: dict[str, float] = {}
         """When each waiting delivery was read (monotonic)."""
-        self.weights_arrived = threading.Event()
-        """Set by the weight-sync thread, so that a worker holding prompts wakes at once."""
         # Generation-side staleness bound: see `_admit`.
-        self.max_lag = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
+        self.max_lag = rt.max_staleness
         self.max_hold_s = 2 * cfg.weights.sync_timeout_s
         self.audit_rng = random.Random(self.id)
         """Picks the samples `rollout.audit_fraction` rescores."""
 
-    def _decode(self, fields: dict[bytes, bytes]) -> PromptGroup:
-        from asyncrl.protocol import ValidationError
-
-        data = fields.get(b"data")
-        if data is None:
-            raise ValidationError("malformed", "entry has no data field")
-        return decode_prompt(data, self.limits)
-
-    def _on_weights(self, tensors: Any, version: int) -> None:
-        # A joining worker may be sent the version its model directory already holds.
-        if version <= self.engine.version:
-            return
-        # Only in-process transports hand over tensors, and only to such engines.
-        assert isinstance(self.engine, InProcessWeights)
-        self.engine.stage_weights(tensors, version)
-        self.metrics.policy_version.set(version)
-        self.weights_arrived.set()
-
-    def _health(self) -> tuple[bool, str]:
-        try:
-            self.client.ping()
-        except Exception as exc:  # any failure to reach Redis means not ready
-            return False, f"redis: {type(exc).__name__}"
-        if not hasattr(self, "subscriber"):  # probed while __init__ still builds the worker
-            return False, "starting"
-        if self.subscriber.version is None and self.engine.version == 0:
-            return False, "no weights yet"
-        return True, "ok"
-
-    def _on_sigterm(self, *_: object) -> None:
-        self.abandoning = self.stopping
-        self.stopping = True
-
     def run(self) -> int:
         from redis import RedisError
 
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.heartbeat.start()
+        signal.signal(signal.SIGTERM, self.stop.on_sigterm)
+        self.parts.heartbeat.start()
         published = self.redis.call(
             lambda: self.client.get(self.keys.version), "read the published version"
         )
@@ -223,21 +88,23 @@ class RolloutWorker:
         # A joining worker first holds the latest published weights, then generates. The model
         # directory is version 0, so a fresh run starts at once.
         if target > self.engine.version:
-            self.subscriber.wait_for_version(target, timeout_s=self.cfg.weights.sync_timeout_s * 10)
+            self.parts.subscriber.wait_for_version(
+                target, timeout_s=self.cfg.weights.sync_timeout_s * 10
+            )
             self._wait_engine_version(target)
         log.info("rollout %s ready at version %d", self.id, self.engine.version)
         dropped_at = self.engine.version  # the version groups were last checked for staleness
         code = 0
         try:
-            while not self.stopping or (self.episodes.inflight and not self.abandoning):
-                if not self.stopping:
+            while not self.stop.stopping or (self.episodes.inflight and not self.stop.abandoning):
+                if not self.stop.stopping:
                     self._admit()
                 if not self.episodes.inflight:
                     if self.waiting:
                         # Every prompt held waits for newer weights: wake when they come, and
                         # look for new prompts (maybe fresh enough) now and then, not in a spin.
-                        self.weights_arrived.wait(_HOLD_POLL_S)
-                        self.weights_arrived.clear()
+                        self.parts.weights_arrived.wait(_HOLD_POLL_S)
+                        self.parts.weights_arrived.clear()
                     continue
                 # With room for more groups, come back soon to read them; else only a returning
                 # environment step (or SIGTERM, checked every second) has anything to do.
@@ -268,10 +135,10 @@ class RolloutWorker:
                     self.id,
                     self.episodes.inflight,
                 )
-            self.heartbeat.stop()
+            self.parts.heartbeat.stop()
             self.episodes.close()
             try:
-                self.subscriber.close()
+                self.parts.subscriber.close()
             except RedisError as exc:
                 # Redis is unreachable: the registration lapses by itself with its lease.
                 log.warning("rollout %s: could not leave the weight sync: %s", self.id, exc)
@@ -283,25 +150,13 @@ class RolloutWorker:
     def _wait_engine_version(self, version: int) -> None:
         """Block until the engine generates with at least `version` (bootstrap)."""
         # An idle engine applies staged weights at once, so only the subscriber is waited on.
-        while self.engine.version < version and not self.stopping:
+        while self.engine.version < version and not self.stop.stopping:
             time.sleep(0.005)
 
     def _room(self) -> int:
         """Episodes that may still start; prompts held for their weights count as n each."""
         held = self.episodes.inflight + len(self.waiting) * self.cfg.rollout.n
-        return self.max_inflight - held
-
-    def _check_model(self) -> None:
-        """Compare our model with the trainer's until one has published it; ModelMismatch when
-        they differ. Checked before every read of prompts until then: the trainer publishes it
-        before it releases any, so no prompt of a trainer reaches a worker of another model."""
-        from asyncrl.model_identity import check_identity
-
-        if not self.identity_checked:
-            self.identity_checked = self.redis.call(
-                lambda: check_identity(self.client, self.keys, self.identity, self.model_dir),
-                "read the run's model identity",
-            )
+        return self.parts.max_inflight - held
 
     def _admit(self) -> None:
         """Read prompts while there is room (without waiting when episodes are in flight), and
@@ -313,7 +168,7 @@ class RolloutWorker:
         worker whose weight sync is stuck must not hold its prompts, and with them admission's
         budget, forever: after twice `weights.sync_timeout_s` it generates anyway, and the
         trainer drops what turns out stale, which frees the budget."""
-        self._check_model()
+        self.parts.check_model()
         busy = bool(self.episodes.inflight or self.waiting)
         count = min(self.cfg.rollout.prompts_per_batch, self._room() // self.cfg.rollout.n)
         if count > 0 or not busy:
@@ -334,12 +189,6 @@ class RolloutWorker:
             ids = [int(t) for t in p.prompt_ids] or self.tokenizer(p.prompt)["input_ids"]
             self.episodes.start(d, PromptItem(p.prompt_id, p.prompt, ids, p.answer), p.n, d.id)
         self.waiting = held
-
-    def _on_generate(self, call: GenerateCall) -> None:
-        self.metrics.time_seconds["generate"].inc(call.seconds)
-        self.metrics.generated(
-            call.response_tokens, call.seconds, call.prompt_tokens, call.cached_tokens
-        )
 
     def _publish(
         self, finished: list[FinishedGroup[Prompt]], failed: list[FailedGroup[Prompt]]
@@ -414,11 +263,6 @@ class RolloutWorker:
             if s.loss_mask is not None:
                 logp = np.where(s.loss_mask > 0, logp, 0.0)
             s.audit_logprobs = np.minimum(logp, 0.0).astype(np.float32)
-
-
-def _least(*limits: int | None) -> int | None:
-    """The tightest of the limits given; None when none is."""
-    return min((n for n in limits if n is not None), default=None)
 
 
 def run_worker(cfg: Config, worker_id: str | None = None) -> int:

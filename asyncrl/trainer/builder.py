@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +25,8 @@ import torch.distributed as dist
 from asyncrl.device import resolve_device
 from asyncrl.engines.routing import moe_shape
 from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
-from asyncrl.runstate import TRAJECTORIES_GROUP, Keys
+from asyncrl.runstate import TRAJECTORIES_GROUP
+from asyncrl.runtime import RoleRuntime, open_runtime
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
 from asyncrl.trainer.checkpoint import (
     list_checkpoints,
@@ -37,19 +38,15 @@ from asyncrl.trainer.ledger import Ledger, consumer_name
 from asyncrl.trainer.parallel import Ranks, shard
 
 if TYPE_CHECKING:
-    import redis
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from asyncrl.config import Config
     from asyncrl.heartbeat import Heartbeat
     from asyncrl.lease import Lease
-    from asyncrl.metrics.jsonl import JsonlWriter
     from asyncrl.metrics.poller import RunGauges
-    from asyncrl.metrics.roles import RoleMetrics
-    from asyncrl.metrics.trackers import TrackerFeed
     from asyncrl.queue import Consumer
-    from asyncrl.redis_conn import RedisGuard
     from asyncrl.tasks.base import Task
+    from asyncrl.trainer.outputs import StepOutputs
     from asyncrl.weights.base import SyncRecord, WeightPublisher
 
 log = logging.getLogger("asyncrl.trainer")
@@ -57,14 +54,12 @@ log = logging.getLogger("asyncrl.trainer")
 
 @dataclass
 class LoopState:
-    """What the loop changes and the built pieces read back (heartbeat, decoding, Redis waits,
-    the weight-sync hook): one mutable object shared by reference."""
+    """What the loop changes and the built pieces read back (heartbeat, decoding, the
+    weight-sync hook): one mutable object shared by reference."""
 
     step: int
     version: int
     """The version of the weights in hand: published, or about to be."""
-    stopping: bool = False
-    """Set by SIGTERM: Redis waits end, the loop leaves at the next agreement."""
     last_sync_seconds: float | None = None
     """Duration of the publisher's last delivery (set on its thread); None before the first."""
 
@@ -92,25 +87,16 @@ class RankZero:
     admission: Admission
     publisher: WeightPublisher
     run_gauges: RunGauges
-    jsonl: JsonlWriter | None
-    """The metrics.jsonl writer; None with `metrics.jsonl: false`."""
-    mismatch_log: JsonlWriter | None
-    """The step's full mismatch tables (`asyncrl mismatch RUN_DIR`); None with
-    `metrics.jsonl: false`."""
-    trackers: TrackerFeed | None
-    """The experiment trackers fed the same records; None without `metrics.trackers`."""
+    outputs: StepOutputs
 
 
 @dataclass(frozen=True)
 class TrainerParts:
     cfg: Config
-    keys: Keys
+    runtime: RoleRuntime
     device: torch.device
     ranks: Ranks
     state: LoopState
-    client: redis.Redis
-    redis: RedisGuard
-    metrics: RoleMetrics
     model_dir: Path
     """The base model (tokenizer, reference model, saved with each checkpoint)."""
     tokenizer: PreTrainedTokenizerBase
@@ -122,7 +108,6 @@ class TrainerParts:
     n_params: int
     task: Task
     resumed: Resumed
-    max_staleness: int
     local_groups: int
     """This rank's share of trainer.groups_per_step."""
     sharded: bool
@@ -242,19 +227,12 @@ def resume(
     )
 
 
-def first_version(
-    cfg: Config,
-    client: redis.Redis,
-    redis_guard: RedisGuard,
-    keys: Keys,
-    resumed: Resumed,
-    ranks: Ranks,
-    device: torch.device,
-) -> int:
+def first_version(rt: RoleRuntime, resumed: Resumed, ranks: Ranks, device: torch.device) -> int:
     """The version the restored (or initial) weights are published under: never a reused one,
     so above the published one, the checkpoint's and the run directory's record too, since a
     Redis that lost its data has no `version` key."""
-    published = redis_guard.call(lambda: client.get(keys.version), "read the published version")
+    cfg = rt.cfg
+    published = rt.redis.call(lambda: rt.client.get(rt.keys.version), "read the published version")
     known = -1 if published is None else int(published)
     if cfg.trainer.resume:
         known = max(known, resumed.version, recorded_version(cfg.run.path / "checkpoints"))
@@ -267,13 +245,10 @@ def first_version(
     return version
 
 
-def decoder(limits: Limits, state: LoopState) -> Callable[[dict[bytes, bytes]], TrajectoryGroup]:
+def decoder(limits: Limits, state: LoopState) -> Callable[[bytes], TrajectoryGroup]:
     """The consumer's decode: a trajectory entry, validated against the version in hand."""
 
-    def decode(fields: dict[bytes, bytes]) -> TrajectoryGroup:
-        data = fields.get(b"data")
-        if data is None:
-            raise ValidationError("malformed", "entry has no data field")
+    def decode(data: bytes) -> TrajectoryGroup:
         group = decode_group(data, limits, current_version=state.version)
         if len(group.prompt_ids) == 0:
             raise ValidationError("malformed", "empty prompt: the first token has no logits")
@@ -282,44 +257,10 @@ def decoder(limits: Limits, state: LoopState) -> Callable[[dict[bytes, bytes]], 
     return decode
 
 
-def build_consumer(
-    cfg: Config,
-    client: redis.Redis,
-    keys: Keys,
-    name: str,
-    limits: Limits,
-    state: LoopState,
-    redis_guard: RedisGuard,
-) -> Consumer[TrajectoryGroup]:
-    from asyncrl.heartbeat import is_alive
-    from asyncrl.provenance import trajectory_groups
-    from asyncrl.queue import Consumer
-
-    return Consumer(
-        client,
-        keys.trajectories,
-        TRAJECTORIES_GROUP,
-        name,
-        cfg.queue,
-        dlq=keys.dlq,
-        counters_key=keys.counters,
-        is_alive=is_alive(client, keys, "trainer"),
-        decode=decoder(limits, state),
-        groups=trajectory_groups(keys),
-        guard=redis_guard,
-    )
-
-
 def build_admission(
-    cfg: Config,
-    client: redis.Redis,
-    redis_guard: RedisGuard,
-    keys: Keys,
-    task: Task,
-    resumed: Resumed,
-    consumer: Consumer[TrajectoryGroup],
-    max_staleness: int,
+    rt: RoleRuntime, task: Task, resumed: Resumed, consumer: Consumer[TrajectoryGroup]
 ) -> Admission:
+    cfg, client, keys = rt.cfg, rt.client, rt.keys
     cursor = resumed.cursor or Cursor(seed=cfg.run.seed)
     g = cfg.trainer.groups_per_step
     consumed = resumed.step * g if resumed.groups_consumed is None else resumed.groups_consumed
@@ -329,26 +270,19 @@ def build_admission(
         task,
         task_name=cfg.task.type,
         n=cfg.rollout.n,
-        max_staleness=max_staleness,
+        max_staleness=rt.max_staleness,
         groups_per_step=cfg.trainer.groups_per_step,
-        cursor=redis_guard.call(lambda: load_cursor(client, keys, cursor), "read the data cursor"),
+        cursor=rt.redis.call(lambda: load_cursor(client, keys, cursor), "read the data cursor"),
         consumed_before=consumed - resumed.step * g,
         counters=resumed.counters,
         held=consumer.held_groups,
         queue=cfg.queue,
-        guard=redis_guard,
+        guard=rt.redis,
     )
 
 
 def build_rank_zero(
-    cfg: Config,
-    client: redis.Redis,
-    keys: Keys,
-    device: torch.device,
-    admission: Admission,
-    state: LoopState,
-    metrics: RoleMetrics,
-    max_staleness: int,
+    rt: RoleRuntime, device: torch.device, admission: Admission, state: LoopState
 ) -> RankZero:
     """The weight publisher and the metrics outputs of rank 0."""
     from asyncrl.metrics.jsonl import JsonlWriter
@@ -356,6 +290,9 @@ def build_rank_zero(
     from asyncrl.metrics.record import MISMATCH_LOG
     from asyncrl.metrics.trackers import RunInfo, TrackerFeed
     from asyncrl.trainer.backends import build_publisher
+    from asyncrl.trainer.outputs import StepOutputs
+
+    cfg, client, keys, metrics = rt.cfg, rt.client, rt.keys, rt.metrics
 
     def on_sync(record: SyncRecord) -> None:
         """Called on the publisher's thread after each delivery."""
@@ -370,9 +307,11 @@ def build_rank_zero(
     mismatch_log = JsonlWriter(cfg.run.path / MISMATCH_LOG) if cfg.metrics.jsonl else None
     run = RunInfo(cfg.run.id, cfg.run.path, cfg.redacted())
     trackers = TrackerFeed(cfg.metrics.trackers, run) if cfg.metrics.trackers else None
-    metrics.staleness_bound.set(max_staleness)
+    metrics.staleness_bound.set(rt.max_staleness)
     run_gauges = RunGauges(metrics, client, keys).start()
-    return RankZero(admission, publisher, run_gauges, jsonl, mismatch_log, trackers)
+    return RankZero(
+        admission, publisher, run_gauges, StepOutputs(rt, jsonl, mismatch_log, trackers)
+    )
 
 
 def check_resumable(cfg: Config, checkpoint: Path | None, model_dir: Path) -> None:
@@ -385,137 +324,96 @@ def check_resumable(cfg: Config, checkpoint: Path | None, model_dir: Path) -> No
             raise ConfigError(refusal)
 
 
-def hold_run(
-    cfg: Config,
-    client: redis.Redis,
-    redis_guard: RedisGuard,
-    keys: Keys,
-    ranks: Ranks,
-    state: LoopState,
-) -> tuple[Heartbeat, Lease | None]:
+def hold_run(rt: RoleRuntime, ranks: Ranks, state: LoopState) -> tuple[Heartbeat, Lease | None]:
     """Rank 0 takes the run's trainer lease, or every rank leaves (`LeaseHeld`); then each rank's
     heartbeat beats, rank 0's renewing the lease. A lease found taken later stops the trainer."""
-    from asyncrl.heartbeat import Heartbeat
     from asyncrl.lease import Lease, LeaseHeld
 
     def stop() -> None:
-        state.stopping = True
+        rt.stop.stopping = True
 
-    ttl = cfg.rollout.heartbeat_ttl_s
     lease = None
     refused: LeaseHeld | None = None
     if ranks.rank == 0:
-        lease = Lease(client, keys.trainer_lease, ttl, on_lost=stop)
+        ttl = rt.cfg.rollout.heartbeat_ttl_s
+        lease = Lease(rt.client, rt.keys.trainer_lease, ttl, on_lost=stop)
         try:
-            redis_guard.call(lease.acquire, "take the run's trainer lease")
+            rt.redis.call(lease.acquire, "take the run's trainer lease")
         except LeaseHeld as exc:
             refused = exc
     if ranks.any(refused is not None)[0]:
         raise refused or LeaseHeld("another trainer holds this run (rank 0 was refused it)")
-    heartbeat = Heartbeat(
-        client,
-        keys.worker("trainer", consumer_name(ranks.rank)),
-        ttl,
-        lambda: {"version": state.version, "step": state.step},
-        lease=lease,
-    )
+    heartbeat = rt.heartbeat(lambda: {"version": state.version, "step": state.step}, lease=lease)
     return heartbeat.start(), lease
 
 
-def redis_health(client: redis.Redis) -> tuple[bool, str]:
-    try:
-        client.ping()
-    except Exception as exc:  # any failure to reach Redis means not ready
-        return False, f"redis: {type(exc).__name__}"
-    return True, "ok"
-
-
 def build(cfg: Config) -> TrainerParts:
-    from transformers import AutoTokenizer
-
-    from asyncrl.metrics.roles import RoleMetrics
-    from asyncrl.metrics.server import serve
-    from asyncrl.model import ensure_model, max_positions, vocab_size
+    from asyncrl.model import max_positions
     from asyncrl.model_identity import model_identity, publish_identity
-    from asyncrl.redis_conn import RedisGuard, connect
-    from asyncrl.tasks.build import build_task
+    from asyncrl.provenance import trajectory_groups
 
-    keys = Keys(cfg.run.id)
     device = resolve_device(cfg.trainer.device)
     ranks = build_ranks(cfg, device)
     # One rank has nothing to shard.
     sharded = cfg.trainer.parallel == "fsdp" and ranks.size > 1
-    max_staleness = 0 if cfg.run.mode == "sync" else cfg.algo.max_staleness
     state = LoopState(step=0, version=0)
-    client = connect(cfg.redis)
-    name = consumer_name(ranks.rank)
-    metrics = RoleMetrics("trainer", name)
-    if ranks.rank == 0 and cfg.metrics.port:
-        # Before the model loads: a port another process holds ends the run at once.
-        serve(cfg.metrics.host, cfg.metrics.port, partial(redis_health, client))
-    # The trainer's own Redis calls wait out outages like the queue's do, until SIGTERM.
-    redis_guard = RedisGuard(
-        reconnect_max_s=cfg.redis.reconnect_max_s,
-        should_stop=lambda: state.stopping,
-        on_outage=metrics.redis_outage,
-    )
+    rt = open_runtime(cfg, "trainer", consumer_name(ranks.rank), serves_metrics=ranks.rank == 0)
 
-    model_dir = ensure_model(cfg)
+    model_dir = rt.model_dir()
     ckpts = list_checkpoints(cfg.run.path / "checkpoints") if cfg.trainer.resume else []
     checkpoint = ckpts[-1] if ckpts else None
     check_resumable(cfg, checkpoint, model_dir)
-    heartbeat, lease = hold_run(cfg, client, redis_guard, keys, ranks, state)
+    heartbeat, lease = hold_run(rt, ranks, state)
     if ranks.rank == 0:  # before any prompt is released: workers check theirs against it
         identity = model_identity(model_dir, cfg.model.lora)
-        redis_guard.call(
-            lambda: publish_identity(client, keys, identity), "publish the model identity"
+        rt.redis.call(
+            lambda: publish_identity(rt.client, rt.keys, identity), "publish the model identity"
         )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = rt.tokenizer(model_dir)
     load_from = checkpoint or model_dir
     model, ref_model, n_params = build_models(
         cfg, load_from, model_dir, partial(place, device=device, ranks=ranks, sharded=sharded)
     )
     optimizer = build_optimizer(cfg, model)
-    task = build_task(cfg.task, tokenizer)
+    task = rt.task(tokenizer)
     resumed = resume(checkpoint, model, optimizer, ranks.rank)
     state.step = resumed.step
-    state.version = first_version(cfg, client, redis_guard, keys, resumed, ranks, device)
+    state.version = first_version(rt, resumed, ranks, device)
 
     moe = moe_shape(model)
-    limits = Limits(
-        max_message_bytes=cfg.queue.max_message_bytes,
-        vocab_size=vocab_size(model_dir),
+    limits = replace(
+        rt.limits(model_dir),
         max_positions=max_positions(model_dir),
         num_experts=None if moe is None else moe.num_experts,
         moe_layers=None if moe is None else moe.layers,
         moe_top_k=None if moe is None else moe.top_k,
     )
-    consumer = build_consumer(cfg, client, keys, name, limits, state, redis_guard)
+    consumer = rt.consumer(
+        rt.keys.trajectories,
+        TRAJECTORIES_GROUP,
+        decoder(limits, state),
+        trajectory_groups(rt.keys),
+    )
     admission = None
     rank0 = None
     if ranks.rank == 0:
-        admission = build_admission(
-            cfg, client, redis_guard, keys, task, resumed, consumer, max_staleness
-        )
-        rank0 = build_rank_zero(cfg, client, keys, device, admission, state, metrics, max_staleness)
+        admission = build_admission(rt, task, resumed, consumer)
+        rank0 = build_rank_zero(rt, device, admission, state)
     ledger = Ledger(
         consumer,
         ranks,
-        redis_guard,
-        client,
+        rt.redis,
+        rt.client,
         admission=admission,
         lease=lease,
         covered_at_restart=resumed.covered,
     )
     return TrainerParts(
         cfg=cfg,
-        keys=keys,
+        runtime=rt,
         device=device,
         ranks=ranks,
         state=state,
-        client=client,
-        redis=redis_guard,
-        metrics=metrics,
         model_dir=model_dir,
         tokenizer=tokenizer,
         model=model,
@@ -524,7 +422,6 @@ def build(cfg: Config) -> TrainerParts:
         n_params=n_params,
         task=task,
         resumed=resumed,
-        max_staleness=max_staleness,
         local_groups=cfg.trainer.groups_per_step // ranks.size,
         sharded=sharded,
         heartbeat=heartbeat,

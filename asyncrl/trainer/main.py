@@ -17,14 +17,13 @@ next agreement, with one line.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-from asyncrl.algo.mismatch import LOW_PROB, audit_table, summarise
+from asyncrl.algo.mismatch import audit_table
 from asyncrl.lease import LeaseLost
 from asyncrl.lora import synced
 from asyncrl.metrics.record import EvalRecord, StepRecord
@@ -55,8 +54,9 @@ class Trainer:
         self.parts = build(cfg)
         self.ranks = self.parts.ranks
         self.state = self.parts.state
+        self.stop = self.parts.runtime.stop
         self.ledger = self.parts.ledger
-        self.metrics = self.parts.metrics
+        self.metrics = self.parts.runtime.metrics
         self.released_for = (self.step, self.version)
         """Step and version prompts are released for: set once the step's weights are published
         (sync mode's prompts must not precede them) and its groups acked (the bound counts
@@ -88,11 +88,11 @@ class Trainer:
 
     @property
     def client(self) -> redis.Redis:
-        return self.parts.client
+        return self.parts.runtime.client
 
     @property
     def keys(self) -> Keys:
-        return self.parts.keys
+        return self.parts.runtime.keys
 
     @property
     def rank0(self) -> RankZero | None:
@@ -108,7 +108,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGTERM, self.stop.on_sigterm)
         if self.rank0 is not None:
             self.ledger.ack_covered_at_restart()
         self.ranks.barrier()  # no rank reads its pending entries before those acks
@@ -162,14 +162,8 @@ class Trainer:
         if self.rank0 is not None:
             self.rank0.publisher.close()
             self.rank0.run_gauges.stop()
-            if self.rank0.trackers is not None:
-                self.rank0.trackers.close()
-            if self.rank0.mismatch_log is not None:
-                self.rank0.mismatch_log.close()
+            self.rank0.outputs.close()
         self.client.close()
-
-    def _on_sigterm(self, *_: object) -> None:
-        self.state.stopping = True
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -185,12 +179,12 @@ class Trainer:
     def _release(self) -> None:
         """Rank 0: release the prompts the budget allows now (after each step, and at every read
         of the prefetch thread: budget freed by stale drops)."""
-        if self.state.stopping or self.rank0 is None:
+        if self.stop.stopping or self.rank0 is None:
             return
         release = partial(self.rank0.admission.release, *self.released_for)
         # SIGTERM while Redis is unreachable ends the wait: a stopping trainer needs no prompts.
         with contextlib.suppress(Stopped):
-            self.parts.redis.call(release, "release prompts")
+            self.parts.runtime.redis.call(release, "release prompts")
 
     def _collect(self) -> tuple[list[TrajectoryGroup], list[int], list[str]] | None:
         """This rank's share of usable groups for the next step, their staleness and entry ids;
@@ -212,7 +206,7 @@ class Trainer:
         ids: list[str] = []
         waited_since = time.monotonic()
         while True:
-            if not self.state.stopping and len(groups) < want:
+            if not self.stop.stopping and len(groups) < want:
                 with self.metrics.time_phase("queue_wait"):
                     deliveries = self.prefetch.take(
                         want - len(groups), self.cfg.redis.block_ms / 1000
@@ -223,7 +217,7 @@ class Trainer:
                 for d in deliveries:
                     g: TrajectoryGroup = d.value
                     lag = self.version - g.min_version
-                    if lag > self.parts.max_staleness:
+                    if lag > self.parts.runtime.max_staleness:
                         stale.append(d.id)
                         continue
                     groups.append(g)
@@ -236,7 +230,7 @@ class Trainer:
             short = len(groups) < want
             starved = short and time.monotonic() - waited_since > self.cfg.trainer.wait_timeout_s
             lost = self.parts.lease is not None and self.parts.lease.lost
-            short, stop, starved, lost = self.ranks.any(short, self.state.stopping, starved, lost)
+            short, stop, starved, lost = self.ranks.any(short, self.stop.stopping, starved, lost)
             if lost:
                 # Nothing of this trainer's goes out any more: no final checkpoint, no acks.
                 raise LeaseLost(
@@ -301,19 +295,7 @@ class Trainer:
             return
         timing = (step_seconds, wait_seconds, blocking)
         record = self._step_record(groups, staleness, stats, lr, timing)
-        self.metrics.observe_step(record, staleness)
-        line = record.to_json()
-        if self.rank0.jsonl is not None:
-            self.rank0.jsonl.write(line)
-        if self.rank0.trackers is not None:
-            self.rank0.trackers.log(record)
-        if self.rank0.mismatch_log is not None:
-            self.rank0.mismatch_log.write(self._mismatch_line(stats))
-        # Only `asyncrl status` reads it: SIGTERM in an outage skips it, the step is complete.
-        with contextlib.suppress(Stopped):
-            self.parts.redis.call(
-                lambda: self.client.set(self.keys.last_step, json.dumps(line)), "write last_step"
-            )
+        self.rank0.outputs.step(record, staleness, stats)
 
     def _step_record(
         self,
@@ -350,26 +332,6 @@ class Trainer:
             **stats.figures(),
         )
 
-    def _mismatch_line(self, stats: StepStats) -> dict[str, object]:
-        """One line of `mismatch.jsonl`: the step's tables, labelled with the engine and the
-        dtypes on both sides."""
-        engine = self.cfg.rollout.engine
-        return {
-            "step": self.step,
-            "version": self.version,
-            "engine": engine.type,
-            "engine_dtype": getattr(engine, "dtype", None),
-            "trainer_dtype": self.cfg.trainer.dtype,
-            "low_prob": LOW_PROB,
-            "trained": summarise(stats.mismatch),
-            "audit": summarise(stats.audit),
-            **(
-                {"routing": {"replay": self.cfg.algo.routing_replay, **summary}}
-                if stats.routing is not None and (summary := stats.routing.summary())
-                else {}
-            ),
-        }
-
     def _before_optimizer_step(self, *_: object) -> None:
         if self.rank0 is not None:
             self._copy_wait += self.rank0.publisher.copied()
@@ -389,7 +351,7 @@ class Trainer:
         blocking = gathered + self._copy_wait
         blocking += self.rank0.publisher.publish(params, self.version, defer_copy=True)
         self._copy_wait = 0.0
-        self.parts.redis.call(
+        self.parts.runtime.redis.call(
             lambda: self.client.set(self.keys.version, self.version), "publish the version"
         )
         self.metrics.policy_version.set(self.version)
@@ -430,7 +392,7 @@ class Trainer:
         """Rank 0: raise `LeaseLost` unless this trainer still holds the run."""
         lease = self.parts.lease
         if lease is not None:
-            self.parts.redis.call(lease.check, "renew the lease")
+            self.parts.runtime.redis.call(lease.check, "renew the lease")
 
     def _evaluate(self) -> None:
         if self.rank0 is None:
@@ -449,11 +411,7 @@ class Trainer:
         record = EvalRecord(
             step=self.step, eval_accuracy=acc, wall_seconds=round(self.wall_seconds(), 3)
         )
-        self.metrics.eval_accuracy.set(acc)
-        if self.rank0.jsonl is not None:
-            self.rank0.jsonl.write(record.to_json())
-        if self.rank0.trackers is not None:
-            self.rank0.trackers.log(record)
+        self.rank0.outputs.evaluation(record)
         log.info("step %d eval accuracy %.3f", self.step, acc)
 
 
