@@ -368,9 +368,9 @@ def test_close_cancels_episodes_waiting_on_their_tools(
         sched.start(i, item, 2, f"e{i}")
     sched.advance(5.0)  # first turns generated; the 8 episodes now wait a minute on their tools
     deadline = time.monotonic() + 10
-    while len(sched._steps) < 8 and time.monotonic() < deadline:
+    while len(sched._envs.steps) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)  # the loop thread starts the steps
-    steps = list(sched._steps)
+    steps = list(sched._envs.steps)
     assert len(steps) == 8 and not any(t.done() for t in steps)
     t0 = time.monotonic()
     sched.close()

@@ -582,7 +582,7 @@ def test_an_event_loop_ended_past_every_guard_stops_the_scheduler_at_once(
     """User code that ends the loop from a callback of its own, where no guard reaches: the
     generating thread learns it from the next `advance`, which would otherwise wait forever
     for steps that never return."""
-    from asyncrl.rollout.episodes import EnvironmentLoopDied
+    from asyncrl.rollout.env_loop import EnvironmentLoopDied
 
     sched = _scheduler(tmp_path, mode, [])
     sched.start("g", ITEM, 2, "g")

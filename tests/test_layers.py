@@ -9,7 +9,8 @@ a dependency a reader has to follow. The rules (docs/architecture.md, "Layout"):
   and the choice of backend (the `match` on a config's `type`) lives in the builders;
 - the ground floor (`configbase`, `items`, `plugins`, `reasons`) imports only itself;
 - environments never import tasks; metrics never import what they measure;
-- `sglang/` builds on `weights/`, never the reverse.
+- `sglang/` builds on `weights/`, never the reverse;
+- no module over 700 lines, no class over 400: past that a reader no longer holds it whole.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def _name(path: Path) -> str:
 
 
 MODULES = {_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 400
 
 
 def _module_of(dotted: str) -> str | None:
@@ -102,9 +106,8 @@ def _module_of(dotted: str) -> str | None:
 
 def _imports(name: str) -> Iterator[tuple[str, str]]:
     """(module imported, name taken from it or '') for every import of asyncrl in `name`."""
-    path = MODULES[name]
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(TREES[name]):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if (target := _module_of(alias.name)) is not None:
@@ -255,3 +258,30 @@ def test_metrics_never_import_their_subjects() -> None:
 
 def test_weights_never_import_sglang() -> None:
     assert _imports_into(("asyncrl.weights",), ("asyncrl.sglang",)) == set()
+
+
+def _too_long(max_module: int, max_class: int) -> list[str]:
+    """Each module of more than `max_module` lines and each class of more than `max_class`
+    (from its first decorator to its last line), with its count."""
+    found = []
+    for name, tree in TREES.items():
+        if (lines := len(MODULES[name].read_text().splitlines())) > max_module:
+            found.append(f"{name}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                assert node.end_lineno is not None
+                if (lines := node.end_lineno - first + 1) > max_class:
+                    found.append(f"{name}.{node.name}: {lines} lines")
+    return found
+
+
+def test_no_module_or_class_is_too_long() -> None:
+    assert _too_long(MAX_MODULE_LINES, MAX_CLASS_LINES) == []
+
+
+def test_the_size_reader_counts_modules_and_classes() -> None:
+    # Guards the reader: with the limits lowered, known modules and classes must be named.
+    found = _too_long(200, 100)
+    assert "asyncrl.rollout.episodes" in {f.partition(":")[0] for f in found}
+    assert "asyncrl.rollout.episodes.EpisodeScheduler" in {f.partition(":")[0] for f in found}

@@ -41,7 +41,8 @@ from asyncrl.environments.base import (
     check_step,
     malformed,
 )
-from asyncrl.environments.server import KEEP_ALIVE_S, PROTOCOL, TIMEOUT_HEADER, read_token
+from asyncrl.environments.httpd import KEEP_ALIVE_S
+from asyncrl.environments.server import PROTOCOL, TIMEOUT_HEADER, read_token
 from asyncrl.reasons import ENV_REASONS
 
 if TYPE_CHECKING:

@@ -2,12 +2,12 @@
 idle the engine.
 
 An episode is in one of three places: ready for a generation turn, inside its environment (a
-task on the scheduler's event loop thread, possibly awaiting a tool), or ended. Each `advance`
-takes back the environment steps that returned, then runs one `engine.generate` over every
-ready episode, so the engine always batches whatever is ready while the rest wait. A group (the
-n episodes of one prompt) is handed back as soon as its last episode ends. A plain `Task` gives
-one-turn episodes scored inline, with no event loop involved: the single-turn path is one
-generate and one score.
+task on the scheduler's event loop thread, `asyncrl.rollout.env_loop`, possibly awaiting a
+tool), or ended. Each `advance` takes back the environment steps that returned, then runs one
+`engine.generate` over every ready episode, so the engine always batches whatever is ready
+while the rest wait. A group (the n episodes of one prompt) is handed back as soon as its last
+episode ends. A plain `Task` gives one-turn episodes scored inline, with no event loop
+involved: the single-turn path is one generate and one score.
 
 The response of a multi-turn sample holds every turn in order. Generated tokens keep the
 behaviour log-prob and policy version the engine recorded, so a weight swap between turns shows
@@ -23,12 +23,9 @@ Worked example (a 2-turn episode, weights v3 → v4 swapped while the tool ran):
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -40,18 +37,14 @@ from asyncrl.engines.config import SamplingParams
 from asyncrl.environments.base import (
     Environment,
     EnvironmentFailure,
-    Escaped,
-    Observation,
     StepResult,
-    check_observation,
-    check_step,
-    contained,
     render_observation,
 )
 from asyncrl.environments.tools import tool_call_counts
 from asyncrl.items import PromptItem
 from asyncrl.protocol import Sample
 from asyncrl.reasons import GroupReason
+from asyncrl.rollout.env_loop import Call, EnvironmentLoop, describe
 from asyncrl.tasks.base import EpisodicTask, Task
 from asyncrl.tasks.isolated import RewardFailure
 
@@ -73,22 +66,9 @@ class GenerateCall:
     """Of `prompt_tokens`, those served from the engine's prefix cache."""
 
 
-_CLOSE_TIMEOUT_S = 10.0
-_REVIVALS = 100
-"""Runs of a dead event loop `close` tries before it gives up on its environments."""
 STALE = "stale"
 """The `FailedGroup.reason` of a group `drop_older_than` gave up: no failure, dropped not
 dead-lettered."""
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, Escaped) else f"{type(exc).__name__}: {exc}"
-
-
-class EnvironmentLoopDied(RuntimeError):
-    """The event loop that runs the environments ended by itself: user code got past what
-    guards its calls (a task or callback it started raised SystemExit, it stopped the loop).
-    Every episode inside an environment is lost with it, so the scheduler cannot go on."""
 
 
 @dataclass
@@ -248,23 +228,9 @@ class EpisodeScheduler(Generic[T]):
         self._on_tool_calls = on_tool_calls
         self._batch_wait_s = batch_wait_s
         self._max_context = max_context
-        # Environment steps await their tools on one event loop thread: a waiting episode costs
-        # a timer, where a thread each would cost a millisecond of CPU per step in switching.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
-        self._steps: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
-        self._closing: set[asyncio.Task[None]] = set()  # environments being closed
-        # Environments not yet handed to `_spawn_close`, by id (an environment need not be
-        # hashable): what `close` ends when it cuts episodes short.
-        self._open: dict[int, Environment] = {}
+        self._envs: EnvironmentLoop[_Episode] = EnvironmentLoop()
         self._ready: list[_Episode] = []
         self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
-        self._at_env = 0  # episodes inside their environment now
-        self._returned: queue.SimpleQueue[tuple[_Episode, _Returned] | EnvironmentLoopDied] = (
-            queue.SimpleQueue()
-        )
-        self._loop_died: EnvironmentLoopDied | None = None
-        self._stopping_loop = False  # `close` ends the loop: its end is no death
         self._groups: list[_Group[T]] = []
         self._failed: list[FailedGroup[T]] = []
         self.inflight = 0
@@ -290,9 +256,9 @@ class EpisodeScheduler(Generic[T]):
             except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
                 raise
             except BaseException as exc:  # e.g. an answer the task cannot parse, a sys.exit()
-                self._fail(group, GroupReason.TASK_ERROR, _describe(exc))
+                self._fail(group, GroupReason.TASK_ERROR, describe(exc))
                 return
-            self._open[id(env)] = env
+            self._envs.opened(env)
             self._to_env([(_Episode(group, i, env, list(item.prompt_ids)), None)])
 
     def advance(self, wait_s: float) -> tuple[list[FinishedGroup[T]], list[FailedGroup[T]]]:
@@ -303,7 +269,7 @@ class EpisodeScheduler(Generic[T]):
         # Every generate call pays its decode steps' fixed overhead once, so ready episodes wait
         # a little for others coming back from their environments to share one.
         deadline = self._ready_since + self._batch_wait_s
-        while self._ready and self._at_env and (left := deadline - time.monotonic()) > 0:
+        while self._ready and self._envs.pending and (left := deadline - time.monotonic()) > 0:
             self._take_back(left)
         if self._ready:
             self._generate()
@@ -334,55 +300,7 @@ class EpisodeScheduler(Generic[T]):
         """Cancel the environment steps still awaiting their tools, close every environment
         still open (episodes cut short: a session on an env-server is deleted), best effort
         within a few seconds, and end the loop thread."""
-        if self._loop is None:
-            return
-        left, self._open = list(self._open.values()), {}
-        assert self._loop_thread is not None
-        if self._loop_thread.is_alive():
-            cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(left), self._loop)
-            try:
-                cancelled.result(timeout=_CLOSE_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("environment steps ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
-        else:
-            self._close_on_dead_loop(left)
-        self._stopping_loop = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._loop_thread is not None:
-            self._loop_thread.join(_CLOSE_TIMEOUT_S)
-        if not self._loop.is_running():
-            self._loop.close()
-        self._loop = self._loop_thread = None
-
-    def _close_on_dead_loop(self, left: list[Environment]) -> None:
-        """`close` after the loop's thread died: its tasks (the steps, sessions to delete) are
-        wound up on this thread instead, bounded as there."""
-        loop = self._loop
-        assert loop is not None
-        wound_up = loop.create_task(asyncio.wait_for(self._cancel_steps(left), _CLOSE_TIMEOUT_S))
-        # The code that ended the loop may have left more of the same in its queue: each run
-        # past one goes on from the next callback.
-        for _ in range(_REVIVALS):
-            try:
-                loop.run_until_complete(wound_up)
-                return
-            except BaseException as exc:
-                last = exc
-        log.warning("environments not closed after their event loop died: %s", _describe(last))
-
-    async def _cancel_steps(self, left: list[Environment]) -> None:
-        for task in self._steps:
-            task.cancel()
-        await asyncio.gather(*self._steps, return_exceptions=True)
-        for env in left:
-            self._spawn_close(env)
-        # Episodes release what they hold (a session on an env-server) before the loop goes; a
-        # close that hangs is cut off.
-        if self._closing:
-            _, stuck = await asyncio.wait(self._closing, timeout=_CLOSE_TIMEOUT_S / 2)
-            for task in stuck:
-                task.cancel()
-            await asyncio.gather(*stuck, return_exceptions=True)
+        self._envs.close()
 
     def _fail(self, group: _Group[T], reason: str, detail: str) -> None:
         if group.failed:
@@ -396,25 +314,7 @@ class EpisodeScheduler(Generic[T]):
         self._ready = [ep for ep in self._ready if ep.group is not group]
 
     def _take_back(self, wait_s: float) -> None:
-        if self._loop_died is not None:
-            raise self._loop_died
-        got = []
-        if wait_s > 0:
-            try:
-                got.append(self._returned.get(timeout=wait_s))
-            except queue.Empty:
-                return
-        while True:
-            try:
-                got.append(self._returned.get_nowait())
-            except queue.Empty:
-                break
-        returned = [r for r in got if not isinstance(r, EnvironmentLoopDied)]
-        if len(returned) < len(got):
-            self._loop_died = next(r for r in got if isinstance(r, EnvironmentLoopDied))
-            raise self._loop_died
-        self._at_env -= len(returned)
-        for ep, result in returned:
+        for ep, result in self._envs.take_back(wait_s):
             if isinstance(result, StepResult) and self._on_tool_calls is not None:
                 for outcome, n in tool_call_counts(result.info):
                     self._on_tool_calls(outcome, n)
@@ -429,7 +329,7 @@ class EpisodeScheduler(Generic[T]):
                 failure = (
                     result
                     if isinstance(result, EnvironmentFailure)
-                    else EnvironmentFailure("error", _describe(result))
+                    else EnvironmentFailure("error", describe(result))
                 )
                 if self._on_env_error is not None:
                     self._on_env_error(failure.reason)
@@ -483,7 +383,7 @@ class EpisodeScheduler(Generic[T]):
             log.exception("generate failed for %d episode(s)", len(batch))
             gens = [None] * len(batch)
             for ep in batch:
-                self._fail(ep.group, GroupReason.ENGINE_ERROR, _describe(exc))
+                self._fail(ep.group, GroupReason.ENGINE_ERROR, describe(exc))
         done = [(ep, g) for ep, g in zip(batch, gens, strict=True) if g is not None]
         n_tokens = sum(len(g.token_ids) for _, g in done)
         self.tokens += n_tokens
@@ -504,7 +404,7 @@ class EpisodeScheduler(Generic[T]):
         except Exception as exc:  # tokens the tokenizer does not know came out of the engine
             log.exception("decoding %d response(s) failed", len(done))
             for ep, _ in done:
-                self._fail(ep.group, GroupReason.ENGINE_ERROR, _describe(exc))
+                self._fail(ep.group, GroupReason.ENGINE_ERROR, describe(exc))
             return
         to_env = []
         for (ep, gen), text in zip(done, texts, strict=True):
@@ -531,7 +431,7 @@ class EpisodeScheduler(Generic[T]):
             raise
         except BaseException as exc:  # a user task's score may sys.exit(): its group fails
             log.exception("scoring an episode failed")
-            self._fail(ep.group, GroupReason.TASK_ERROR, _describe(exc))
+            self._fail(ep.group, GroupReason.TASK_ERROR, describe(exc))
             return
         ep.group.samples[ep.index] = ep.sample(value)
 
@@ -559,80 +459,15 @@ class EpisodeScheduler(Generic[T]):
             self._ready_since = time.monotonic()
         self._ready.append(ep)
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            self._loop_thread = threading.Thread(
-                target=self._run_loop, args=(self._loop,), name="env-loop", daemon=True
-            )
-            self._loop_thread.start()
-        return self._loop
-
-    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The loop thread. Should user code end the loop anyway, the generating thread hears
-        of it at once (`EnvironmentLoopDied` from `advance`), where it would wait forever for
-        the steps in flight."""
-        try:
-            loop.run_forever()
-        except BaseException as exc:
-            died = f"the environments' event loop died of {_describe(exc)}"
-        else:
-            if self._stopping_loop:
-                return
-            died = "the environments' event loop was stopped (by an environment's code)"
-        self._returned.put(EnvironmentLoopDied(died))
-
     def _to_env(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
         """Hand episodes to their environments: `reset` for None, else `step` of the text."""
-        self._at_env += len(calls)
-        self._event_loop().call_soon_threadsafe(self._spawn, calls)
+        sent: list[Call[_Episode]] = []
+        for ep, text in calls:
+            assert ep.env is not None  # closed only once back from its environment
+            sent.append((ep, ep.env, ep.group.item if text is None else text))
+        self._envs.send(sent)
 
     def _close_env(self, ep: _Episode) -> None:
         if ep.env is not None:
-            self._open.pop(id(ep.env), None)
-            self._event_loop().call_soon_threadsafe(self._spawn_close, ep.env)
+            self._envs.close_env(ep.env)
             ep.env = None
-
-    def _spawn(self, calls: Sequence[tuple[_Episode, str | None]]) -> None:
-        """On the loop thread: start the environment calls of one generate call."""
-        for ep, text in calls:
-            self._track(self._env_call(ep, text), self._steps)
-
-    def _spawn_close(self, env: Environment) -> None:
-        self._track(self._env_close(env), self._closing)
-
-    def _track(self, call: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
-        assert self._loop is not None
-        task = self._loop.create_task(call)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    async def _env_call(self, ep: _Episode, text: str | None) -> None:
-        env = ep.env
-        assert env is not None
-        result: _Returned
-        try:
-            if text is None:
-                obs = await contained(env.reset(ep.group.item))
-                result = _Reset(check_observation(obs))
-            else:
-                result = check_step(await contained(env.step(text)))
-        except Exception as exc:  # a failing environment fails its group, never the worker
-            result = exc
-        self._returned.put((ep, result))
-
-    @staticmethod
-    async def _env_close(env: Environment) -> None:
-        try:
-            await contained(env.close())
-        except Exception:  # the episode is over: nothing to fail any more
-            log.warning("closing an environment failed", exc_info=True)
-
-
-@dataclass(frozen=True)
-class _Reset:
-    first: Observation
-
-
-_Returned = _Reset | StepResult | Exception
-"""What an environment call hands back to the generating thread."""

@@ -37,7 +37,8 @@ from asyncrl.items import PromptItem
 from asyncrl.protocol import PromptGroup, TrajectoryGroup, stream_fields
 from asyncrl.redis_conn import Stopped
 from asyncrl.rollout.builder import build
-from asyncrl.rollout.episodes import STALE, EnvironmentLoopDied, FailedGroup, FinishedGroup
+from asyncrl.rollout.env_loop import EnvironmentLoopDied
+from asyncrl.rollout.episodes import STALE, FailedGroup, FinishedGroup
 from asyncrl.runstate import Counter
 
 if TYPE_CHECKING:
