@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 # What the `role_config` fixture gives: (run id, dotted settings) → the config file.
 RoleConfig = Callable[[str, dict[str, Any]], Path]
+# What the `launched` fixture gives: (run id, *overrides, mode=) → the finished run, exited 0.
+Launched = Callable[..., "Run"]
 # Settings under which a rollout worker that dies or hangs is found out within about 2 s: its
 # heartbeat lapses and the prompts it holds can be claimed by another.
 QUICK_TAKEOVER = {"rollout.heartbeat_ttl_s": 1.5, "queue.claim_idle_s": 1.0}

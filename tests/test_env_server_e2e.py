@@ -82,13 +82,6 @@ class Flaky:
 """
 
 
-def _user_dir(tmp_path: Path) -> Path:
-    user = tmp_path / "user_code"
-    user.mkdir()
-    assert not str(user.resolve()).startswith(str(REPO))
-    return user
-
-
 @contextmanager
 def env_server(
     user: Path, env: str, **extra_env: str
@@ -110,14 +103,13 @@ def _remote(*urls: str, **extra: object) -> str:
 
 @pytest.mark.slow
 def test_a_served_multi_turn_environment_trains_end_to_end(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path, user_code: Path
 ) -> None:
-    user = _user_dir(tmp_path)
-    shutil.copy(EXAMPLE, user / "calculator_env.py")
-    (user / "logged_env.py").write_text(textwrap.dedent(LOGGED))
+    shutil.copy(EXAMPLE, user_code / "calculator_env.py")
+    (user_code / "logged_env.py").write_text(textwrap.dedent(LOGGED))
     episodes = tmp_path / "episodes.jsonl"
     steps, groups, n = 6, 16, 4
-    with env_server(user, "logged_env:Logged", EPISODE_LOG=str(episodes)) as (url, _):
+    with env_server(user_code, "logged_env:Logged", EPISODE_LOG=str(episodes)) as (url, _):
         run = launch_all(
             tmp_path / "run",
             redis_server.url,
@@ -153,15 +145,14 @@ def test_a_served_multi_turn_environment_trains_end_to_end(
 
 @pytest.mark.slow
 def test_failing_and_killed_env_servers_are_dead_letters_by_reason(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path, user_code: Path
 ) -> None:
-    user = _user_dir(tmp_path)
-    (user / "flaky_env.py").write_text(textwrap.dedent(FLAKY))
+    (user_code / "flaky_env.py").write_text(textwrap.dedent(FLAKY))
     steps, groups = 5, 8
     run_dir = tmp_path / "run"
     with (
-        env_server(user, "flaky_env:Flaky") as (doomed, doomed_proc),
-        env_server(user, "flaky_env:Flaky") as (survivor, _),
+        env_server(user_code, "flaky_env:Flaky") as (doomed, doomed_proc),
+        env_server(user_code, "flaky_env:Flaky") as (survivor, _),
     ):
 
         def kill_after_first_step() -> None:

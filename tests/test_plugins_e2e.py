@@ -51,13 +51,6 @@ def score(response, answer):
 """
 
 
-def _user_dir(tmp_path: Path) -> Path:
-    user = tmp_path / "user_code"
-    user.mkdir()
-    assert not str(user.resolve()).startswith(str(REPO))
-    return user
-
-
 def _python_task(user: Path, task: str, reward: str, **extra: Any) -> str:
     """The `task=` override of a plugin task and reward in `user` (JSON is YAML)."""
     plugin = {"python_path": [str(user)]}
@@ -78,16 +71,15 @@ def _evals(run: Run) -> list[float]:
 
 @pytest.mark.slow
 def test_own_task_and_async_reward_learn(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path, user_code: Path
 ) -> None:
-    user = _user_dir(tmp_path)
-    shutil.copy(EXAMPLE, user / "my_task.py")
+    shutil.copy(EXAMPLE, user_code / "my_task.py")
     run = launch_all(
         tmp_path / "run",
         redis_server.url,
         warm_model,
         "plugin-learns",
-        _python_task(user, "my_task:make", "my_task:score", timeout_s=10),
+        _python_task(user_code, "my_task:make", "my_task:score", timeout_s=10),
         "task.kwargs={eval_size: 400}",
         "trainer.max_steps=32",
         "trainer.groups_per_step=32",
@@ -111,17 +103,16 @@ def test_own_task_and_async_reward_learn(
 
 @pytest.mark.slow
 def test_failing_rewards_are_dead_letters_by_reason_and_the_run_finishes(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+    redis_server: RedisServer, warm_model: Path, tmp_path: Path, user_code: Path
 ) -> None:
-    user = _user_dir(tmp_path)
-    (user / "flaky.py").write_text(textwrap.dedent(FAILING))
+    (user_code / "flaky.py").write_text(textwrap.dedent(FAILING))
     steps, groups = 4, 8
     run = launch_all(
         tmp_path / "run",
         redis_server.url,
         warm_model,
         "plugin-fails",
-        _python_task(user, "flaky:make", "flaky:score", timeout_s=1),
+        _python_task(user_code, "flaky:make", "flaky:score", timeout_s=1),
         f"trainer.max_steps={steps}",
         f"trainer.groups_per_step={groups}",
         "rollout.n=4",
