@@ -6,7 +6,7 @@ import functools
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -61,20 +61,30 @@ def user_code(tmp_path: Path) -> Path:
     return user
 
 
+def _launcher(url: str, model: Path, run_dir: Callable[[str], Path]) -> Launched:
+    def launch(run_id: str, *overrides: str, mode: str = "async") -> Run:
+        run = launch_all(run_dir(run_id), url, model, run_id, *overrides, mode=mode)
+        assert run.rc == 0, run.output[-5000:]
+        return run
+
+    return launch
+
+
 @pytest.fixture(scope="module")
 def launched(
     module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Launched:
     """Runs `asyncrl launch --role all` (`role_procs.launch_all`) on the module's Redis and the
     warmed model, in a fresh folder named after the run id, and checks that it exited 0."""
+    return _launcher(
+        module_redis.url, warm_model, lambda run_id: tmp_path_factory.mktemp(run_id) / "run"
+    )
 
-    def launch(run_id: str, *overrides: str, mode: str = "async") -> Run:
-        run_dir = tmp_path_factory.mktemp(run_id) / "run"
-        run = launch_all(run_dir, module_redis.url, warm_model, run_id, *overrides, mode=mode)
-        assert run.rc == 0, run.output[-5000:]
-        return run
 
-    return launch
+@pytest.fixture
+def launched_here(redis_server: RedisServer, warm_model: Path, tmp_path: Path) -> Launched:
+    """`launched` on the test's own Redis, in `tmp_path / "run"`."""
+    return _launcher(redis_server.url, warm_model, lambda _: tmp_path / "run")
 
 
 @pytest.fixture(scope="session")

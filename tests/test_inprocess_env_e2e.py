@@ -14,16 +14,15 @@ from typing import Any
 
 import pytest
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter as RunCounter
 from asyncrl.runstate import Keys
 
 from role_procs import (
+    Launched,
     Role,
     arithmetic_admission,
     check_trained_on,
     dead_letters,
-    launch_all,
     pending_prompts,
     wait_until,
 )
@@ -68,13 +67,10 @@ def _environment(user: Path, **kwargs: Any) -> str:
 
 @pytest.mark.slow
 def test_an_environment_that_exits_fails_its_groups_and_the_run_trains_on(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path, user_code: Path
+    launched_here: Launched, user_code: Path
 ) -> None:
     steps, groups = 4, 8
-    run = launch_all(
-        tmp_path / "run",
-        redis_server.url,
-        warm_model,
+    run = launched_here(
         "env-exits",
         f"task.environment={_environment(user_code)}",
         f"trainer.max_steps={steps}",
@@ -83,7 +79,7 @@ def test_an_environment_that_exits_fails_its_groups_and_the_run_trains_on(
         "rollout.prompts_per_batch=8",
     )
     counters = check_trained_on(run, steps, groups)
-    letters = dead_letters(redis_server.url, "env-exits")
+    letters = dead_letters(run.url, "env-exits")
     reasons = Counter(r for r, _ in letters)
     assert set(reasons) == {"env_error"} and reasons["env_error"] > 0, reasons
     assert reasons["env_error"] == counters[RunCounter.GROUPS_DEAD_LETTERED]
