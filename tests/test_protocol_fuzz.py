@@ -25,6 +25,8 @@ from asyncrl.protocol import (
     wire,
 )
 
+from sample_groups import group_of
+
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -41,17 +43,7 @@ def _valid_group() -> TrajectoryGroup:
         )
         for i in range(2)
     ]
-    return TrajectoryGroup(
-        run="r",
-        group_id="1-0",
-        prompt_id="p",
-        release_version=1,
-        worker="w",
-        created_at=1.0,
-        finished_at=2.0,
-        prompt_ids=np.array([1, 2], np.int32),
-        samples=samples,
-    )
+    return group_of(samples, [1, 2], release_version=1, created_at=1.0, finished_at=2.0)
 
 
 VALID = encode_group(_valid_group())

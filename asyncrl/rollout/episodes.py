@@ -43,10 +43,10 @@ from asyncrl.environments.base import (
     Escaped,
     Observation,
     StepResult,
-    check_observation,
-    check_step,
     contained,
     render_observation,
+    reset_checked,
+    step_checked,
 )
 from asyncrl.environments.tools import tool_call_counts
 from asyncrl.items import PromptItem
@@ -613,10 +613,9 @@ class EpisodeScheduler(Generic[T]):
         result: _Returned
         try:
             if text is None:
-                obs = await contained(env.reset(ep.group.item))
-                result = _Reset(check_observation(obs))
+                result = _Reset(await reset_checked(env, ep.group.item))
             else:
-                result = check_step(await contained(env.step(text)))
+                result = await step_checked(env, text)
         except Exception as exc:  # a failing environment fails its group, never the worker
             result = exc
         self._returned.put((ep, result))
