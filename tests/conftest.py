@@ -6,7 +6,7 @@ import functools
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,38 +14,28 @@ import redis
 
 from asyncrl.launch.redis_server import RedisServer
 
-from role_procs import RoleConfig, write_role_config
+from role_procs import REPO, Launched, RoleConfig, Run, launch_all, write_role_config
 
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(data_dir=tmp_path / "redis").start()
-    try:
+    with RedisServer(data_dir=tmp_path / "redis") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One redis-server for all tests of a module, for runs and trainers that they share."""
-    server = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
-    try:
+    with RedisServer(data_dir=tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def password_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server that requires `.password`, random per test so a grep finds only leaks."""
-    server = RedisServer(
-        data_dir=tmp_path / "password-redis", password="pw-" + secrets.token_hex(12)
-    ).start()
-    try:
+    password = "pw-" + secrets.token_hex(12)
+    with RedisServer(data_dir=tmp_path / "password-redis", password=password) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -57,11 +47,44 @@ def role_config(tmp_path: Path, redis_server: RedisServer, random_model: Path) -
 
 @pytest.fixture
 def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
-    try:
+    with redis.Redis.from_url(redis_server.url) as client:
         yield client
-    finally:
-        client.close()
+
+
+@pytest.fixture
+def user_code(tmp_path: Path) -> Path:
+    """A folder for the test's plugin code, outside the checkout: what loads from it cannot come
+    from the repo."""
+    user = tmp_path / "user_code"
+    user.mkdir()
+    assert not str(user.resolve()).startswith(str(REPO))
+    return user
+
+
+def _launcher(url: str, model: Path, run_dir: Callable[[str], Path]) -> Launched:
+    def launch(run_id: str, *overrides: str, mode: str = "async") -> Run:
+        run = launch_all(run_dir(run_id), url, model, run_id, *overrides, mode=mode)
+        assert run.rc == 0, run.output[-5000:]
+        return run
+
+    return launch
+
+
+@pytest.fixture(scope="module")
+def launched(
+    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Launched:
+    """Runs `asyncrl launch --role all` (`role_procs.launch_all`) on the module's Redis and the
+    warmed model, in a fresh folder named after the run id, and checks that it exited 0."""
+    return _launcher(
+        module_redis.url, warm_model, lambda run_id: tmp_path_factory.mktemp(run_id) / "run"
+    )
+
+
+@pytest.fixture
+def launched_here(redis_server: RedisServer, warm_model: Path, tmp_path: Path) -> Launched:
+    """`launched` on the test's own Redis, in `tmp_path / "run"`."""
+    return _launcher(redis_server.url, warm_model, lambda _: tmp_path / "run")
 
 
 @pytest.fixture(scope="session")

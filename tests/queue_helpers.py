@@ -21,8 +21,10 @@ def consumer(
     alive: Callable[[str], bool] = lambda _: True,
     decode: Callable[[RawFields], Any] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    guard: RedisGuard | None = None,
     **cfg: Any,
 ) -> Consumer[Any]:
+    """`guard`: the consumer's retry policy; without one, a quick one that `should_stop` ends."""
     return Consumer(
         client,
         STREAM,
@@ -33,7 +35,7 @@ def consumer(
         counters_key=COUNTERS,
         is_alive=alive,
         decode=decode,
-        guard=RedisGuard(reconnect_max_s=0.2, should_stop=should_stop),
+        guard=guard or RedisGuard(reconnect_max_s=0.2, should_stop=should_stop),
     )
 
 

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 # What the `role_config` fixture gives: (run id, dotted settings) → the config file.
 RoleConfig = Callable[[str, dict[str, Any]], Path]
+# What the `launched` fixture gives: (run id, *overrides, mode=) → the finished run, exited 0.
+Launched = Callable[..., "Run"]
 # Settings under which a rollout worker that dies or hangs is found out within about 2 s: its
 # heartbeat lapses and the prompts it holds can be claimed by another.
 QUICK_TAKEOVER = {"rollout.heartbeat_ttl_s": 1.5, "queue.claim_idle_s": 1.0}
@@ -234,6 +236,32 @@ def children_of(pid: int) -> dict[int, str]:
             continue  # exited meanwhile
         if int(ppid) == pid and state != "Z":
             found[int(stat.parent.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+    return found
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the TCP sockets process `pid` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().as_posix()
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr_hex, port_hex = fields[1].split(":")
+            # /proc prints the address as native-endian 32-bit words.
+            raw = b"".join(
+                int(addr_hex[i : i + 8], 16).to_bytes(4, "little") for i in range(0, 2 * width, 8)
+            )
+            family = socket.AF_INET if width == 4 else socket.AF_INET6
+            found.add((socket.inet_ntop(family, raw), int(port_hex, 16)))
     return found
 
 

@@ -1,7 +1,10 @@
-"""Valid trajectory groups for the tests that feed a trainer's stream by hand."""
+"""Valid trajectory groups, for the tests that feed a trainer's stream by hand and those that
+build groups of their own samples."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,18 +14,14 @@ from asyncrl.protocol import Sample, TrajectoryGroup
 VERSION = 10  # the trainer's current version in the dead-letter tests
 
 
-def _group(run: str, gid: str, release_version: int, samples: list[Sample]) -> TrajectoryGroup:
-    return TrajectoryGroup(
-        run=run,
-        group_id=gid,
-        prompt_id=gid,
-        release_version=release_version,
-        worker="w",
-        created_at=0.0,
-        finished_at=0.0,
-        prompt_ids=np.array([1, 5, 6, 13, 7, 8, 14], np.int32),
-        samples=samples,
-    )
+def group_of(
+    samples: list[Sample], prompt_ids: Sequence[int] = (1, 5, 6, 13, 7, 8, 14), **fields: Any
+) -> TrajectoryGroup:
+    """A group of `samples` after `prompt_ids`; `fields` change the rest (by default: run "r",
+    group "1-0" of prompt "p" released at version 0, worker "w", created and finished at 0)."""
+    ids = np.array(prompt_ids, np.int32)
+    group = TrajectoryGroup("r", "1-0", "p", 0, "w", 0.0, 0.0, ids, samples)
+    return dataclasses.replace(group, **fields)
 
 
 def make_group(gid: str, **change: Any) -> TrajectoryGroup:
@@ -37,7 +36,13 @@ def make_group(gid: str, **change: Any) -> TrajectoryGroup:
     }
     group_change = {k: v for k, v in change.items() if k not in sample_fields}
     bad = Sample(**{**sample_fields, **{k: v for k, v in change.items() if k in sample_fields}})
-    group = _group("dlq", gid, VERSION - 1, [Sample(**sample_fields), bad])
+    group = group_of(
+        [Sample(**sample_fields), bad],
+        run="dlq",
+        group_id=gid,
+        prompt_id=gid,
+        release_version=VERSION - 1,
+    )
     for k, v in group_change.items():
         setattr(group, k, v)
     return group
@@ -52,4 +57,4 @@ def plain_group(gid: str) -> TrajectoryGroup:
         reward=1.0,
         finish="stop",
     )
-    return _group("stop", gid, 0, [sample, sample])
+    return group_of([sample, sample], run="stop", group_id=gid, prompt_id=gid)

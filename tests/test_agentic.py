@@ -9,69 +9,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncrl.engines.base import EngineError, Generation
-from asyncrl.engines.config import SamplingParams
 from asyncrl.environments.base import Environment, StepResult
 from asyncrl.evaluate import held_out_reward
 from asyncrl.items import PromptItem
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
-from asyncrl.rollout.episodes import EpisodeScheduler, FinishedGroup
+from asyncrl.rollout.episodes import EpisodeScheduler
 from asyncrl.tasks.agentic import AgenticTask, ArithmeticToolEnvironment, LogNormalLatency
 from asyncrl.tasks.base import ArithmeticTask
 from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import AgenticTaskConfig, ArithmeticTaskConfig
 from asyncrl.tiny_model import BOS_ID, EOS_ID, build_tokenizer
 
-PARAMS = SamplingParams(max_new_tokens=4)
-
-
-def digit(d: int) -> int:
-    return 3 + d  # the tiny vocabulary: <pad> <bos> <eos> 0..9 + =
-
-
-PLUS, EQ = 13, 14
-
-
-class ScriptedEngine:
-    """Answers every prompt with `reply`, log-prob −0.5 per token, at `version`."""
-
-    def __init__(self, reply: list[int]) -> None:
-        self.reply = reply
-        self.version = 0
-        self.batches: list[int] = []
-        self.fail_at: set[int] = set()
-        """Prompt indices of the next call that fail (EngineError with partial results)."""
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        self.batches.append(len(prompts))
-        n = len(self.reply)
-        gens = [
-            Generation(
-                token_ids=np.array(self.reply, np.int32),
-                logprobs=np.full(n, -0.5, np.float32),
-                versions=np.full(n, self.version, np.int32),
-                finish="stop",
-            )
-            for _ in prompts
-        ]
-        if self.fail_at:
-            partial = [None if i in self.fail_at else g for i, g in enumerate(gens)]
-            self.fail_at = set()
-            raise EngineError("timeout", "scripted failure", partial)
-        return gens
-
-
-def run_until_done(
-    sched: EpisodeScheduler[str], groups: int, timeout_s: float = 30.0
-) -> list[FinishedGroup[str]]:
-    done: list[FinishedGroup[str]] = []
-    deadline = time.monotonic() + timeout_s
-    while len(done) < groups:
-        assert time.monotonic() < deadline, "episodes did not finish"
-        finished, failed = sched.advance(0.05)
-        assert not failed
-        done.extend(finished)
-    return done
+from episode_helpers import (
+    EQ,
+    PARAMS,
+    PLUS,
+    ScriptedEngine,
+    answering_one,
+    digit,
+    run_until_done,
+    run_until_failed,
+)
 
 
 def test_agentic_items_split_and_first_turn_score() -> None:
@@ -215,16 +173,9 @@ class _BrokenToolTask(ArithmeticTask):
 def test_failing_tool_fails_its_group_not_the_scheduler() -> None:
     tok = build_tokenizer()
     task = _BrokenToolTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
-    sched: EpisodeScheduler[str] = EpisodeScheduler(
-        ScriptedEngine([digit(1), EOS_ID]), task, tok, PARAMS
-    )
+    sched = answering_one(task, tok)
     sched.start("x", task.train_items(0, 0)[0], 2, "x")
-    failed = []
-    deadline = time.monotonic() + 10
-    while not failed:
-        assert time.monotonic() < deadline
-        finished, failed = sched.advance(0.05)
-        assert not finished
+    failed = run_until_failed(sched, 10)
     sched.close()
     assert [(f.tag, f.reason) for f in failed] == [("x", "env_error")]
     assert "tool down" in failed[0].detail and sched.inflight == 0
@@ -271,16 +222,14 @@ class _BrokenEnvironmentTask(AgenticTask):
 def test_failing_task_code_fails_its_group_not_the_scheduler() -> None:
     tok = build_tokenizer()
     scorer = _BrokenScoreTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
-    sched: EpisodeScheduler[str] = EpisodeScheduler(
-        ScriptedEngine([digit(1), EOS_ID]), scorer, tok, PARAMS
-    )
+    sched = answering_one(scorer, tok)
     sched.start("s", scorer.train_items(0, 0)[0], 2, "s")
     finished, failed = sched.advance(0.0)
     assert finished == [] and [(f.tag, f.reason) for f in failed] == [("s", "task_error")]
     assert "no verifier" in failed[0].detail and sched.inflight == 0
 
     env_task = _BrokenEnvironmentTask(AgenticTaskConfig(turns=2, eval_size=1, train_size=1), tok)
-    sched = EpisodeScheduler(ScriptedEngine([digit(1), EOS_ID]), env_task, tok, PARAMS)
+    sched = answering_one(env_task, tok)
     sched.start("e", env_task.train_items(0, 0)[0], 2, "e")
     # Still in flight until handed back: a worker advances only while episodes are in flight.
     assert sched.inflight == 2

@@ -28,7 +28,7 @@ import redis
 from asyncrl.launch.status import collect_status
 from asyncrl.runstate import PROMPTS_GROUP, Counter, Keys, stream_stats
 
-from role_procs import Role, RoleConfig, step_lines, stop_all, wait_until
+from role_procs import SMALL_RUN, Role, RoleConfig, step_lines, stop_all, wait_until
 
 G = 2
 ETA = 1
@@ -64,16 +64,13 @@ def test_a_slow_trainer_holds_the_queues_at_the_admission_bound(
     config = role_config(
         keys.run_id,
         {
-            "rollout.n": 2,
+            **SMALL_RUN,
             "rollout.prompts_per_batch": 1,
-            "rollout.sampling.max_new_tokens": 4,
             # Trim at every read: the lengths then show what the queue holds, not the trim lag
             # (the entries acked since the last trim, however many the throughput allows).
             "queue.trim_every_s": 0.01,
             "trainer.groups_per_step": G,
-            "trainer.max_steps": 10**6,
             "trainer.checkpoint_every": 1,
-            "trainer.eval_every": 0,
             "algo.max_staleness": ETA,
             "algo.filter_zero_variance": False,
             "weights.type": "store",

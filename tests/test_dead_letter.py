@@ -161,11 +161,8 @@ def trainer(
 
 @pytest.fixture
 def client(module_redis: RedisServer) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(module_redis.url)
-    try:
+    with redis.Redis.from_url(module_redis.url) as c:
         yield c
-    finally:
-        c.close()
 
 
 def collect(

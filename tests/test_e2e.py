@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-from role_procs import Run, asyncrl, check_accounting, launch_all
+from role_procs import Launched, Run, asyncrl, check_accounting
 
 # The first test pays for building the warmed model and the run (over a minute on 2 busy cores).
 pytestmark = pytest.mark.timeout(900)
@@ -25,13 +24,8 @@ ASYNC_GROUPS = 32
 
 
 @pytest.fixture(scope="module")
-def async_run(
-    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Run:
-    run = launch_all(
-        tmp_path_factory.mktemp("async") / "run",
-        module_redis.url,
-        warm_model,
+def async_run(launched: Launched) -> Run:
+    return launched(
         "e2e-async",
         f"trainer.max_steps={ASYNC_STEPS}",
         f"trainer.groups_per_step={ASYNC_GROUPS}",
@@ -43,18 +37,11 @@ def async_run(
         "algo.loss=ppo",
         "algo.advantage=grpo",
     )
-    assert run.rc == 0, run.output[-5000:]
-    return run
 
 
 @pytest.fixture(scope="module")
-def sync_run(
-    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Run:
-    run = launch_all(
-        tmp_path_factory.mktemp("sync") / "run",
-        module_redis.url,
-        warm_model,
+def sync_run(launched: Launched) -> Run:
+    return launched(
         "e2e-sync",
         "trainer.max_steps=4",
         "trainer.groups_per_step=8",
@@ -63,8 +50,6 @@ def sync_run(
         "algo.max_staleness=3",  # sync mode must win over it: η = 0
         mode="sync",
     )
-    assert run.rc == 0, run.output[-5000:]
-    return run
 
 
 @pytest.mark.slow

@@ -22,16 +22,15 @@ from pathlib import Path
 import pytest
 
 from asyncrl.environments.server import spawn
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter as RunCounter
 
 from role_procs import (
     CHILD_ENV,
     REPO,
+    Launched,
     check_accounting,
     check_trained_on,
     dead_letters,
-    launch_all,
     step_lines,
 )
 
@@ -82,13 +81,6 @@ class Flaky:
 """
 
 
-def _user_dir(tmp_path: Path) -> Path:
-    user = tmp_path / "user_code"
-    user.mkdir()
-    assert not str(user.resolve()).startswith(str(REPO))
-    return user
-
-
 @contextmanager
 def env_server(
     user: Path, env: str, **extra_env: str
@@ -110,18 +102,14 @@ def _remote(*urls: str, **extra: object) -> str:
 
 @pytest.mark.slow
 def test_a_served_multi_turn_environment_trains_end_to_end(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+    launched_here: Launched, tmp_path: Path, user_code: Path
 ) -> None:
-    user = _user_dir(tmp_path)
-    shutil.copy(EXAMPLE, user / "calculator_env.py")
-    (user / "logged_env.py").write_text(textwrap.dedent(LOGGED))
+    shutil.copy(EXAMPLE, user_code / "calculator_env.py")
+    (user_code / "logged_env.py").write_text(textwrap.dedent(LOGGED))
     episodes = tmp_path / "episodes.jsonl"
     steps, groups, n = 6, 16, 4
-    with env_server(user, "logged_env:Logged", EPISODE_LOG=str(episodes)) as (url, _):
-        run = launch_all(
-            tmp_path / "run",
-            redis_server.url,
-            warm_model,
+    with env_server(user_code, "logged_env:Logged", EPISODE_LOG=str(episodes)) as (url, _):
+        run = launched_here(
             "env-trains",
             _remote(url),
             f"trainer.max_steps={steps}",
@@ -131,7 +119,6 @@ def test_a_served_multi_turn_environment_trains_end_to_end(
             # Every trained group keeps its tokens in the step's count (see below).
             "algo.filter_zero_variance=false",
         )
-    assert run.rc == 0, run.output[-5000:]
     assert dead_letters(run.url, "env-trains") == []
     check_accounting(run, steps, groups)
     # Every episode ended after its two turns at the server and was closed there, but those of
@@ -153,15 +140,14 @@ def test_a_served_multi_turn_environment_trains_end_to_end(
 
 @pytest.mark.slow
 def test_failing_and_killed_env_servers_are_dead_letters_by_reason(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+    launched_here: Launched, tmp_path: Path, user_code: Path
 ) -> None:
-    user = _user_dir(tmp_path)
-    (user / "flaky_env.py").write_text(textwrap.dedent(FLAKY))
+    (user_code / "flaky_env.py").write_text(textwrap.dedent(FLAKY))
     steps, groups = 5, 8
     run_dir = tmp_path / "run"
     with (
-        env_server(user, "flaky_env:Flaky") as (doomed, doomed_proc),
-        env_server(user, "flaky_env:Flaky") as (survivor, _),
+        env_server(user_code, "flaky_env:Flaky") as (doomed, doomed_proc),
+        env_server(user_code, "flaky_env:Flaky") as (survivor, _),
     ):
 
         def kill_after_first_step() -> None:
@@ -172,10 +158,7 @@ def test_failing_and_killed_env_servers_are_dead_letters_by_reason(
 
         killer = threading.Thread(target=kill_after_first_step, daemon=True)
         killer.start()
-        run = launch_all(
-            run_dir,
-            redis_server.url,
-            warm_model,
+        run = launched_here(
             "env-fails",
             _remote(doomed, survivor, timeout_s=1.0, retries=1),
             f"trainer.max_steps={steps}",

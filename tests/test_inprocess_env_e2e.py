@@ -14,17 +14,15 @@ from typing import Any
 
 import pytest
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.runstate import Counter as RunCounter
 from asyncrl.runstate import Keys
 
 from role_procs import (
-    REPO,
+    Launched,
     Role,
     arithmetic_admission,
     check_trained_on,
     dead_letters,
-    launch_all,
     pending_prompts,
     wait_until,
 )
@@ -61,10 +59,7 @@ class Exiting:
 """
 
 
-def _environment(tmp_path: Path, **kwargs: Any) -> str:
-    user = tmp_path / "user_code"
-    user.mkdir()
-    assert not str(user.resolve()).startswith(str(REPO))
+def _environment(user: Path, **kwargs: Any) -> str:
     (user / "exiting_env.py").write_text(textwrap.dedent(EXITING))
     env = {"type": "python", "path": "exiting_env:Exiting", "python_path": [str(user)]}
     return json.dumps({**env, "kwargs": kwargs})
@@ -72,22 +67,19 @@ def _environment(tmp_path: Path, **kwargs: Any) -> str:
 
 @pytest.mark.slow
 def test_an_environment_that_exits_fails_its_groups_and_the_run_trains_on(
-    redis_server: RedisServer, warm_model: Path, tmp_path: Path
+    launched_here: Launched, user_code: Path
 ) -> None:
     steps, groups = 4, 8
-    run = launch_all(
-        tmp_path / "run",
-        redis_server.url,
-        warm_model,
+    run = launched_here(
         "env-exits",
-        f"task.environment={_environment(tmp_path)}",
+        f"task.environment={_environment(user_code)}",
         f"trainer.max_steps={steps}",
         f"trainer.groups_per_step={groups}",
         "rollout.n=2",
         "rollout.prompts_per_batch=8",
     )
     counters = check_trained_on(run, steps, groups)
-    letters = dead_letters(redis_server.url, "env-exits")
+    letters = dead_letters(run.url, "env-exits")
     reasons = Counter(r for r, _ in letters)
     assert set(reasons) == {"env_error"} and reasons["env_error"] > 0, reasons
     assert reasons["env_error"] == counters[RunCounter.GROUPS_DEAD_LETTERED]
@@ -101,7 +93,7 @@ def test_an_environment_that_exits_fails_its_groups_and_the_run_trains_on(
 
 @pytest.mark.timeout(300)
 def test_a_worker_whose_event_loop_dies_stops_with_one_line_and_its_heartbeat(
-    redis_client: Any, random_model: Path, role_config: Any, tmp_path: Path
+    redis_client: Any, random_model: Path, role_config: Any, tmp_path: Path, user_code: Path
 ) -> None:
     keys = Keys("loopdies")
     config = role_config(
@@ -109,7 +101,7 @@ def test_a_worker_whose_event_loop_dies_stops_with_one_line_and_its_heartbeat(
         {
             "rollout.prompts_per_batch": 2,
             "task.type": "arithmetic",
-            "task.environment": json.loads(_environment(tmp_path, later=True)),
+            "task.environment": json.loads(_environment(user_code, later=True)),
         },
     )
     admission = arithmetic_admission(redis_client, keys, random_model, n=2, max_staleness=1)

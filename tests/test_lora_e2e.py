@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.trainer.checkpoint import list_checkpoints
 
-from role_procs import asyncrl, check_accounting, launch_all
+from role_procs import Launched, asyncrl, check_accounting
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -41,14 +40,8 @@ LORA = (
 )
 
 
-def test_quickstart_with_lora_learns(
-    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    run_dir = tmp_path_factory.mktemp("lora") / "run"
-    run = launch_all(
-        run_dir,
-        module_redis.url,
-        warm_model,
+def test_quickstart_with_lora_learns(launched: Launched, warm_model: Path) -> None:
+    run = launched(
         "e2e-lora",
         *LORA,
         f"trainer.max_steps={STEPS}",
@@ -59,22 +52,21 @@ def test_quickstart_with_lora_learns(
         "rollout.prompts_per_batch=32",
         "algo.max_staleness=1",
     )
-    assert run.rc == 0, run.output[-5000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
     acc = [line["eval_accuracy"] for line in lines if "eval_accuracy" in line]
     assert len(acc) == STEPS // 5
-    start = held_out_accuracy(run_dir / "config.yaml", warm_model)
+    start = held_out_accuracy(run.dir / "config.yaml", warm_model)
     assert statistics.mean(acc[-3:]) >= start + MARGIN, (start, acc)
     diffs = [s["behaviour_logprob_abs_diff_lag0"] for s in run.steps]
     measured = [d for d in diffs if d is not None]
     assert measured and max(measured) < 1e-5, diffs
     check_accounting(run, STEPS, GROUPS)
 
-    ckpt = list_checkpoints(run_dir / "checkpoints")[-1]
+    ckpt = list_checkpoints(run.dir / "checkpoints")[-1]
     assert (ckpt / "adapter_model.safetensors").is_file()
     assert not (ckpt / "model.safetensors").exists()
-    out = run_dir.parent / "merged"
-    proc = asyncrl("export", str(run_dir), "--merge", "--out", str(out))
+    out = run.dir.parent / "merged"
+    proc = asyncrl("export", str(run.dir), "--merge", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
 
     from transformers import AutoModelForCausalLM

@@ -10,22 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics.record import MISMATCH_LOG
 from asyncrl.mismatch_report import combine
 
-from role_procs import Run, asyncrl, check_accounting, launch_all
+from role_procs import Launched, Run, asyncrl, check_accounting
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 STEPS, GROUPS = 6, 16
 
 
-def _run(redis: RedisServer, model: Path, tmp: pytest.TempPathFactory, dtype: str) -> Run:
-    run = launch_all(
-        tmp.mktemp(dtype) / "run",
-        redis.url,
-        model,
+def _run(launched: Launched, dtype: str) -> Run:
+    return launched(
         f"mismatch-{dtype}",
         f"trainer.max_steps={STEPS}",
         f"trainer.groups_per_step={GROUPS}",
@@ -35,22 +31,16 @@ def _run(redis: RedisServer, model: Path, tmp: pytest.TempPathFactory, dtype: st
         f"rollout.engine.dtype={dtype}",
         "algo.max_staleness=1",
     )
-    assert run.rc == 0, run.output[-5000:]
-    return run
 
 
 @pytest.fixture(scope="module")
-def fp32_run(
-    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Run:
-    return _run(module_redis, warm_model, tmp_path_factory, "float32")
+def fp32_run(launched: Launched) -> Run:
+    return _run(launched, "float32")
 
 
 @pytest.fixture(scope="module")
-def bf16_run(
-    module_redis: RedisServer, warm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Run:
-    return _run(module_redis, warm_model, tmp_path_factory, "bfloat16")
+def bf16_run(launched: Launched) -> Run:
+    return _run(launched, "bfloat16")
 
 
 def _lines(run: Run) -> list[dict]:

@@ -38,6 +38,8 @@ from asyncrl.tiny_model import new_tiny_model, new_tiny_moe
 from asyncrl.trainer.batch import collate, group_rows
 from asyncrl.trainer.step import token_logprobs, train_step
 
+from sample_groups import group_of
+
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6)
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 3, 13, 9, 14], [1, 8, 8, 13, 1, 2, 14]]
 SHAPE = Limits(num_experts=8, moe_layers=2, moe_top_k=2)
@@ -59,17 +61,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]]) -> TrajectoryGrou
         )
         for i, g in enumerate(gens)
     ]
-    return TrajectoryGroup(
-        run="moe",
-        group_id="1-0",
-        prompt_id="p",
-        release_version=0,
-        worker="w",
-        created_at=0.0,
-        finished_at=0.0,
-        prompt_ids=np.array(prompts[0], np.int32),
-        samples=samples,
-    )
+    return group_of(samples, prompts[0], run="moe")
 
 
 def test_engine_records_one_row_of_experts_per_fed_token() -> None:

@@ -371,10 +371,7 @@ def test_scheduler_fails_the_group_with_the_rewards_reason(
 ) -> None:
     """Scored inline (one-turn tasks) or inside an environment step (agentic): the group's
     reason is the reward's, not `task_error` or `env_error`."""
-    from test_agentic import PARAMS, ScriptedEngine, digit
-
-    from asyncrl.rollout.episodes import EpisodeScheduler
-    from asyncrl.tiny_model import EOS_ID
+    from episode_helpers import answering_one, run_until_failed
 
     tok = build_tokenizer()
     cfg = load_config(
@@ -390,16 +387,9 @@ def test_scheduler_fails_the_group_with_the_rewards_reason(
         ],
     )
     task = build_task(cfg.task, tok)
-    sched: EpisodeScheduler[str] = EpisodeScheduler(
-        ScriptedEngine([digit(1), EOS_ID]), task, tok, PARAMS
-    )
+    sched = answering_one(task, tok)
     sched.start("g", task.train_items(0, 0)[0], 2, "g")
-    failed = []
-    deadline = time.monotonic() + 30
-    while not failed:
-        assert time.monotonic() < deadline
-        finished, failed = sched.advance(0.05)
-        assert finished == []
+    failed = run_until_failed(sched, 30)
     sched.close()
     assert [(f.tag, f.reason) for f in failed] == [("g", reason)]
     assert sched.inflight == 0

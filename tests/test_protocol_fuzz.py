@@ -25,6 +25,8 @@ from asyncrl.protocol import (
     wire,
 )
 
+from sample_groups import group_of
+
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -41,17 +43,7 @@ def _valid_group() -> TrajectoryGroup:
         )
         for i in range(2)
     ]
-    return TrajectoryGroup(
-        run="r",
-        group_id="1-0",
-        prompt_id="p",
-        release_version=1,
-        worker="w",
-        created_at=1.0,
-        finished_at=2.0,
-        prompt_ids=np.array([1, 2], np.int32),
-        samples=samples,
-    )
+    return group_of(samples, [1, 2], release_version=1, created_at=1.0, finished_at=2.0)
 
 
 VALID = encode_group(_valid_group())
@@ -221,20 +213,15 @@ def test_token_ids_decode_only_inside_the_vocabulary(path: tuple[Any, ...], ids:
         target = target[key]
     target[path[-1]] = np.array(ids, "<i4").tobytes()
     inside = all(0 <= t < 16 for t in ids)
-    try:
-        decode_group(msgpack.packb(wire), VOCAB_16)
-    except ValidationError as exc:
-        assert not inside and exc.reason == "token_out_of_range", exc
-    else:
-        assert inside
     prompt = msgpack.unpackb(VALID_PROMPT)
     prompt["prompt_ids"] = np.array(ids, "<i4").tobytes()
-    try:
-        decode_prompt(msgpack.packb(prompt), VOCAB_16)
-    except ValidationError as exc:
-        assert not inside and exc.reason == "token_out_of_range", exc
-    else:
-        assert inside
+    for decode, data in ((decode_group, wire), (decode_prompt, prompt)):
+        try:
+            decode(msgpack.packb(data), VOCAB_16)
+        except ValidationError as exc:
+            assert not inside and exc.reason == "token_out_of_range", exc
+        else:
+            assert inside
 
 
 def _first_broken_rule(samples: list[Sample], vocab: int, current: int | None) -> str | None:

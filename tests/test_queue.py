@@ -207,16 +207,8 @@ def test_ack_retry_after_lost_reply_applies_once(
     flaky = DropReplyOnce.from_url(redis_server.url)
     flaky.ran_first = ran_first
     outages: list[bool] = []
-    c = Consumer(
-        flaky,
-        STREAM,
-        GROUP,
-        "w",
-        dlq=DLQ,
-        counters_key=COUNTERS,
-        is_alive=bool,
-        guard=RedisGuard(reconnect_max_s=0.1, on_outage=outages.append),
-    )
+    guard = RedisGuard(reconnect_max_s=0.1, on_outage=outages.append)
+    c = consumer(flaky, "w", alive=bool, guard=guard)
     c.read(count=1, block_ms=100)
 
     assert (
@@ -271,16 +263,8 @@ def test_consumer_and_producer_survive_redis_restart(redis_server: RedisServer) 
     client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     producer = Producer(client, STREAM, guard=RedisGuard(reconnect_max_s=0.1))
     outages: list[bool] = []
-    c = Consumer(
-        client,
-        STREAM,
-        GROUP,
-        "c",
-        dlq=DLQ,
-        counters_key=COUNTERS,
-        is_alive=bool,
-        guard=RedisGuard(reconnect_max_s=0.1, on_outage=outages.append),
-    )
+    guard = RedisGuard(reconnect_max_s=0.1, on_outage=outages.append)
+    c = consumer(client, "c", alive=bool, guard=guard)
     delivered: list[str] = []
     values: list[bytes] = []
     acked = 0

@@ -10,7 +10,6 @@ for it finds only real leaks.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ from role_procs import (
     children_of,
     is_running,
     kill_all,
+    listening,
     local_run_config,
     step_lines,
     stop_all,
@@ -176,35 +176,6 @@ def test_refused_access_fails_at_once_in_one_line(
     message = str(info.value)
     assert "\n" not in message and PASSWORD not in message
     assert any(word in message for word in ("refused", "rejected", "password_file")), message
-
-
-IPV6_NAMES = {"0" * 32: "::", "0" * 24 + "01000000": "::1"}
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of the TCP sockets process `pid` listens on, from /proc."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            addr_hex, port_hex = local.split(":")
-            if width == 8:  # IPv4, little-endian
-                addr = ".".join(str(int(addr_hex[i : i + 2], 16)) for i in (6, 4, 2, 0))
-            else:
-                addr = IPV6_NAMES.get(addr_hex, addr_hex)
-            found.add((addr, int(port_hex, 16)))
-    return found
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from asyncrl.trainer.checkpoint import list_checkpoints
 
 from role_procs import (
     QUICK_TAKEOVER,
+    SMALL_RUN,
     Role,
     RoleConfig,
     arithmetic_admission,
@@ -42,6 +43,17 @@ G = 2
 EXIT_BOUND_S = 20
 # Calls to a hanging Redis fail within 2 s, and the roles retry at least every second.
 HANGING_REDIS = {"redis.socket_timeout_s": 2.0, "redis.reconnect_max_s": 1.0}
+
+
+def stops_on_sigterm(role: Role, what: str) -> None:
+    """SIGTERM to `role`, which must exit 0 within EXIT_BOUND_S and print no traceback."""
+    role.proc.send_signal(signal.SIGTERM)
+    try:
+        code = role.wait(EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {what} ignored SIGTERM for {EXIT_BOUND_S}s:\n{role.tail()}")
+    assert code == 0, role.tail()
+    assert "Traceback" not in role.tail(20_000)
 
 
 @pytest.mark.slow
@@ -105,14 +117,8 @@ def test_worker_stuck_acking_in_an_outage_obeys_sigterm(
             "the worker stuck publishing",
             [worker],
         )
-        worker.proc.send_signal(signal.SIGTERM)
-        try:
-            code = worker.wait(EXIT_BOUND_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the worker ignored SIGTERM for {EXIT_BOUND_S}s:\n{worker.tail()}")
-        assert code == 0, worker.tail()
+        stops_on_sigterm(worker, "worker")
         assert "stopped while waiting for Redis" in worker.tail(20_000)
-        assert "Traceback" not in worker.tail(20_000)
         os.kill(redis_pid, signal.SIGCONT)
         frozen = False
 
@@ -152,15 +158,11 @@ def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
     config = role_config(
         keys.run_id,
         {
+            **SMALL_RUN,
             **QUICK_TAKEOVER,
             **HANGING_REDIS,
-            "rollout.n": 2,
-            "rollout.sampling.max_new_tokens": 4,
             "trainer.groups_per_step": G,
-            "trainer.max_steps": 10**6,
             "trainer.checkpoint_every": 1000,  # only the final one: the step groups stay unacked
-            "trainer.eval_every": 0,
-            "weights.type": "broadcast",
             # A send in flight when Redis froze ends within this, and the trainer's exit waits
             # for it (the publisher's close is bounded by a few sync timeouts).
             "weights.sync_timeout_s": 3.0,
@@ -180,13 +182,7 @@ def test_trainer_told_to_stop_in_an_outage_leaves_and_resumes(
         wait_until(
             lambda: "Redis unreachable" in trainer.tail(20_000), 60, "an outage seen", [trainer]
         )
-        trainer.proc.send_signal(signal.SIGTERM)
-        try:
-            code = trainer.wait(EXIT_BOUND_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the trainer ignored SIGTERM for {EXIT_BOUND_S}s:\n{trainer.tail()}")
-        assert code == 0, trainer.tail()
-        assert "Traceback" not in trainer.tail(20_000)
+        stops_on_sigterm(trainer, "trainer")
         os.kill(redis_pid, signal.SIGCONT)
         frozen = False
 

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -25,6 +26,10 @@ from asyncrl.trainer.checkpoint import list_checkpoints
 
 from role_procs import Role, RoleConfig, pending_groups, step_lines, stop_all, wait_until
 from sample_groups import plain_group
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.trainer.checkpoint import TrainerState
 
 G = 4
 CKPT_EVERY = 3
@@ -120,28 +125,52 @@ def test_trainer_killed_between_checkpoints_resumes(
     assert final.name == f"step_{MAX_STEPS:08d}"
 
 
+def _trainer_config(role_config: RoleConfig, run_id: str, settings: dict[str, Any]) -> Config:
+    """The config of an in-process trainer: on CPU, weights through the store (no group for
+    workers to form), `settings` added."""
+    from asyncrl.config import load_config
+
+    base = {"weights.type": "store", "trainer.device": "cpu", "rollout.n": 2}
+    return load_config(role_config(run_id, {**base, **settings}))
+
+
+def _checkpoint(run_dir: Path, random_model: Path, state: TrainerState) -> Path:
+    """A checkpoint at `state` of the seed-0 tiny model, with a fresh optimizer's state."""
+    import torch
+
+    from asyncrl.tiny_model import new_tiny_model
+    from asyncrl.trainer.checkpoint import save_checkpoint
+    from asyncrl.trainer.parallel import full_state
+
+    model = new_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return save_checkpoint(
+        run_dir / "checkpoints",
+        model,
+        *full_state(model, optimizer),
+        state,
+        tokenizer_dir=random_model,
+        keep=2,
+    )
+
+
 def test_sigterm_while_collecting_leaves_the_partial_step_pending(
     redis_client: redis.Redis, tmp_path: Path, role_config: RoleConfig
 ) -> None:
     """A trainer told to stop halfway through collecting a step checkpoints what it trained and
     leaves the groups of the unfinished step pending, for the restarted trainer to train on —
     it must not ack them as trained."""
-    from asyncrl.config import load_config
     from asyncrl.trainer.main import Trainer
 
     keys = Keys("stop")
-    cfg = load_config(
-        role_config(
-            keys.run_id,
-            {
-                "weights.type": "store",
-                "trainer.device": "cpu",
-                "trainer.groups_per_step": 2,
-                "trainer.checkpoint_every": 1,
-                "trainer.wait_timeout_s": 60,
-                "rollout.n": 2,
-            },
-        )
+    cfg = _trainer_config(
+        role_config,
+        keys.run_id,
+        {
+            "trainer.groups_per_step": 2,
+            "trainer.checkpoint_every": 1,
+            "trainer.wait_timeout_s": 60,
+        },
     )
     redis_client.hset(keys.released, mapping={"a": "", "b": ""})  # as admission would
     first_id = redis_client.xadd(keys.trajectories, stream_fields(plain_group("a"))).decode()
@@ -184,13 +213,8 @@ def test_restart_acks_every_ranks_covered_entries_once(
     """A 2-rank trainer died after its checkpoint was durable but before the ranks acked the
     entries it covers. The restarted trainer — one rank now — acks both ranks' lists as trained,
     leaves the entry of the unfinished step pending, and a second restart counts nothing twice."""
-    import torch
-
-    from asyncrl.config import load_config
-    from asyncrl.tiny_model import new_tiny_model
-    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+    from asyncrl.trainer.checkpoint import TrainerState
     from asyncrl.trainer.main import Trainer
-    from asyncrl.trainer.parallel import full_state
 
     keys = Keys("covered")
     run_dir = tmp_path / "run"
@@ -205,26 +229,16 @@ def test_restart_acks_every_ranks_covered_entries_once(
     for consumer, n in (("trainer-0", 2), ("trainer-1", 3)):
         redis_client.xreadgroup(TRAJECTORIES_GROUP, consumer, {keys.trajectories: ">"}, count=n)
     covered = {"trainer-0": ids[:2], "trainer-1": ids[2:4]}  # ids[4]: the unfinished step's
-    model = new_tiny_model(seed=0)
-    save_checkpoint(
-        run_dir / "checkpoints",
-        model,
-        *full_state(model, torch.optim.AdamW(model.parameters())),
+    _checkpoint(
+        run_dir,
+        random_model,
         TrainerState(step=2, version=2, cursor={"seed": 0}, wall_seconds=1.0, covered=covered),
-        tokenizer_dir=random_model,
-        keep=2,
     )
-    cfg = load_config(
-        role_config(
-            keys.run_id,
-            {
-                "weights.type": "store",
-                "trainer.device": "cpu",
-                "trainer.max_steps": 2,  # nothing left to train: restore, ack, leave
-                "trainer.checkpoint_every": 1,
-                "rollout.n": 2,
-            },
-        )
+    cfg = _trainer_config(
+        role_config,
+        keys.run_id,
+        # Nothing left to train: restore, ack, leave.
+        {"trainer.max_steps": 2, "trainer.checkpoint_every": 1},
     )
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -254,40 +268,22 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
     24, so the restored weights are published as 25 (not 0: workers holding 24 would take 0..24
     for versions they have seen) — or, where the trainer that died had published up to 27 after
     that checkpoint, as 28: the run directory's record remembers what Redis forgot."""
-    import torch
-
-    from asyncrl.config import load_config
-    from asyncrl.tiny_model import new_tiny_model
-    from asyncrl.trainer.checkpoint import TrainerState, record_version, save_checkpoint
+    from asyncrl.trainer.checkpoint import TrainerState, record_version
     from asyncrl.trainer.main import Trainer
-    from asyncrl.trainer.parallel import full_state
 
     keys = Keys("empty")
     run_dir = tmp_path / "run"
-    model = new_tiny_model(seed=0)
-    save_checkpoint(
-        run_dir / "checkpoints",
-        model,
-        *full_state(model, torch.optim.AdamW(model.parameters())),
+    _checkpoint(
+        run_dir,
+        random_model,
         TrainerState(step=24, version=24, cursor={"seed": 0}, wall_seconds=1.0),
-        tokenizer_dir=random_model,
-        keep=2,
     )
     if published_after is not None:
         record_version(run_dir / "checkpoints", published_after)
     expected = 1 + (24 if published_after is None else published_after)
     assert redis_client.dbsize() == 0
-    cfg = load_config(
-        role_config(
-            keys.run_id,
-            {
-                "weights.type": "store",
-                "trainer.device": "cpu",
-                "trainer.max_steps": 24,  # nothing left to train: restore, publish, leave
-                "rollout.n": 2,
-            },
-        )
-    )
+    # Nothing left to train: restore, publish, leave.
+    cfg = _trainer_config(role_config, keys.run_id, {"trainer.max_steps": 24})
     previous = signal.getsignal(signal.SIGTERM)
     try:
         trainer = Trainer(cfg)
@@ -304,17 +300,12 @@ def test_a_trainer_resumed_against_an_empty_redis_never_reuses_a_version(
 
 def _checkpoint_at_step_10(run_dir: Path, random_model: Path, **state: object) -> Path:
     """A checkpoint of a run that trained 10 steps of 8 groups."""
-    import torch
 
-    from asyncrl.tiny_model import new_tiny_model
-    from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
-    from asyncrl.trainer.parallel import full_state
+    from asyncrl.trainer.checkpoint import TrainerState
 
-    model = new_tiny_model(seed=0)
-    return save_checkpoint(
-        run_dir / "checkpoints",
-        model,
-        *full_state(model, torch.optim.AdamW(model.parameters())),
+    return _checkpoint(
+        run_dir,
+        random_model,
         TrainerState(
             step=10,
             version=10,
@@ -322,8 +313,6 @@ def _checkpoint_at_step_10(run_dir: Path, random_model: Path, **state: object) -
             wall_seconds=1.0,
             **state,  # type: ignore[arg-type]
         ),
-        tokenizer_dir=random_model,
-        keep=2,
     )
 
 
@@ -339,7 +328,6 @@ def test_resuming_with_another_groups_per_step_rebases_the_budget(
     flight. Resumed with another G, the bound is (η + 1) × G on the new G from the 80 consumed:
     with 4, nothing is released until the 16 in flight are trained and then 8 (not a budget
     negative for good); with 32, 48 at once and one step's 32 per step (not 288)."""
-    from asyncrl.config import load_config
     from asyncrl.trainer.main import Trainer
 
     keys = Keys(f"regroup{new_g}")
@@ -349,17 +337,8 @@ def test_resuming_with_another_groups_per_step_rebases_the_budget(
         mapping={Counter.PROMPTS_RELEASED: 96, Counter.GROUPS_TRAINED: 80},
     )
     redis_client.hset(keys.released, mapping={f"g{i}": "" for i in range(16)})
-    cfg = load_config(
-        role_config(
-            keys.run_id,
-            {
-                "weights.type": "store",
-                "trainer.device": "cpu",
-                "trainer.groups_per_step": new_g,
-                "algo.max_staleness": 1,
-                "rollout.n": 2,
-            },
-        )
+    cfg = _trainer_config(
+        role_config, keys.run_id, {"trainer.groups_per_step": new_g, "algo.max_staleness": 1}
     )
     trainer = Trainer(cfg)
     try:

@@ -127,20 +127,9 @@ def test_micro_batches_change_nothing(name: str) -> None:
 
 
 def _step_loss(rows: list, algo: AlgoConfig, micro_batch_tokens: int) -> float:
-    from asyncrl.trainer.step import train_step
-
     model = proc.new_tiny_model(seed=0)
-    stats = train_step(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        rows,
-        algo=algo,
-        sampling=proc.SAMPLING,
-        micro_batch_tokens=micro_batch_tokens,
-        grad_clip=1.0,
-        current_version=proc.CURRENT_VERSION,
-    )
-    return stats.loss
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    return proc.step(model, optimizer, rows, algo, micro_batch_tokens).loss
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [100_000, 24])
@@ -179,7 +168,7 @@ def test_masking_removes_rejected_tokens_from_the_loss_and_its_normalisers(
 
     from asyncrl.algo.correction import behaviour_mask_weights
     from asyncrl.trainer.batch import collate
-    from asyncrl.trainer.step import token_logprobs, train_step
+    from asyncrl.trainer.step import token_logprobs
 
     torch.set_num_threads(1)
     algo = AlgoConfig(correction="mask", aggregation=aggregation)
@@ -201,16 +190,7 @@ def test_masking_removes_rejected_tokens_from_the_loss_and_its_normalisers(
     no_correction = algo.model_copy(update={"correction": "none"})
     for batch, step_algo in ((rows, algo), (pre_masked, no_correction)):
         m = proc.new_tiny_model(seed=0)
-        stats = train_step(
-            m,
-            torch.optim.SGD(m.parameters(), lr=0.5),
-            batch,
-            algo=step_algo,
-            sampling=proc.SAMPLING,
-            micro_batch_tokens=24,
-            grad_clip=1.0,
-            current_version=proc.CURRENT_VERSION,
-        )
+        stats = proc.step(m, torch.optim.SGD(m.parameters(), lr=0.5), batch, step_algo, 24)
         results.append((stats, m.state_dict()))
     (masked, masked_params), (none, none_params) = results
     assert masked.loss == pytest.approx(none.loss, rel=1e-5)
@@ -284,8 +264,6 @@ def test_rows_without_trained_tokens_cost_no_compute_and_change_nothing() -> Non
     skips its rows' forward and backward, and the update is the one without that group."""
     import dataclasses
 
-    from asyncrl.trainer.step import train_step
-
     torch.set_num_threads(1)
     groups = proc.make_groups()
     flat = dataclasses.replace(
@@ -296,16 +274,7 @@ def test_rows_without_trained_tokens_cost_no_compute_and_change_nothing() -> Non
     for batch in (groups, [*groups, flat]):
         rows = group_rows(batch, algo, proc.SAMPLING.max_new_tokens)
         model = proc.new_tiny_model(seed=0)
-        stats = train_step(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=1e-3),
-            rows,
-            algo=algo,
-            sampling=proc.SAMPLING,
-            micro_batch_tokens=100_000,
-            grad_clip=1.0,
-            current_version=3,
-        )
+        stats = proc.step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), rows, algo)
         results.append((stats, [p.detach().clone() for p in model.parameters()]))
     (base, base_params), (with_flat, flat_params) = results
     assert with_flat.processed_tokens == base.processed_tokens
@@ -321,7 +290,7 @@ def test_a_non_finite_step_is_skipped_and_overflowing_weights_are_caught() -> No
     them."""
     import dataclasses
 
-    from asyncrl.trainer.step import train_step, weights_finite
+    from asyncrl.trainer.step import weights_finite
 
     torch.set_num_threads(1)
     algo = AlgoConfig()
@@ -332,16 +301,7 @@ def test_a_non_finite_step_is_skipped_and_overflowing_weights_are_caught() -> No
         model = proc.new_tiny_model(seed=0)
         before = [p.detach().clone() for p in model.parameters()]
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        stats = train_step(
-            model,
-            optimizer,
-            batch,
-            algo=algo,
-            sampling=proc.SAMPLING,
-            micro_batch_tokens=100_000,
-            grad_clip=1.0,
-            current_version=3,
-        )
+        stats = proc.step(model, optimizer, batch, algo)
         changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
         return stats.skipped, changed, optimizer.state, model
 

@@ -8,7 +8,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -28,7 +27,7 @@ from asyncrl.weights.broadcast import BroadcastPublisher
 from asyncrl.weights.buckets import Layout
 from asyncrl.weights.config import BroadcastWeightsConfig
 
-from role_procs import wait_until
+from role_procs import listening, wait_until
 from weights_proc import (
     fingerprint,
     first_key,
@@ -72,6 +71,16 @@ class Harness:
         )
         wait_until(lambda: self.registered() == workers, 60, f"{workers} registered")
         return self.publisher
+
+    def one_worker_at_v0(self, *args: str) -> tuple[WeightPublisher, dict[str, torch.Tensor]]:
+        """Worker "a" (started with `args`), a publisher to it, and version 0 (parameters of
+        about 1 MiB) published and held."""
+        self.spawn("a", args=args)
+        pub = self.publish_to({"a"})
+        params = make_params(1)
+        pub.publish(params.items(), 0)
+        self.hold(["a"], 0, fingerprint(params))
+        return pub, params
 
     def registered(self) -> set[str]:
         fields = [text(f) for f in self.client.hkeys(KEYS.weights)]
@@ -195,11 +204,7 @@ def test_a_worker_restarted_under_its_id_after_it_went_unanswered_gets_the_curre
     # its lease holds, never answers, and is left out; its replacement registers under the same
     # id. Nothing new will be published (the trainer waits for that worker's groups), so the
     # version it has must reach the replacement without one.
-    harness.spawn("a")
-    pub = harness.publish_to({"a"})
-    params = make_params(1)
-    pub.publish(params.items(), 0)
-    harness.hold(["a"], 0, fingerprint(params))
+    pub, params = harness.one_worker_at_v0()
     harness.kill("a")
     train_step(params)
     pub.publish(params.items(), 1)
@@ -246,11 +251,7 @@ def test_a_worker_restarted_under_its_id_while_its_old_lease_holds_gets_the_curr
     # is ready and holds version 0, and the epoch the replacement sees lists it. Joining that
     # epoch would wait out the (long) sync timeout of the replacement; it must not.
     slow = ("--lease-s", "30", "--sync-timeout-s", "300")
-    harness.spawn("a", args=slow)
-    pub = harness.publish_to({"a"})
-    params = make_params(1)
-    pub.publish(params.items(), 0)
-    harness.hold(["a"], 0, fingerprint(params))
+    pub, params = harness.one_worker_at_v0(*slow)
     assert harness.records.get().ok
     harness.kill("a")
     harness.spawn("a", args=slow)
@@ -262,11 +263,7 @@ def test_a_worker_restarted_under_its_id_while_its_old_lease_holds_gets_the_curr
 def test_workers_find_the_publisher_after_redis_comes_back_empty(
     harness: Harness, tmp_path: Path
 ) -> None:
-    harness.spawn("a")
-    pub = harness.publish_to({"a"})
-    params = make_params(1)
-    pub.publish(params.items(), 0)
-    harness.hold(["a"], 0, fingerprint(params))
+    pub, params = harness.one_worker_at_v0()
     # a writes its first version after its report: a restart in between would fail that write.
     assert harness.first_version("a") == 0
     restart_empty(harness.server, tmp_path / "redis-empty")
@@ -355,41 +352,11 @@ def version_in_flight(client: redis.Redis) -> int | None:
     return None if send is None else int(json.loads(send)["version"])
 
 
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of the TCP sockets process `pid` listens on, from /proc."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().as_posix()
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, width in (("tcp", 4), ("tcp6", 16)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            addr_hex, port_hex = fields[1].split(":")
-            # /proc prints the address as native-endian 32-bit words.
-            raw = b"".join(
-                int(addr_hex[i : i + 8], 16).to_bytes(4, "little") for i in range(0, 2 * width, 8)
-            )
-            family = socket.AF_INET if width == 4 else socket.AF_INET6
-            found.add((socket.inet_ntop(family, raw), int(port_hex, 16)))
-    return found
-
-
 def test_a_loopback_rendezvous_listens_on_loopback_only(harness: Harness) -> None:
     # The store and the collective have no authentication (SECURITY.md): with the default
     # `weights.master_addr` (127.0.0.1) nothing of the sync may be reachable from elsewhere.
     before = listening(os.getpid())
-    harness.spawn("a")
-    pub = harness.publish_to({"a"})
-    params = make_params(1)
-    pub.publish(params.items(), 0)
-    harness.hold(["a"], 0, fingerprint(params))
+    harness.one_worker_at_v0()
     new = listening(os.getpid()) - before
     assert len(new) >= 2, new  # the TCPStore and the gloo pair
     peers = listening(harness.procs["a"].pid)

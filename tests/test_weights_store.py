@@ -15,7 +15,7 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.rollout.backends import build_subscriber
 from asyncrl.runstate import Keys
 from asyncrl.trainer.backends import build_publisher
-from asyncrl.weights.base import SyncRecord
+from asyncrl.weights.base import SyncRecord, WeightSubscriber
 from asyncrl.weights.buckets import checksum_tensors
 from asyncrl.weights.config import StoreWeightsConfig
 from asyncrl.weights.store import version_path
@@ -117,15 +117,7 @@ def test_subscriber_loads_the_newest_valid_version_only(
         assert [r["version"] for r in got(redis_client, RUN, "a")] == [0, 12]
 
         # A worker that starts now bootstraps from the newest file.
-        held: dict[str, torch.Tensor] = {}
-        late = build_subscriber(
-            cfg(store_dir),
-            redis_client,
-            KEYS,
-            "late",
-            device="cpu",
-            on_weights=lambda tensors, version: held.update(tensors),
-        )
+        late, held = join_late(store_dir, redis_client)
         assert late.wait_for_version(0, timeout_s=30) == 12
         assert fingerprint(held) == expected
     finally:
@@ -133,6 +125,17 @@ def test_subscriber_loads_the_newest_valid_version_only(
             late.close()
         stop([proc])
         pub.close()
+
+
+def join_late(
+    store_dir: Path, client: redis.Redis
+) -> tuple[WeightSubscriber, dict[str, torch.Tensor]]:
+    """A worker "late" that joins now, and the tensors it is handed."""
+    held: dict[str, torch.Tensor] = {}
+    late = build_subscriber(
+        cfg(store_dir), client, KEYS, "late", device="cpu", on_weights=lambda t, _: held.update(t)
+    )
+    return late, held
 
 
 def announce_file(client: redis.Redis, store_dir: Path, version: int) -> None:
@@ -161,15 +164,7 @@ def test_a_worker_joining_after_redis_came_back_empty_loads_the_current_version(
         pub.publish(params.items(), 3)
         assert records.get(timeout=30).ok
         restart_empty(redis_server, tmp_path / "redis-empty")
-        held: dict[str, torch.Tensor] = {}
-        late = build_subscriber(
-            cfg(store_dir),
-            redis_client,
-            KEYS,
-            "late",
-            device="cpu",
-            on_weights=lambda tensors, version: held.update(tensors),
-        )
+        late, held = join_late(store_dir, redis_client)
         assert late.wait_for_version(0, timeout_s=30) == 3
         assert fingerprint(held) == fingerprint(params)
         assert redis_client.hget(KEYS.weights, "transport") == b"store"

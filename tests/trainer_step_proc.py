@@ -23,9 +23,9 @@ from asyncrl.algo.config import AlgoConfig
 from asyncrl.engines.config import SamplingParams
 from asyncrl.protocol import Sample, TrajectoryGroup
 from asyncrl.tiny_model import new_tiny_model
-from asyncrl.trainer.batch import group_rows
+from asyncrl.trainer.batch import Row, group_rows
 from asyncrl.trainer.parallel import full_state, shard
-from asyncrl.trainer.step import train_step
+from asyncrl.trainer.step import StepStats, train_step
 
 N_GROUPS = 4
 N_SAMPLES = 4
@@ -89,6 +89,28 @@ def make_groups() -> list[TrajectoryGroup]:
     return groups
 
 
+def step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: list[Row],
+    algo: AlgoConfig,
+    micro_batch_tokens: int = 100_000,
+    **more: Any,
+) -> StepStats:
+    """`train_step` at the tests' sampling and current version, gradients clipped at 1."""
+    return train_step(
+        model,
+        optimizer,
+        rows,
+        algo=algo,
+        sampling=SAMPLING,
+        micro_batch_tokens=micro_batch_tokens,
+        grad_clip=1.0,
+        current_version=CURRENT_VERSION,
+        **more,
+    )
+
+
 def run_case(
     name: str,
     groups: list[TrajectoryGroup],
@@ -113,18 +135,7 @@ def run_case(
     # (Adam's first step is about lr·sign(g): float rounding of a gradient near 0 would flip it.)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     rows = group_rows(groups, algo, SAMPLING.max_new_tokens)
-    stats = train_step(
-        model,
-        optimizer,
-        rows,
-        algo=algo,
-        sampling=SAMPLING,
-        micro_batch_tokens=micro_batch_tokens,
-        grad_clip=1.0,
-        current_version=CURRENT_VERSION,
-        ref_model=ref_model,
-        world=world,
-    )
+    stats = step(model, optimizer, rows, algo, micro_batch_tokens, ref_model=ref_model, world=world)
     if parallel == "fsdp":
         params = full_state(model, optimizer)[0]
     else:

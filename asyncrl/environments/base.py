@@ -159,6 +159,17 @@ def check_step(result: object) -> StepResult:
     return result
 
 
+async def reset_checked(env: Environment, item: PromptItem) -> Observation:
+    """`env.reset(item)`, what it raises contained (`contained`), its reply checked against the
+    protocol."""
+    return check_observation(await contained(env.reset(item)))
+
+
+async def step_checked(env: Environment, response: str) -> StepResult:
+    """`env.step(response)`, contained, its reply checked against the protocol."""
+    return check_step(await contained(env.step(response)))
+
+
 # Stands for an assistant turn's content where `render_observation` cuts the template open.
 _MARK = "\x00asyncrl-assistant\x00"
 

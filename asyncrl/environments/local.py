@@ -6,25 +6,25 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncrl.environments.base import (
     Environment,
     EnvironmentFailure,
     Escaped,
-    Observation,
-    StepResult,
-    check_observation,
-    check_step,
     contained,
+    reset_checked,
+    step_checked,
 )
 from asyncrl.plugins import call_shape, check_signature, load_object
 from asyncrl.reasons import EnvReason
 
 if TYPE_CHECKING:
+    from asyncrl.environments.base import Observation, StepResult
     from asyncrl.items import PromptItem
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 _METHODS = ("reset", "step", "close")
 
@@ -54,17 +54,17 @@ class TimedEnvironment:
         self._timeout_s = timeout_s
 
     async def reset(self, item: PromptItem) -> Observation:
-        return check_observation(await self._call(self._env.reset(item), "reset"))
+        return await self._timed(reset_checked(self._env, item), "reset")
 
     async def step(self, response: str) -> StepResult:
-        return check_step(await self._call(self._env.step(response), "step"))
+        return await self._timed(step_checked(self._env, response), "step")
 
     async def close(self) -> None:
-        await self._call(self._env.close(), "close")
+        await self._timed(contained(self._env.close()), "close")
 
-    async def _call(self, call: Any, name: str) -> Any:
+    async def _timed(self, call: Awaitable[T], name: str) -> T:
         try:
-            return await asyncio.wait_for(contained(call), self._timeout_s)
+            return await asyncio.wait_for(call, self._timeout_s)
         except TimeoutError:
             raise EnvironmentFailure(
                 EnvReason.TIMEOUT, f"{name} took over {self._timeout_s}s"

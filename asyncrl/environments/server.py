@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ipaddress
 import json
 import logging
@@ -73,6 +72,7 @@ from asyncrl.environments.base import (
 )
 from asyncrl.environments.httpd import HTTPServer, Limits, Refused, Reply, Request, error_body
 from asyncrl.environments.local import check_class
+from asyncrl.httpserve import serve_until_interrupted
 from asyncrl.metrics.roles import REGISTRY, RoleMetrics
 from asyncrl.reasons import ENV_REASONS
 
@@ -491,11 +491,4 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # OSError: the port is taken
         print(f"asyncrl env-server: {exc}", file=sys.stderr)
         return 2
-    # One line on stdout, flushed: how a parent that asked for port 0 learns the port.
-    print(f"asyncrl env-server: listening on http://{args.host}:{httpd.server_port}", flush=True)
-    try:
-        with contextlib.suppress(KeyboardInterrupt):
-            httpd.serve_forever()
-    finally:
-        httpd.server_close()
-    return 0
+    return serve_until_interrupted("env-server", args.host, httpd)

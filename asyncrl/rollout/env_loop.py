@@ -23,9 +23,9 @@ from asyncrl.environments.base import (
     Escaped,
     Observation,
     StepResult,
-    check_observation,
-    check_step,
     contained,
+    reset_checked,
+    step_checked,
 )
 from asyncrl.items import PromptItem
 
@@ -211,9 +211,9 @@ class EnvironmentLoop(Generic[K]):
         result: Returned
         try:
             if isinstance(what, str):
-                result = check_step(await contained(env.step(what)))
+                result = await step_checked(env, what)
             else:
-                result = Reset(check_observation(await contained(env.reset(what))))
+                result = Reset(await reset_checked(env, what))
         except Exception as exc:  # a failing environment fails its group, never the worker
             result = exc
         self._returned.put((key, result))

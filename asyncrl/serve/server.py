@@ -59,6 +59,7 @@ from asyncrl import __version__
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.httpserve import serve_until_interrupted
 from asyncrl.serve import native, openai_api
 from asyncrl.serve.native import ApiError, Body, Job, Output, Spec
 from asyncrl.weights.groups import broadcast_all, join_update_group
@@ -613,11 +614,4 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         routed_experts=args.enable_return_routed_experts,
     )
-    # One line on stdout, flushed: how a parent that asked for port 0 learns the port.
-    print(f"asyncrl serve: listening on http://{args.host}:{server.server_port}", flush=True)
-    try:
-        with contextlib.suppress(KeyboardInterrupt):
-            server.serve_forever()
-    finally:
-        server.server_close()
-    return 0
+    return serve_until_interrupted("serve", args.host, server)
