@@ -24,8 +24,13 @@ from asyncrl.config import write_config
 from asyncrl.launch.local import start_logged
 from asyncrl.runstate import PROMPTS_GROUP, TRAJECTORIES_GROUP, Counter, Keys
 
+from doc_commands import asyncrl_args
+
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
+# The quickstart as the getting-started page gives it (`launch --role all --config ...`): the
+# runs of `launch_all` start with exactly these arguments, so the page's command is what they run.
+GETTING_STARTED = asyncrl_args(REPO / "docs" / "getting-started.md", "launch")
 # What the `role_config` fixture gives: (run id, dotted settings) → the config file.
 RoleConfig = Callable[[str, dict[str, Any]], Path]
 # What the `launched` fixture gives: (run id, *overrides, mode=) → the finished run, exited 0.
@@ -347,11 +352,7 @@ def launch_all(
 ) -> Run:
     # Everything the assertions rely on is pinned here: the quickstart file is tuned separately.
     proc = asyncrl(
-        "launch",
-        "--role",
-        "all",
-        "--config",
-        str(QUICKSTART),
+        *GETTING_STARTED,
         "--progress",
         "quiet",
         "--fresh",
