@@ -91,6 +91,7 @@ DEFAULT_LIMITS = Limits()
 
 # The wire types are slotted but not frozen: a frozen __init__ costs about 2 µs more per object,
 # a large share of decoding a group. eq=False because array fields have no single truth value.
+# --8<-- [start:sample]
 @dataclass(slots=True, eq=False)
 class Sample:
     """One generated response of a group."""
@@ -126,6 +127,10 @@ class Sample:
     routed_experts: np.ndarray | None = None
 
 
+# --8<-- [end:sample]
+
+
+# --8<-- [start:trajectory]
 @dataclass(slots=True, eq=False)
 class TrajectoryGroup:
     """All samples generated for one prompt: one entry of the `trajectories` stream."""
@@ -168,6 +173,10 @@ class TrajectoryGroup:
         return sum(len(s.response_ids) for s in self.samples)
 
 
+# --8<-- [end:trajectory]
+
+
+# --8<-- [start:prompt]
 @dataclass(slots=True, eq=False)
 class PromptGroup:
     """One entry of the `prompts` stream: a prompt to sample `n` responses for."""
@@ -195,3 +204,6 @@ class PromptGroup:
     meta: dict[str, MetaValue] = field(default_factory=dict)
     # Wire schema version; readers reject any other.
     schema: int = SCHEMA_VERSION
+
+
+# --8<-- [end:prompt]
