@@ -24,10 +24,15 @@ def _item(seed: int) -> PromptItem:
     return PromptItem(prompt_id=f"s{seed}", prompt=record["prompt"], prompt_ids=[1], answer=seed)
 
 
+def _cells(board: str, ch: str) -> list[tuple[int, int]]:
+    rows = board.splitlines()[1:]
+    return [(r, c) for r, row in enumerate(rows) for c, x in enumerate(row) if x == ch]
+
+
 def _plan(board: str) -> list[str]:
     """Shortest moves from P to G avoiding holes, read off the board the model is shown."""
     rows = board.splitlines()[1:]
-    start = next((r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == "P")
+    start = _cells(board, "P")[0]
     steps = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
     queue, seen = deque([(start, [])]), {start}
     while queue:
