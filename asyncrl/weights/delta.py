@@ -1,0 +1,270 @@
+"""Sparse delta sync: only the words of the flat buffer that changed since the receivers' version.
+
+A version is the flat buffer of `buckets` — already in the engine's dtype, so an update that
+rounds away in bf16 changes nothing here. It is compared with the last version every receiver
+holds (the base) as machine words of the narrowest floating dtype in the layout (2 bytes for a
+bf16 engine, 4 for fp32): a word is one element, and a changed byte anywhere — an int counter,
+a bool mask — sends its whole word, so the result is exact for every dtype. Each bucket of
+`BUCKET_BYTES` is encoded in whichever of these is smallest:
+
+    SAME   nothing changed: no payload
+    PAIRS  int32 word indices (from the bucket's start), then the new words
+    MASK   one bit per word (little-endian bit order), then the new words
+    RAW    the bucket as it is
+
+Each section is padded to 8 bytes so that the receiver views it in place. The table
+int64[buckets, 3] holds (encoding, payload bytes, changed words) per bucket; the payload is the sections in
+bucket order. A delta says which version it applies to (its base) and carries the checksum
+(`buckets.checksum`) of the flat buffer it produces: a receiver that holds another base, or
+whose result sums differently, refuses it and never hands the weights over — it takes the next
+anchor (a full version) instead.
+
+The encoder (`DeltaSource`, trainer side) keeps a copy of the base, so the trainer's host holds
+one more copy of the weights in the engine's dtype; each receiver (`Held`) keeps one too, since
+the engine may keep the tensors it is handed. Everything here runs where the buffers live (CPU
+or accelerator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncrl.weights.buckets import Layout, bucket_ranges, checksum
+
+if TYPE_CHECKING:
+    from asyncrl.weights.fields import DeltaFields
+
+BUCKET_BYTES = 16 << 20
+"""Bytes per encoded bucket: small enough that a local burst of changes costs one bucket's
+raw size at most, large enough that the table stays negligible."""
+
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+class Encoding(IntEnum):
+    SAME = 0
+    PAIRS = 1
+    MASK = 2
+    RAW = 3
+
+
+def word_dtype(layout: Layout) -> torch.dtype:
+    """The word a change is counted in: the narrowest floating element of the layout (2 to 8
+    bytes; 4 when there is none)."""
+    sizes = [s.dtype.itemsize for s in layout.specs if s.dtype.is_floating_point]
+    return _WORDS[min(max(min(sizes, default=4), 2), 8)]
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _bytes(t: torch.Tensor, size: int) -> torch.Tensor:
+    raw = t.contiguous().view(torch.uint8).reshape(-1)
+    return torch.cat([raw, raw.new_zeros(size - raw.numel())]) if raw.numel() < size else raw
+
+
+def encoded_sizes(words: int, changed: int, itemsize: int) -> dict[Encoding, int]:
+    """Payload bytes of a bucket of `words` words, `changed` of them changed, per encoding."""
+    values = _pad8(changed * itemsize)
+    return {
+        Encoding.PAIRS: _pad8(changed * 4) + values,
+        Encoding.MASK: _pad8(words // 8) + values,
+        Encoding.RAW: words * itemsize,
+    }
+
+
+@dataclass(frozen=True)
+class Delta:
+    """The change from version `base` to `version`; applied to `base`'s flat buffer it gives
+    one whose checksum is `checksum`."""
+
+    version: int
+    base: int
+    checksum: int
+    word: torch.dtype
+    table: torch.Tensor
+    """int64[buckets, 3]: (Encoding, payload bytes, changed words) of each bucket of
+    BUCKET_BYTES."""
+    payload: torch.Tensor
+    """uint8: the buckets' sections, in order."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.numel() * 8 + self.payload.numel()
+
+
+def _encode_bucket(
+    old: torch.Tensor, new: torch.Tensor
+) -> tuple[Encoding, int, list[torch.Tensor]]:
+    """(encoding, changed words, sections) of one bucket of words."""
+    changed = old != new
+    n = int(changed.sum())
+    if n == 0:
+        return Encoding.SAME, 0, []
+    sizes = encoded_sizes(new.numel(), n, new.element_size())
+    best = min(sizes, key=lambda e: sizes[e])
+    if best is Encoding.RAW:
+        return best, n, [_bytes(new, sizes[best])]
+    values = _bytes(new[changed], _pad8(n * new.element_size()))
+    if best is Encoding.PAIRS:
+        index = changed.nonzero().reshape(-1).to(torch.int32)
+        return best, n, [_bytes(index, _pad8(n * 4)), values]
+    bits = (changed.view(-1, 8).to(torch.uint8) << _SHIFTS.to(new.device)).sum(1, dtype=torch.uint8)
+    return best, n, [_bytes(bits, _pad8(new.numel() // 8)), values]
+
+
+def encode(
+    base: torch.Tensor,
+    new: torch.Tensor,
+    word: torch.dtype,
+    versions: tuple[int, int],
+    bucket_bytes: int = BUCKET_BYTES,
+) -> Delta:
+    """The delta from flat buffer `base` to `new` (same size), as `versions` = (base, new)."""
+    if base.numel() != new.numel():
+        raise ValueError("a delta needs two buffers of one layout")
+    rows, parts = [], []
+    for s, e in bucket_ranges(new.numel(), bucket_bytes):
+        kind, n, sections = _encode_bucket(base[s:e].view(word), new[s:e].view(word))
+        rows.append([int(kind), sum(x.numel() for x in sections), n])
+        parts += sections
+    payload = torch.cat(parts) if parts else new.new_zeros(0)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+    return Delta(versions[1], versions[0], checksum(new), word, table, payload)
+
+
+def apply(flat: torch.Tensor, delta: Delta, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Apply `delta` to `flat` (its base's buffer) in place. A malformed delta raises
+    ValueError; comparing the checksum is the caller's part."""
+    ranges = bucket_ranges(flat.numel(), bucket_bytes)
+    rows = delta.table.tolist()
+    if len(rows) != len(ranges) or sum(r[1] for r in rows) != delta.payload.numel():
+        raise ValueError("delta table does not match the buffer")
+    at = 0
+    for (s, e), (kind, size, n) in zip(ranges, rows, strict=True):
+        part, at = delta.payload[at : at + size], at + size
+        words = flat[s:e].view(delta.word)
+        if kind == Encoding.SAME:
+            continue
+        expected = encoded_sizes(words.numel(), n, delta.word.itemsize).get(Encoding(kind))
+        if expected != size:
+            raise ValueError(f"bucket of encoding {kind} and {n} changes is not {size} bytes")
+        if kind == Encoding.RAW:
+            words.copy_(part.view(delta.word))
+            continue
+        head = size - _pad8(n * delta.word.itemsize)
+        values = part[head:].view(delta.word)[:n]
+        if kind == Encoding.PAIRS:
+            index = part[:head].view(torch.int32)[:n].long()
+            if n and not 0 <= int(index.min()) <= int(index.max()) < words.numel():
+                raise ValueError("delta index beyond its bucket")
+            words[index] = values
+        else:
+            bits = part[: words.numel() // 8]
+            mask = ((bits.unsqueeze(1) >> _SHIFTS.to(bits.device)) & 1).bool().reshape(-1)
+            if int(mask.sum()) != n:
+                raise ValueError("mask bucket whose bits do not count its changes")
+            words.masked_scatter_(mask, values)
+
+
+class DeltaRefused(ValueError):
+    """A delta this receiver cannot apply: another base, another layout, or a result whose
+    checksum differs. It needs an anchor (or the versions from its own on, pulled)."""
+
+
+class DeltaSource:
+    """The trainer's side: what to send of each version, and the base the receivers hold."""
+
+    def __init__(self, cfg: DeltaFields) -> None:
+        self._cfg = cfg
+        self._base: torch.Tensor | None = None
+        self._layout: Layout | None = None
+        self._version = -1
+        self._since_anchor = 0
+        self.fallbacks = 0
+        """Versions sent full because the delta would have been larger than `max_fraction`."""
+
+    @property
+    def enabled(self) -> bool:
+        return self._cfg.enabled
+
+    @property
+    def base_version(self) -> int | None:
+        return self._version if self._base is not None else None
+
+    def encode(self, flat: torch.Tensor, layout: Layout, version: int, *, anchor: bool) -> Delta | None:
+        """The delta to send as `version`; None when it goes full: asked for (`anchor`), due
+        (`anchor_every`), a new layout, or a delta that does not pay."""
+        if (
+            not self._cfg.enabled
+            or anchor
+            or self._base is None
+            or layout != self._layout
+            or self._since_anchor + 1 >= self._cfg.anchor_every
+        ):
+            return None
+        delta = encode(self._base, flat, word_dtype(layout), (self._version, version))
+        if delta.nbytes > self._cfg.max_fraction * layout.total_bytes:
+            self.fallbacks += 1
+            return None
+        return delta
+
+    def sent(self, flat: torch.Tensor, layout: Layout, version: int, delta: Delta | None) -> None:
+        """`version` reached the receivers, as `delta` or (None) in full: it is the new base."""
+        if not self._cfg.enabled:
+            return
+        if delta is None or self._base is None:
+            if self._base is None or self._base.numel() != flat.numel():
+                self._base = torch.empty_like(flat)
+            self._base.copy_(flat)
+            self._since_anchor = 0
+        else:
+            apply(self._base, delta)  # touches the changed words only: cheaper than a copy
+            self._since_anchor += 1
+        self._layout, self._version = layout, version
+
+    def forget(self) -> None:
+        """The receivers' base is unknown (a failed send): the next version goes full."""
+        self._base = None
+
+
+class Held:
+    """A receiver's own copy of the version its engine was last handed, for deltas to apply
+    to (the engine may keep, and use, the tensors it was handed)."""
+
+    def __init__(self) -> None:
+        self.flat: torch.Tensor | None = None
+        self.layout: Layout | None = None
+        self.version: int | None = None
+
+    def anchor(self, flat: torch.Tensor, layout: Layout, version: int) -> None:
+        if self.flat is None or self.flat.numel() != flat.numel() or self.flat.device != flat.device:
+            self.flat = torch.empty_like(flat)
+        self.flat.copy_(flat)
+        self.layout, self.version = layout, version
+
+    def apply(self, delta: Delta, layout: Layout) -> torch.Tensor:
+        """The flat buffer of `delta.version` (a copy the caller may hand over); DeltaRefused
+        when it does not apply to what is held — then nothing is held any more if the held
+        copy was touched."""
+        if self.flat is None or self.version != delta.base or layout != self.layout:
+            raise DeltaRefused(
+                f"version {delta.version} is a delta on {delta.base}; this worker holds "
+                f"{self.version if self.flat is not None else 'nothing'}"
+            )
+        try:
+            apply(self.flat, delta)
+        except ValueError as exc:
+            self.flat = None
+            raise DeltaRefused(f"version {delta.version}: {exc}") from None
+        if checksum(self.flat) != delta.checksum:
+            self.flat = None
+            raise DeltaRefused(f"version {delta.version}: checksum mismatch after the delta")
+        self.version = delta.version
+        return self.flat.clone()

@@ -1,0 +1,165 @@
+"""Sparse delta sync's math (`asyncrl.weights.delta`): hand-worked encodings, and bit-exact
+reconstruction — a receiver's weights after N deltas are the weights of a full sync of N."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.weights.buckets import FlatBuffer, Layout, checksum
+from asyncrl.weights.delta import (
+    Delta,
+    DeltaRefused,
+    DeltaSource,
+    Encoding,
+    Held,
+    apply,
+    encode,
+    encoded_sizes,
+    word_dtype,
+)
+from asyncrl.weights.fields import DeltaFields
+
+
+def test_encoded_sizes_hand_worked() -> None:
+    # 1024 words of 2 bytes, 3 changed: pairs 16 + 8, mask 128 + 8, raw 2048.
+    assert encoded_sizes(1024, 3, 2) == {Encoding.PAIRS: 24, Encoding.MASK: 136, Encoding.RAW: 2048}
+    # 400 of 1024 fp32 words changed: pairs 1600 + 1600 > mask 128 + 1600.
+    assert encoded_sizes(1024, 400, 4)[Encoding.MASK] == 1728
+
+
+def test_word_is_the_narrowest_float() -> None:
+    bf16 = Layout.of([("a", torch.zeros(3)), ("b", torch.zeros(2, dtype=torch.bfloat16))])
+    fp32 = Layout.of([("a", torch.zeros(3)), ("n", torch.zeros(2, dtype=torch.int64))])
+    ints = Layout.of([("n", torch.zeros(2, dtype=torch.int64))])
+    assert (word_dtype(bf16), word_dtype(fp32), word_dtype(ints)) == (
+        torch.int16,
+        torch.int32,
+        torch.int32,
+    )
+
+
+def _flat(words: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(words, dtype=dtype).view(torch.uint8)
+
+
+def test_each_bucket_picks_its_smallest_encoding() -> None:
+    # Four buckets of 64 bytes = 32 int16 words: unchanged, one change, 12 changes, all changed.
+    old = torch.zeros(128, dtype=torch.int16)
+    new = old.clone()
+    new[5] = 7  # bucket 0 → pairs: index 5, value 7
+    new[32 + 0 : 32 + 12] = 1  # bucket 1: 12 changed → pairs 48+24=72 > mask 8+24=32
+    new[96:128] = 3  # bucket 3: all 32 → raw 64 < mask 8+64
+    d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (4, 5), 64)
+    assert d.table.tolist() == [[1, 16, 1], [2, 32, 12], [0, 0, 0], [3, 64, 32]]
+    assert d.payload[:8].view(torch.int32).tolist() == [5, 0]
+    assert d.payload[8:10].view(torch.int16).tolist() == [7]
+    assert d.payload[16:24].tolist() == [0xFF, 0x0F, 0, 0, 0, 0, 0, 0]  # bits 0..11, LSB first
+    assert (d.version, d.base, d.checksum) == (5, 4, checksum(new.view(torch.uint8)))
+    flat = old.clone().view(torch.uint8)
+    apply(flat, d, 64)
+    assert torch.equal(flat.view(torch.int16), new)
+
+
+def _model(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "emb": torch.randn(300, 64, generator=g),
+        "w": torch.randn(64, 64, generator=g),
+        "bias": torch.randn(63, generator=g),
+        "count": torch.zeros(3, dtype=torch.int64),
+        "mask": torch.zeros(5, dtype=torch.bool),
+    }
+
+
+def _step(params: dict[str, torch.Tensor], lr: float, g: torch.Generator) -> None:
+    """An update that moves a few embedding rows by `lr` (relative), every other weight by
+    1e-6 relative (which rounds away in bf16, not in fp32), and the counter and mask."""
+    rows = torch.randint(0, 300, (12,), generator=g)
+    params["emb"][rows] *= 1 + lr * torch.randn(12, 64, generator=g)
+    params["w"] *= 1 + 1e-6 * torch.randn(64, 64, generator=g)
+    params["count"] += 1
+    params["mask"][0] = ~params["mask"][0]
+
+
+@pytest.mark.parametrize("engine", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lr", [1e-6, 1e-2])
+def test_n_deltas_equal_a_full_sync_bit_for_bit(engine: torch.dtype, lr: float) -> None:
+    params = _model(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    narrow = engine if engine != torch.float32 else None
+    source = DeltaSource(DeltaFields(enabled=True, anchor_every=100, max_fraction=1.0))
+    held = Held()
+    sent_full = 0
+    for version in range(8):
+        buf = FlatBuffer(Layout.of(params.items(), narrow), torch.device("cpu"))
+        buf.pack(params.items())
+        delta = source.encode(buf.flat, buf.layout, version, anchor=False)
+        if delta is None:
+            held.anchor(buf.flat, buf.layout, version)
+            sent_full += 1
+        else:
+            assert delta.nbytes < buf.layout.total_bytes
+            got = held.apply(delta, buf.layout)
+            # What a full sync of this version would hand over, bit for bit.
+            assert torch.equal(got, buf.flat)
+        source.sent(buf.flat, buf.layout, version, delta)
+        _step(params, lr, g)
+    assert sent_full == 1
+
+
+def test_the_delta_stops_paying_then_full() -> None:
+    a = torch.randn(4096)
+    buf = FlatBuffer(Layout.of([("a", a)]), torch.device("cpu"))
+    buf.pack([("a", a)])
+    source = DeltaSource(DeltaFields(enabled=True, max_fraction=0.5))
+    source.sent(buf.flat, buf.layout, 0, None)
+    buf.pack([("a", a + 1)])  # every word changes
+    assert source.encode(buf.flat, buf.layout, 1, anchor=False) is None
+    assert source.fallbacks == 1
+
+
+def test_anchor_every_k_and_on_request() -> None:
+    a = torch.randn(1024)
+    buf = FlatBuffer(Layout.of([("a", a)]), torch.device("cpu"))
+    source = DeltaSource(DeltaFields(enabled=True, anchor_every=3))
+    kinds = []
+    buf.pack([("a", a)])
+    for v in range(7):
+        buf.flat[:8] = v  # one word changes per version: a delta always pays
+        d = source.encode(buf.flat, buf.layout, v, anchor=(v == 5))
+        kinds.append("d" if d is not None else "A")
+        source.sent(buf.flat, buf.layout, v, d)
+    # The first; after two deltas (every 3rd); asked for; then counting from there.
+    assert "".join(kinds) == "AddAdAd"
+
+
+def test_a_delta_on_the_wrong_base_is_refused_and_nothing_runs_on_it() -> None:
+    a = torch.randn(2048)
+    buf = FlatBuffer(Layout.of([("a", a)]), torch.device("cpu"))
+    buf.pack([("a", a)])
+    held = Held()
+    held.anchor(buf.flat, buf.layout, 3)
+    new = buf.flat.clone()
+    new[:64] += 1
+    delta = encode(buf.flat, new, torch.int32, (4, 5))  # on version 4; this holds 3
+    with pytest.raises(DeltaRefused, match="holds 3"):
+        held.apply(delta, buf.layout)
+    assert held.version == 3 and held.flat is not None  # untouched, still usable
+    # The right base number but other bytes (a corrupted base): the checksum refuses it.
+    lying = Delta(5, 3, delta.checksum, delta.word, delta.table, delta.payload)
+    held.flat[100] ^= 1
+    with pytest.raises(DeltaRefused, match="checksum"):
+        held.apply(lying, buf.layout)
+    assert held.flat is None  # it takes an anchor next
+
+
+def test_malformed_tables_raise_value_error() -> None:
+    flat = torch.zeros(128, dtype=torch.uint8)
+    bad = Delta(1, 0, 0, torch.int16, torch.tensor([[1, 24, 99]]), torch.zeros(24, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        apply(flat, bad, 128)
+    index = torch.tensor([1000, 0], dtype=torch.int32).view(torch.uint8)
+    far = Delta(1, 0, 0, torch.int16, torch.tensor([[1, 16, 1]]), torch.cat([index, torch.zeros(8, dtype=torch.uint8)]))
+    with pytest.raises(ValueError, match="beyond"):
+        apply(flat, far, 128)
