@@ -65,9 +65,11 @@ class Harness:
         victim.wait()
         self.client.delete(report_key(RUN, worker), first_key(RUN, worker))
 
-    def publish_to(self, workers: set[str]) -> WeightPublisher:
+    def publish_to(
+        self, workers: set[str], cfg: BroadcastWeightsConfig = CFG
+    ) -> WeightPublisher:
         self.publisher = build_publisher(
-            CFG, self.client, KEYS, device="cpu", on_record=self.records.put
+            cfg, self.client, KEYS, device="cpu", on_record=self.records.put
         )
         wait_until(lambda: self.registered() == workers, 60, f"{workers} registered")
         return self.publisher

@@ -156,10 +156,19 @@ def test_a_delta_on_the_wrong_base_is_refused_and_nothing_runs_on_it() -> None:
 
 def test_malformed_tables_raise_value_error() -> None:
     flat = torch.zeros(128, dtype=torch.uint8)
-    bad = Delta(1, 0, 0, torch.int16, torch.tensor([[1, 24, 99]]), torch.zeros(24, dtype=torch.uint8))
+    bad = Delta(
+        1, 0, 0, torch.int16, torch.tensor([[1, 24, 99]]), torch.zeros(24, dtype=torch.uint8)
+    )
     with pytest.raises(ValueError):
         apply(flat, bad, 128)
     index = torch.tensor([1000, 0], dtype=torch.int32).view(torch.uint8)
-    far = Delta(1, 0, 0, torch.int16, torch.tensor([[1, 16, 1]]), torch.cat([index, torch.zeros(8, dtype=torch.uint8)]))
+    far = Delta(
+        1,
+        0,
+        0,
+        torch.int16,
+        torch.tensor([[1, 16, 1]]),
+        torch.cat([index, torch.zeros(8, dtype=torch.uint8)]),
+    )
     with pytest.raises(ValueError, match="beyond"):
         apply(flat, far, 128)

@@ -18,7 +18,7 @@ from asyncrl.trainer.backends import build_publisher
 from asyncrl.weights.base import SyncRecord, WeightSubscriber
 from asyncrl.weights.buckets import checksum_tensors
 from asyncrl.weights.config import StoreWeightsConfig
-from asyncrl.weights.store import version_path
+from asyncrl.weights.versions import version_path
 
 from role_procs import wait_until
 from weights_proc import (

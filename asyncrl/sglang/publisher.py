@@ -70,7 +70,7 @@ from asyncrl.weights.groups import (
     resolve_backend,
 )
 from asyncrl.weights.members import Lease, join_record, live_joins
-from asyncrl.weights.store import VersionedDir
+from asyncrl.weights.versions import VersionedDir
 
 if TYPE_CHECKING:
     from asyncrl.engines.base import RolloutEngine

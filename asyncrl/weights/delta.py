@@ -13,11 +13,11 @@ a bool mask — sends its whole word, so the result is exact for every dtype. Ea
     RAW    the bucket as it is
 
 Each section is padded to 8 bytes so that the receiver views it in place. The table
-int64[buckets, 3] holds (encoding, payload bytes, changed words) per bucket; the payload is the sections in
-bucket order. A delta says which version it applies to (its base) and carries the checksum
-(`buckets.checksum`) of the flat buffer it produces: a receiver that holds another base, or
-whose result sums differently, refuses it and never hands the weights over — it takes the next
-anchor (a full version) instead.
+int64[buckets, 3] holds (encoding, payload bytes, changed words) per bucket; the payload is the
+sections in bucket order. A delta says which version it applies to (its base) and carries the
+checksum (`buckets.checksum`) of the flat buffer it produces: a receiver that holds another
+base, or whose result sums differently, refuses it and never hands the weights over — it takes
+an anchor (a full version) instead, or pulls the versions it lacks (`versions.read_to`).
 
 The encoder (`DeltaSource`, trainer side) keeps a copy of the base, so the trainer's host holds
 one more copy of the weights in the engine's dtype; each receiver (`Held`) keeps one too, since
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.weights.buckets import Layout, bucket_ranges, checksum
+from asyncrl.weights.buckets import FlatBuffer, Layout, bucket_ranges, checksum
 
 if TYPE_CHECKING:
     from asyncrl.weights.fields import DeltaFields
@@ -198,7 +198,9 @@ class DeltaSource:
     def base_version(self) -> int | None:
         return self._version if self._base is not None else None
 
-    def encode(self, flat: torch.Tensor, layout: Layout, version: int, *, anchor: bool) -> Delta | None:
+    def encode(
+        self, flat: torch.Tensor, layout: Layout, version: int, *, anchor: bool
+    ) -> Delta | None:
         """The delta to send as `version`; None when it goes full: asked for (`anchor`), due
         (`anchor_every`), a new layout, or a delta that does not pay."""
         if (
@@ -244,10 +246,20 @@ class Held:
         self.version: int | None = None
 
     def anchor(self, flat: torch.Tensor, layout: Layout, version: int) -> None:
-        if self.flat is None or self.flat.numel() != flat.numel() or self.flat.device != flat.device:
+        if (
+            self.flat is None
+            or self.flat.numel() != flat.numel()
+            or self.flat.device != flat.device
+        ):
             self.flat = torch.empty_like(flat)
         self.flat.copy_(flat)
         self.layout, self.version = layout, version
+
+    def anchor_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Hold `version` from its named tensors (as loaded from a file)."""
+        buffer = FlatBuffer(Layout.of(tensors.items()), next(iter(tensors.values())).device)
+        buffer.pack(tensors.items())
+        self.flat, self.layout, self.version = buffer.flat, buffer.layout, version
 
     def apply(self, delta: Delta, layout: Layout) -> torch.Tensor:
         """The flat buffer of `delta.version` (a copy the caller may hand over); DeltaRefused
