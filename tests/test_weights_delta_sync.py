@@ -4,37 +4,21 @@ bit for bit, what the trainer published for the version it reports, at every syn
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
-import pytest
-import redis
 import torch
 
-from asyncrl.launch.redis_server import RedisServer
 from asyncrl.weights.base import WeightPublisher
 from asyncrl.weights.broadcast import BroadcastPublisher
 from asyncrl.weights.buckets import FlatBuffer, Layout
-from asyncrl.weights.config import BroadcastWeightsConfig
 from asyncrl.weights.fields import BroadcastDeltaFields
 
 from role_procs import wait_until
-from test_weights_broadcast import CFG, RUN, Harness
+from weights_harness import CFG, RUN, Harness
 from weights_proc import fingerprint, got, make_params
 
 BF16 = ("--keeps-dtype", "bfloat16")
-
-
-@pytest.fixture
-def harness(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
-) -> Iterator[Harness]:
-    h = Harness(redis_server, redis_client, tmp_path)
-    try:
-        yield h
-    finally:
-        h.close()
 
 
 def engine_view(params: dict[str, torch.Tensor]) -> tuple[int, str]:
@@ -98,20 +82,33 @@ def test_kill_restart_join_and_trainer_restart_keep_every_worker_exact(
     harness.hold(["c"], 3, expected[3])
     assert sent[3] < 0.05 * full  # the group went on with deltas
 
-    pub.close()  # the trainer restarts (from a checkpoint): its publisher knows no base
+    # The trainer restarts (from a checkpoint): its publisher knows no base. This one has no
+    # directory to pull from, so whoever lacks the base gets an anchor, sent to the group.
+    pub.close()
     harness.publisher = None
-    pub = harness.publish_to({"a", "b", "c"}, cfg)
+    pub = harness.publish_to(
+        {"a", "b", "c"},
+        CFG.model_copy(update={"delta": delta.model_copy(update={"pull_dir": None})}),
+    )
     narrowing(pub)
     sparse_step(params, 4)
     publish(4, ["a", "b", "c"])
     sparse_step(params, 5)
     publish(5, ["a", "b", "c"])
     assert sent[4] == full and sent[5] < 0.05 * full
+    harness.spawn("d", args=(*BF16, "--refuse-delta"))  # its copy goes bad at the next delta
+    harness.hold(["d"], 5, expected[5])
+    sparse_step(params, 6)
+    publish(6, ["a", "b", "c", "d"])  # d refused the delta and asked for an anchor: it got one
+    assert sent[6] == full and "asking for an anchor" in (tmp_path / "d.log").read_text()
+    sparse_step(params, 7)
+    publish(7, ["a", "b", "c", "d"])
+    assert sent[7] < 0.05 * full
 
     for worker in ("b", "c"):  # neither made the group go back to full: they pulled
         assert "pulled from" in (tmp_path / f"{worker}.log").read_text()
     # Every version each worker reported is bit for bit what was published as it.
-    for worker in ("a", "b", "c"):
+    for worker in ("a", "b", "c", "d"):
         reports = got(harness.client, RUN, worker)
         assert reports
         for r in reports:
