@@ -201,12 +201,13 @@ def test_delta_files_chain_from_anchors_and_a_late_worker_pulls_them(
     late = None
     try:
         params = make_params(8)
-        expected, sizes = {}, {}
+        expected, sizes, deltas = {}, {}, []
         for version in range(5):
             pub.publish(params.items(), version)
             expected[version] = fingerprint(params)
             record = records.get(timeout=30)
             sizes[version] = record.bytes_sent
+            deltas.append(record.delta)
             early.wait_for_version(version, timeout_s=30)
             params["layers.001.weight"][version] += 1.0  # one row of 1024 changes
         # Anchors at 0 and 3 (every third version), deltas between; only the newest anchor and
@@ -218,6 +219,7 @@ def test_delta_files_chain_from_anchors_and_a_late_worker_pulls_them(
             version_path(store_dir, v).name for v in (1, 2, 4)
         ]
         assert all(sizes[v] < sizes[0] / 100 for v in (1, 2, 4))
+        assert deltas == [False, True, True, False, True]
         assert handed == [(v, expected[v]) for v in range(5)]
         # A worker that starts now takes anchor 3 and delta 4.
         late, held = join_late(store_dir, redis_client, conf)

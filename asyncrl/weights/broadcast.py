@@ -299,18 +299,18 @@ class BroadcastPublisher(BackgroundPublisher):
             raise
         self._holders |= set(self._members)
         self._failures = 0
-        fields = {"sent_version": str(version)}
         if self._members and self._delta.enabled:
             self._delta.sent(buffer.flat, buffer.layout, version, delta)
             self._based = set(self._members)
         pipe = self._client.pipeline(transaction=True)
         if delta is None and behind:
             pipe.hdel(self._keys.weights, *(f"behind:{m}" for m in behind))
-        pipe.hset(self._keys.weights, mapping=fields)
+        pipe.hset(self._keys.weights, "sent_version", str(version))
         pipe.publish(self._keys.weights, "sent_version")
         pipe.execute()
         if not self._members:
             return 0, 0
+        self._sent_delta = delta is not None
         sent = buffer.layout.total_bytes if delta is None else delta.nbytes
         return sent, len(self._members)
 
@@ -509,12 +509,11 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
             self._hand_over(layout.views(flat.to(self._device)), header.version)
             return
         try:
-            flat = self._held.apply(delta, layout)
+            applied: torch.Tensor | None = self._held.apply(delta, layout)
         except DeltaRefused as exc:
-            flat = self._pull(header.version, exc)
-            if flat is None:
-                return
-        self._hand_over(layout.views(flat.to(self._device)), header.version)
+            applied = self._pull(header.version, exc)
+        if applied is not None:
+            self._hand_over(layout.views(applied.to(self._device)), header.version)
 
     def _receive_full(self, group: Group, header: Header) -> torch.Tensor:
         flat = self._buffers.take(header.total_bytes)

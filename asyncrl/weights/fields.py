@@ -59,7 +59,7 @@ class DeltaFields(Section):
     """A full version after at most this many versions sent (1: always full)."""
     max_fraction: float = Field(default=0.5, gt=0, le=1)
     """A delta larger than this fraction of the full version is not sent: the version goes in
-    full (counted in `weight_sync_delta_fallbacks_total`)."""
+    full (`asyncrl_weight_sync_deltas_total` then stops counting)."""
 
 
 class BroadcastDeltaFields(DeltaFields):

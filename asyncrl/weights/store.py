@@ -76,6 +76,7 @@ class StorePublisher(BackgroundPublisher):
             store_path=str(path),
         )
         self._delta.sent(buffer.flat, buffer.layout, version, delta)
+        self._sent_delta = delta is not None
         return path.stat().st_size, None
 
     def _wants_resend(self) -> bool:
