@@ -22,10 +22,17 @@ from asyncrl.weights.fields import DeltaFields
 
 
 def test_encoded_sizes_hand_worked() -> None:
-    # 1024 words of 2 bytes, 3 changed: pairs 16 + 8, mask 128 + 8, raw 2048.
+    # 1024 words of 2 bytes, 3 changed: pairs = one block's count 8 + indices 8 + values 8;
+    # mask 128 + 8; raw 2048.
     assert encoded_sizes(1024, 3, 2) == {Encoding.PAIRS: 24, Encoding.MASK: 136, Encoding.RAW: 2048}
-    # 400 of 1024 fp32 words changed: pairs 1600 + 1600 > mask 128 + 1600.
-    assert encoded_sizes(1024, 400, 4)[Encoding.MASK] == 1728
+    # 400 of 1024 fp32 words changed: pairs 8 + 800 + 1600 > mask 128 + 1600.
+    assert encoded_sizes(1024, 400, 4) == {
+        Encoding.PAIRS: 2408,
+        Encoding.MASK: 1728,
+        Encoding.RAW: 4096,
+    }
+    # 3 blocks of 65536 words: three counts, padded to 16 bytes.
+    assert encoded_sizes(3 << 16, 1, 2)[Encoding.PAIRS] == 16 + 8 + 8
 
 
 def test_word_is_the_narrowest_float() -> None:
@@ -44,20 +51,35 @@ def _flat(words: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_each_bucket_picks_its_smallest_encoding() -> None:
-    # Four buckets of 64 bytes = 32 int16 words: unchanged, one change, 12 changes, all changed.
-    old = torch.zeros(128, dtype=torch.int16)
+    # Four buckets of 1024 bytes = 512 int16 words: one change, 40 changes, none, all.
+    old = torch.zeros(2048, dtype=torch.int16)
     new = old.clone()
-    new[5] = 7  # bucket 0 → pairs: index 5, value 7
-    new[32 + 0 : 32 + 12] = 1  # bucket 1: 12 changed → pairs 48+24=72 > mask 8+24=32
-    new[96:128] = 3  # bucket 3: all 32 → raw 64 < mask 8+64
-    d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (4, 5), 64)
-    assert d.table.tolist() == [[1, 16, 1], [2, 32, 12], [0, 0, 0], [3, 64, 32]]
-    assert d.payload[:8].view(torch.int32).tolist() == [5, 0]
-    assert d.payload[8:10].view(torch.int16).tolist() == [7]
-    assert d.payload[16:24].tolist() == [0xFF, 0x0F, 0, 0, 0, 0, 0, 0]  # bits 0..11, LSB first
+    new[5] = 7  # pairs 8 + 8 + 8 = 24 < mask 64 + 8
+    new[512 : 512 + 40] = 1  # mask 64 + 80 = 144 < pairs 8 + 80 + 80
+    new[1536:] = 3  # raw 1024 < mask 64 + 1024
+    d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (4, 5), 1024)
+    assert d.table.tolist() == [[1, 24, 1], [2, 144, 40], [0, 0, 0], [3, 1024, 512]]
+    assert d.payload[:4].view(torch.int32).tolist() == [1]  # one change in block 0
+    assert d.payload[8:10].view(torch.int16).tolist() == [5]  # at word 5
+    assert d.payload[16:18].view(torch.int16).tolist() == [7]  # now 7
+    bits = d.payload[24 : 24 + 64].tolist()
+    assert bits[:6] == [0xFF] * 5 + [0] and sum(bits) == 5 * 0xFF  # words 0..39, LSB first
     assert (d.version, d.base, d.checksum) == (5, 4, checksum(new.view(torch.uint8)))
     flat = old.clone().view(torch.uint8)
-    apply(flat, d, 64)
+    apply(flat, d, 1024)
+    assert torch.equal(flat.view(torch.int16), new)
+
+
+def test_pairs_indices_cross_blocks_of_65536_words() -> None:
+    old = torch.zeros(3 << 16, dtype=torch.int16)
+    new = old.clone()
+    at = [0, 65535, 65536, 131071, 196607]  # both ends of every block
+    new[at] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int16)
+    d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (0, 1), 6 << 16)
+    assert d.table.tolist() == [[1, 16 + 16 + 16, 5]]
+    assert d.payload[:12].view(torch.int32).tolist() == [2, 2, 1]
+    flat = old.clone().view(torch.uint8)
+    apply(flat, d, 6 << 16)
     assert torch.equal(flat.view(torch.int16), new)
 
 
@@ -161,14 +183,14 @@ def test_malformed_tables_raise_value_error() -> None:
     )
     with pytest.raises(ValueError):
         apply(flat, bad, 128)
-    index = torch.tensor([1000, 0], dtype=torch.int32).view(torch.uint8)
-    far = Delta(
-        1,
-        0,
-        0,
-        torch.int16,
-        torch.tensor([[1, 16, 1]]),
-        torch.cat([index, torch.zeros(8, dtype=torch.uint8)]),
-    )
+    # One change in a bucket of 64 words, at index 1000.
+    head = torch.tensor([1, 0], dtype=torch.int32).view(torch.uint8)
+    index = torch.tensor([1000, 0, 0, 0], dtype=torch.int16).view(torch.uint8)
+    payload = torch.cat([head, index, torch.zeros(8, dtype=torch.uint8)])
+    far = Delta(1, 0, 0, torch.int16, torch.tensor([[1, 24, 1]]), payload)
     with pytest.raises(ValueError, match="beyond"):
         apply(flat, far, 128)
+    # Block counts that do not add up to the changes the table says.
+    lying = Delta(1, 0, 0, torch.int16, torch.tensor([[1, 24, 2]]), payload)
+    with pytest.raises(ValueError):
+        apply(flat, lying, 128)
