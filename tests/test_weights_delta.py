@@ -58,6 +58,7 @@ def test_each_bucket_picks_its_smallest_encoding() -> None:
     new[512 : 512 + 40] = 1  # mask 64 + 80 = 144 < pairs 8 + 80 + 80
     new[1536:] = 3  # raw 1024 < mask 64 + 1024
     d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (4, 5), 1024)
+    assert d is not None
     assert d.table.tolist() == [[1, 24, 1], [2, 144, 40], [0, 0, 0], [3, 1024, 512]]
     assert d.payload[:4].view(torch.int32).tolist() == [1]  # one change in block 0
     assert d.payload[8:10].view(torch.int16).tolist() == [5]  # at word 5
@@ -76,6 +77,7 @@ def test_pairs_indices_cross_blocks_of_65536_words() -> None:
     at = [0, 65535, 65536, 131071, 196607]  # both ends of every block
     new[at] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int16)
     d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (0, 1), 6 << 16)
+    assert d is not None
     assert d.table.tolist() == [[1, 16 + 16 + 16, 5]]
     assert d.payload[:12].view(torch.int32).tolist() == [2, 2, 1]
     flat = old.clone().view(torch.uint8)
@@ -165,6 +167,7 @@ def test_a_delta_on_the_wrong_base_is_refused_and_nothing_runs_on_it() -> None:
     new = buf.flat.clone()
     new[:64] += 1
     delta = encode(buf.flat, new, torch.int32, (4, 5))  # on version 4; this holds 3
+    assert delta is not None
     with pytest.raises(DeltaRefused, match="holds 3"):
         held.apply(delta, buf.layout)
     assert held.version == 3 and held.flat is not None  # untouched, still usable

@@ -25,6 +25,11 @@ PUBLISH on the channel of the same name (the doorbell subscribers block on).
                    subscriber —, and the floating `dtype` its engine keeps if it said); it counts
                    as live while the key `{Keys.weights}:lease:{id}` exists (TTL lease_s,
                    refreshed every lease_s/3)
+    delta          "1" while versions may go as deltas (`weights.delta`): subscribers keep a
+                   copy of what they hold to apply them to
+    delta_dir      `weights.delta.pull_dir`: where a subscriber pulls the versions it lacks
+    behind:{id}    a version subscriber {id} could neither apply nor pull: the publisher sends
+                   it again in full, to the group as it is (deleted once sent)
 
 Forming epoch e: the publisher proposes it to the live subscribers, waits until each has set
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
@@ -47,9 +52,12 @@ again at its next look at the hash, so that workers can still find it.
 
 One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the
 flat buffer in buckets, and a trailer holding the checksum, all posted at once so that they
-pipeline. Subscribers enter the collectives only once a send is announced, so none ever waits
-inside one between versions (an NCCL kernel would occupy its GPU meanwhile); they take part in
-every announced send of their epoch, in order. A failed op aborts the group: the publisher's
+pipeline. A delta (`asyncrl.weights.delta`; header `base` ≥ 0) sends its table and its payload
+in buckets instead of the flat buffer, and the checksum of the buffer it produces; a member
+that lacks its base pulls the versions from `delta_dir` or asks for an anchor (`behind:`),
+never leaving the group for it. Subscribers enter the collectives only once a send is
+announced, so none ever waits inside one between versions (an NCCL kernel would occupy its GPU
+meanwhile); they take part in every announced send of their epoch, in order. A failed op aborts the group: the publisher's
 failure makes it resend to a rebuilt group (at once if nothing newer is staged), a subscriber's
 — e.g. the peer it relays to in gloo's broadcast tree died — is reported by deleting its
 `ready:` field.

@@ -179,15 +179,20 @@ def encode(
     word: torch.dtype,
     versions: tuple[int, int],
     bucket_bytes: int = BUCKET_BYTES,
-) -> Delta:
-    """The delta from flat buffer `base` to `new` (same size), as `versions` = (base, new)."""
+    limit: int | None = None,
+) -> Delta | None:
+    """The delta from flat buffer `base` to `new` (same size), as `versions` = (base, new);
+    None as soon as its payload would exceed `limit` bytes (the rest is not encoded)."""
     if base.numel() != new.numel():
         raise ValueError("a delta needs two buffers of one layout")
-    rows, parts = [], []
+    rows, parts, size = [], [], 0
     for s, e in bucket_ranges(new.numel(), bucket_bytes):
         kind, n, sections = _encode_bucket(base[s:e].view(word), new[s:e].view(word))
         rows.append([int(kind), sum(x.numel() for x in sections), n])
         parts += sections
+        size += rows[-1][1]
+        if limit is not None and size > limit:
+            return None
     payload = torch.cat(parts) if parts else new.new_zeros(0)
     table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
     return Delta(versions[1], versions[0], checksum(new), word, table, payload)
@@ -275,10 +280,11 @@ class DeltaSource:
             or self._since_anchor + 1 >= self._cfg.anchor_every
         ):
             return None
-        delta = encode(self._base, flat, word_dtype(layout), (self._version, version))
-        if delta.nbytes > self._cfg.max_fraction * layout.total_bytes:
+        limit = int(self._cfg.max_fraction * layout.total_bytes)
+        word = word_dtype(layout)
+        delta = encode(self._base, flat, word, (self._version, version), limit=limit)
+        if delta is None:
             self.fallbacks += 1
-            return None
         return delta
 
     def sent(self, flat: torch.Tensor, layout: Layout, version: int, delta: Delta | None) -> None:

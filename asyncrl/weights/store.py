@@ -11,6 +11,9 @@ a reader that loses the race to a deletion takes the newer file announced since.
 
 Files are plain safetensors state dicts, readable by any tool (e.g. an inference server's
 load-from-disk). A new worker loads the newest one first, so the store also serves as bootstrap.
+With `weights.delta` the versions between anchors are delta files under `{store_dir}/delta/`
+(`asyncrl.weights.versions`): a subscriber applies the chain from what it holds, or from the
+newest anchor, checking each step's checksum.
 """
 
 from __future__ import annotations
