@@ -57,9 +57,9 @@ in buckets instead of the flat buffer, and the checksum of the buffer it produce
 that lacks its base pulls the versions from `delta_dir` or asks for an anchor (`behind:`),
 never leaving the group for it. Subscribers enter the collectives only once a send is
 announced, so none ever waits inside one between versions (an NCCL kernel would occupy its GPU
-meanwhile); they take part in every announced send of their epoch, in order. A failed op aborts the group: the publisher's
-failure makes it resend to a rebuilt group (at once if nothing newer is staged), a subscriber's
-— e.g. the peer it relays to in gloo's broadcast tree died — is reported by deleting its
+meanwhile); they take part in every announced send of their epoch, in order. A failed op
+aborts the group: the publisher's failure makes it resend to a rebuilt group (at once if
+nothing newer is staged), a subscriber's — e.g. the peer it relays to in gloo's broadcast tree died — is reported by deleting its
 `ready:` field.
 """
 
