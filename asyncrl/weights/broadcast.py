@@ -50,17 +50,16 @@ gets the current version at once rather than at the next publish (which, with on
 comes). If Redis loses the hash (restarted empty), the publisher writes its rendezvous fields
 again at its next look at the hash, so that workers can still find it.
 
-One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the
-flat buffer in buckets, and a trailer holding the checksum, all posted at once so that they
-pipeline. A delta (`asyncrl.weights.delta`; header `base` ≥ 0) sends its table and its payload
-in buckets instead of the flat buffer, and the checksum of the buffer it produces; a member
-that lacks its base pulls the versions from `delta_dir` or asks for an anchor (`behind:`),
-never leaving the group for it. Subscribers enter the collectives only once a send is
-announced, so none ever waits inside one between versions (an NCCL kernel would occupy its GPU
-meanwhile); they take part in every announced send of their epoch, in order. A failed op
-aborts the group: the publisher's failure makes it resend to a rebuilt group (at once if
-nothing newer is staged), a subscriber's — e.g. the peer it relays to in gloo's broadcast tree died — is reported by deleting its
-`ready:` field.
+One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the flat
+buffer in buckets, and a trailer holding the checksum, all posted at once so that they pipeline. A
+delta (`asyncrl.weights.delta`; header `base` ≥ 0) sends its table and its payload in buckets
+instead of the flat buffer, and the checksum of the buffer it produces; a member that lacks its
+base pulls the versions from `delta_dir` or asks for an anchor (`behind:`), never leaving the group
+for it. Subscribers enter the collectives only once a send is announced, so none ever waits inside
+one between versions (an NCCL kernel would occupy its GPU meanwhile); they take part in every
+announced send of their epoch, in order. A failed op aborts the group: the publisher's failure
+makes it resend to a rebuilt group (at once if nothing newer is staged), a subscriber's — e.g. the
+peer it relays to in gloo's broadcast tree died — is reported by deleting its `ready:` field.
 """
 
 from __future__ import annotations
