@@ -106,9 +106,16 @@ def _step(params: dict[str, torch.Tensor], lr: float, g: torch.Generator) -> Non
     params["mask"][0] = ~params["mask"][0]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+# On CUDA the codec runs torch's own ops (numpy's on CPU): tools/gpu_check.sh runs that case.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("engine", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lr", [1e-6, 1e-2])
-def test_n_deltas_equal_a_full_sync_bit_for_bit(engine: torch.dtype, lr: float) -> None:
+def test_n_deltas_equal_a_full_sync_bit_for_bit(
+    engine: torch.dtype, lr: float, device: str
+) -> None:
     params = _model(torch.float32)
     g = torch.Generator().manual_seed(1)
     narrow = engine if engine != torch.float32 else None
@@ -116,7 +123,7 @@ def test_n_deltas_equal_a_full_sync_bit_for_bit(engine: torch.dtype, lr: float) 
     held = Held()
     sent_full = 0
     for version in range(8):
-        buf = FlatBuffer(Layout.of(params.items(), narrow), torch.device("cpu"))
+        buf = FlatBuffer(Layout.of(params.items(), narrow), torch.device(device))
         buf.pack(params.items())
         delta = source.encode(buf.flat, buf.layout, version, anchor=False)
         if delta is None:
