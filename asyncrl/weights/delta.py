@@ -242,6 +242,18 @@ def _pairs_index(head: torch.Tensor, words: int, n: int) -> torch.Tensor:
     return index
 
 
+_SAMPLE_STRIDE = 61  # prime: no alignment with any tensor's row length
+
+
+def _sampled_size(old: torch.Tensor, new: torch.Tensor) -> int:
+    """The bytes a delta of these words would take, estimated from every 61st word: a delta
+    that will not pay costs a 61st of the compare, not the whole encode."""
+    changed, n = _changed(old[::_SAMPLE_STRIDE], new[::_SAMPLE_STRIDE])
+    fraction = n / max(changed.numel(), 1)
+    sizes = encoded_sizes(new.numel(), int(fraction * new.numel()), new.element_size())
+    return min(sizes[Encoding.PAIRS], sizes[Encoding.MASK])
+
+
 class DeltaRefused(ValueError):
     """A delta this receiver cannot apply: another base, another layout, or a result whose
     checksum differs. It needs an anchor (or the versions from its own on, pulled)."""
@@ -282,6 +294,9 @@ class DeltaSource:
             return None
         limit = int(self._cfg.max_fraction * layout.total_bytes)
         word = word_dtype(layout)
+        if _sampled_size(self._base.view(word), flat.view(word)) > 1.5 * limit:
+            self.fallbacks += 1  # surely too large: not worth a pass over everything
+            return None
         delta = encode(self._base, flat, word, (self._version, version), limit=limit)
         if delta is None:
             self.fallbacks += 1
