@@ -66,5 +66,7 @@ class BroadcastDeltaFields(DeltaFields):
     pull_dir: Path | None = None
     """Also write every version sent (anchors in full, deltas as deltas) here, a directory the
     receivers can read: one that joins or falls behind pulls the versions it lacks from it by
-    number while the group goes on with deltas. Unset: such a receiver asks for an anchor,
-    which then goes to the whole group."""
+    number while the group goes on with deltas. Each version is written before it is sent, so
+    an anchor costs its sync a file write of the full version too; two anchors and the deltas
+    after them are kept. Unset: such a receiver asks for an anchor, which then goes to the
+    whole group."""
