@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -15,6 +16,9 @@ import redis
 from asyncrl.launch.redis_server import RedisServer
 
 from role_procs import REPO, Launched, RoleConfig, Run, launch_all, write_role_config
+
+if TYPE_CHECKING:
+    from weights_harness import Harness
 
 
 @pytest.fixture
@@ -152,3 +156,17 @@ def served(random_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+@pytest.fixture
+def harness(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> Iterator[Harness]:
+    """A weight publisher here and subscriber processes (`weights_harness`)."""
+    from weights_harness import Harness  # torch: only for the tests that use it
+
+    h = Harness(redis_server, redis_client, tmp_path)
+    try:
+        yield h
+    finally:
+        h.close()

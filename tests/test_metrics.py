@@ -48,6 +48,7 @@ EXPECTED = {
     "asyncrl_weight_sync_seconds": "histogram",
     "asyncrl_weight_sync_bytes": "counter",
     "asyncrl_weight_publish_blocking_seconds": "histogram",
+    "asyncrl_weight_sync_deltas": "counter",
     "asyncrl_weight_sync_rebuilds": "counter",
     "asyncrl_time_seconds": "counter",
     "asyncrl_redis_up": "gauge",

@@ -18,7 +18,8 @@ from asyncrl.trainer.backends import build_publisher
 from asyncrl.weights.base import SyncRecord, WeightSubscriber
 from asyncrl.weights.buckets import checksum_tensors
 from asyncrl.weights.config import StoreWeightsConfig
-from asyncrl.weights.store import version_path
+from asyncrl.weights.fields import DeltaFields
+from asyncrl.weights.versions import version_path
 
 from role_procs import wait_until
 from weights_proc import (
@@ -128,12 +129,17 @@ def test_subscriber_loads_the_newest_valid_version_only(
 
 
 def join_late(
-    store_dir: Path, client: redis.Redis
+    store_dir: Path, client: redis.Redis, conf: StoreWeightsConfig | None = None
 ) -> tuple[WeightSubscriber, dict[str, torch.Tensor]]:
     """A worker "late" that joins now, and the tensors it is handed."""
     held: dict[str, torch.Tensor] = {}
     late = build_subscriber(
-        cfg(store_dir), client, KEYS, "late", device="cpu", on_weights=lambda t, _: held.update(t)
+        conf or cfg(store_dir),
+        client,
+        KEYS,
+        "late",
+        device="cpu",
+        on_weights=lambda t, _: held.update(t),
     )
     return late, held
 
@@ -172,4 +178,55 @@ def test_a_worker_joining_after_redis_came_back_empty_loads_the_current_version(
     finally:
         if late is not None:
             late.close()
+        pub.close()
+
+
+def test_delta_files_chain_from_anchors_and_a_late_worker_pulls_them(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    store_dir = tmp_path / "weights"
+    delta = DeltaFields(enabled=True, anchor_every=3)
+    conf = cfg(store_dir).model_copy(update={"delta": delta, "keep_last": 1})
+    records: queue.Queue[SyncRecord] = queue.Queue()
+    pub = build_publisher(conf, redis_client, KEYS, device="cpu", on_record=records.put)
+    handed: list[tuple[int, tuple[int, str]]] = []
+    early = build_subscriber(
+        conf,
+        redis_client,
+        KEYS,
+        "early",
+        device="cpu",
+        on_weights=lambda t, v: handed.append((v, fingerprint(t))),
+    )
+    late = None
+    try:
+        params = make_params(8)
+        expected, sizes, deltas = {}, {}, []
+        for version in range(5):
+            pub.publish(params.items(), version)
+            expected[version] = fingerprint(params)
+            record = records.get(timeout=30)
+            sizes[version] = record.bytes_sent
+            deltas.append(record.delta)
+            early.wait_for_version(version, timeout_s=30)
+            params["layers.001.weight"][version] += 1.0  # one row of 1024 changes
+        # Anchors at 0 and 3 (every third version), deltas between; only the newest anchor and
+        # the deltas that can follow it are kept.
+        assert sorted(p.name for p in store_dir.glob("*.safetensors")) == [
+            version_path(store_dir, 3).name
+        ]
+        assert sorted(p.name for p in (store_dir / "delta").iterdir()) == [
+            version_path(store_dir, v).name for v in (1, 2, 4)
+        ]
+        assert all(sizes[v] < sizes[0] / 100 for v in (1, 2, 4))
+        assert deltas == [False, True, True, False, True]
+        assert handed == [(v, expected[v]) for v in range(5)]
+        # A worker that starts now takes anchor 3 and delta 4.
+        late, held = join_late(store_dir, redis_client, conf)
+        assert late.wait_for_version(0, timeout_s=30) == 4
+        assert fingerprint(held) == expected[4]
+    finally:
+        for sub in (early, late):
+            if sub is not None:
+                sub.close()
         pub.close()

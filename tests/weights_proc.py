@@ -35,7 +35,8 @@ from asyncrl.launch.redis_server import RedisServer
 from asyncrl.rollout.backends import build_subscriber
 from asyncrl.runstate import Keys
 from asyncrl.weights.broadcast import BroadcastSubscriber
-from asyncrl.weights.buckets import checksum_tensors
+from asyncrl.weights.buckets import Layout, checksum_tensors
+from asyncrl.weights.delta import Delta, Held
 
 HELPER = Path(__file__)
 
@@ -141,6 +142,20 @@ def look_late(keys: Keys, worker: str) -> None:
     BroadcastSubscriber._step = late_step  # type: ignore[method-assign]
 
 
+def refuse_once() -> None:
+    """Make the first delta that applies fail its checksum, as a corrupted copy would."""
+    apply = Held.apply
+    refused = threading.Event()
+
+    def corrupted(self: Held, delta: Delta, layout: Layout) -> torch.Tensor:
+        if not refused.is_set() and self.flat is not None and self.version == delta.base:
+            refused.set()
+            self.flat[0] ^= 1
+        return apply(self, delta, layout)
+
+    Held.apply = corrupted  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--redis", required=True)
@@ -157,6 +172,11 @@ def main() -> None:
         "--die-joining", action="store_true", help="SIGKILL itself once it is a member, unjoined"
     )
     parser.add_argument(
+        "--refuse-delta",
+        action="store_true",
+        help="refuse the first delta it could apply, as if its copy were corrupted",
+    )
+    parser.add_argument(
         "--look-late",
         action="store_true",
         help="registered, first look only once an epoch has formed without it (slow to start)",
@@ -164,6 +184,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.look_late:
         look_late(Keys(args.run), args.worker)
+    if args.refuse_delta:
+        refuse_once()
     if args.die_joining:
         BroadcastSubscriber._join = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     logging.basicConfig(level=logging.INFO, format=f"{args.worker} %(levelname)s %(message)s")

@@ -1,8 +1,9 @@
 """Cost at scale: a ladder of model sizes through asyncrl's own code, each beside a raw baseline.
 
     .venv/bin/python tools/bench_scale.py [--sizes 1m,10m,50m,150m] [--rounds 3]
-        [--parts broadcast,store,checkpoint,train,queue] [--engine-dtype float32|bfloat16]
-        [--train-tokens 512] [--queue-tokens 256,1024,4096,16384] [--plot docs/scale]
+        [--parts broadcast,store,checkpoint,train,queue,delta] [--engine-dtype float32|bfloat16]
+        [--train-tokens 512] [--queue-tokens 256,1024,4096,16384] [--lrs 1e-6,1e-5,1e-4]
+        [--plot docs/scale]
 
 Models are random Qwen2 models built from a config (tied embeddings, as Qwen2.5-0.5B): `1m`, `10m`
 and `50m` with a 32 k vocabulary, `150m` and `500m` (Qwen2.5-0.5B's shape) with Qwen's 151 936.
@@ -31,11 +32,14 @@ and the figures are medians.
   rows of random tokens against a bare loop on the same model, optimizer and batch (forward,
   log-softmax gather, policy-gradient loss, backward, clip, step). MFU = 6 × parameters ×
   tokens/s over the peak FLOP/s of an fp32 matmul measured here.
+- delta: (not run by default) delta sync against full sync over broadcast, side by side, at
+  each of `--lrs` (`tools/bench_delta.py` says how); rows under "delta".
 - queue: (size-independent) trajectory groups of 8 samples at each response length through
   `protocol.stream_fields` + `Producer.add` + `Consumer.read` (decoding and validating) +
   `Consumer.ack`, against redis-py `XADD` / `XREADGROUP` / `XACK` of the same encoded bytes.
 
-The last line is JSON: {"peak_flops": ..., "sizes": {size: {part: {...}}}, "queue": [...]}.
+The last line is JSON: {"peak_flops": ..., "sizes": {size: {part: {...}}}, "queue": [...],
+"delta": [...]}.
 """
 
 from __future__ import annotations
@@ -159,6 +163,7 @@ def receiver(args: argparse.Namespace) -> None:
     from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
     client = redis.Redis.from_url(args.redis)
+    keys = Keys(args.run)
     if args.transport == "raw":
         group = _raw_group(client, 1)
         flat = torch.empty(args.nbytes, dtype=torch.uint8)
@@ -184,7 +189,7 @@ def receiver(args: argparse.Namespace) -> None:
     sub = build_subscriber(
         cfg,
         client,
-        Keys(RUN),
+        keys,
         args.worker,
         device="cpu",
         on_weights=on_weights,
@@ -585,6 +590,10 @@ def child(args: argparse.Namespace) -> None:
             result = part_train(args)
         case "queue":
             result = part_queue(args)
+        case "delta":
+            from bench_delta import part_delta
+
+            result = part_delta(args)
         case "flops":
             result = peak_flops()
         case _:
@@ -598,6 +607,7 @@ def run_child(args: argparse.Namespace, part: str, size: str, flops: float) -> A
     cmd += ["--copy", args.copy]
     cmd += ["--bucket-mb", str(args.bucket_mb), "--train-tokens", str(args.train_tokens)]
     cmd += ["--queue-tokens", args.queue_tokens, "--peak-flops", str(flops)]
+    cmd += ["--lrs", ",".join(map(str, args.lrs))]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -608,8 +618,9 @@ def table(result: dict[str, Any]) -> str:
         for part, r in parts.items():
             figures = "  ".join(f"{k}={v}" for k, v in r.items())
             lines.append(f"{size:>5} {part:<10} {figures}")
-    for r in result.get("queue", []):
-        lines.append("queue " + "  ".join(f"{k}={v}" for k, v in r.items()))
+    for part in ("queue", "delta"):
+        for r in result.get(part, []):
+            lines.append(f"{part} " + "  ".join(f"{k}={v}" for k, v in r.items()))
     return "\n".join(lines)
 
 
@@ -684,6 +695,12 @@ def main() -> None:
     parser.add_argument("--copy", default="deferred", choices=["deferred", "inline"])
     parser.add_argument("--train-tokens", type=int, default=512, help="tokens per train step")
     parser.add_argument("--queue-tokens", default="256,1024,4096,16384")
+    parser.add_argument(
+        "--lrs",
+        default=[1e-6, 1e-5, 1e-4],
+        type=lambda s: [float(x) for x in s.split(",")],
+        help="learning rates of the delta part",
+    )
     parser.add_argument("--plot", help="save log-log pngs as PREFIX_{sync,train,queue}.png")
     parser.add_argument(
         "--replot", nargs="+", metavar="OUT", help="merge earlier runs' outputs (their last line)"
@@ -695,6 +712,7 @@ def main() -> None:
     parser.add_argument("--transport", help=argparse.SUPPRESS)
     parser.add_argument("--redis", help=argparse.SUPPRESS)
     parser.add_argument("--worker", default="w0", help=argparse.SUPPRESS)
+    parser.add_argument("--run", default=RUN, help=argparse.SUPPRESS)
     parser.add_argument("--store-dir", help=argparse.SUPPRESS)
     parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -711,7 +729,7 @@ def main() -> None:
         return
     parts = args.parts.split(",")
     sizes = args.sizes.split(",")
-    unknown = sorted(set(sizes) - set(SIZES)) + sorted(set(parts) - {*PARTS, "queue"})
+    unknown = sorted(set(sizes) - set(SIZES)) + sorted(set(parts) - {*PARTS, "queue", "delta"})
     if unknown:
         raise SystemExit(f"unknown size or part: {', '.join(unknown)}")
     flops = run_child(args, "flops", "1m", 1.0) if "train" in parts else 1.0
@@ -724,6 +742,8 @@ def main() -> None:
             result["sizes"][size][part] = run_child(args, part, size, flops)
     if "queue" in parts:
         result["queue"] = run_child(args, "queue", "1m", flops)
+    if "delta" in parts:
+        result["delta"] = [row for size in sizes for row in run_child(args, "delta", size, flops)]
     if args.plot:
         plot(result, args.plot)
     print(table(result))

@@ -55,6 +55,11 @@ fi
   || { echo "FAIL: $PYTHON lacks asyncrl's dependencies"; exit 1; }
 say "trainer GPU $TRAINER_GPU, server GPU $SERVER_GPU, weight-sync backend $BACKEND"
 
+say "delta sync on the GPU: encode and apply with torch's ops on device buffers, bit-exact"
+"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_weights_delta.py -k cuda \
+  && echo "PASS delta sync bit-exact on cuda" \
+  || { echo "FAIL delta sync bit-exact on cuda"; exit 1; }
+
 say "building the tiny model (random weights, offline)"
 "$PYTHON" -c "from asyncrl.tiny_model import save_random_tiny_model as s; s('$WORK/model')"
 

@@ -67,6 +67,7 @@ class RoleMetrics:
     train_steps: Counter
     weight_sync_seconds: Histogram
     weight_sync_bytes: Counter
+    weight_sync_deltas: Counter
     weight_sync_rebuilds: Counter
     time_seconds: dict[str, Counter]
     redis_up: Gauge

@@ -303,6 +303,14 @@ METRICS: tuple[Metric, ...] = (
         roles=_TRAINER,
     ),
     Metric(
+        "weight_sync_deltas",
+        "asyncrl_weight_sync_deltas_total",
+        "counter",
+        "Weight versions sent as sparse deltas (`weights.delta`); the rest went in full.",
+        "trainer",
+        roles=_TRAINER,
+    ),
+    Metric(
         "weight_sync_rebuilds",
         "asyncrl_weight_sync_rebuilds_total",
         "counter",

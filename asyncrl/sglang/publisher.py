@@ -35,6 +35,10 @@ requests are recomputed, so no key from old weights survives); with `in_place` i
 pause mode (their pause aborts everything), so they are not paused: SGLang then applies an
 update once the running requests have finished.
 
+Versions always go in full: SGLang's weight-update endpoints take whole tensors (by name, over
+the group or from a file) and have no way to patch part of one, so `weights.delta`
+(`asyncrl.weights.delta`) is not offered for this transport.
+
 Asynchrony is that of every publisher (`BackgroundPublisher`): `publish()` only copies into a
 staging buffer, a background thread sends, and versions staged during a send coalesce.
 """
@@ -70,7 +74,7 @@ from asyncrl.weights.groups import (
     resolve_backend,
 )
 from asyncrl.weights.members import Lease, join_record, live_joins
-from asyncrl.weights.store import VersionedDir
+from asyncrl.weights.versions import VersionedDir
 
 if TYPE_CHECKING:
     from asyncrl.engines.base import RolloutEngine

@@ -299,6 +299,8 @@ def build_rank_zero(
         state.last_sync_seconds = record.sync_s
         metrics.weight_sync_seconds.observe(record.sync_s)
         metrics.weight_sync_bytes.inc(record.bytes_sent)
+        if record.delta:
+            metrics.weight_sync_deltas.inc()
 
     publisher = build_publisher(
         cfg.weights, client, keys, device=device, on_record=on_sync, lora=cfg.model.lora

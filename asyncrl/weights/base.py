@@ -101,6 +101,8 @@ class SyncRecord:
     started: float
     """`time.monotonic()` at the start of the send, for overlap measurements."""
     ended: float
+    delta: bool = False
+    """Sent as a sparse delta (`asyncrl_weight_sync_deltas_total`), not in full."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -244,6 +246,7 @@ class BackgroundPublisher(ABC):
         # read by `publish()` when it lays out the next version.
         self._narrow_to: torch.dtype | None = None
         self._closing = False
+        self._sent_delta = False  # set by a transport's `_send` that sent a delta
         self._stats = PublisherStats()
         self._formed = 0  # groups formed by a transport that forms them
         self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
@@ -385,6 +388,7 @@ class BackgroundPublisher(ABC):
     def _deliver(self, version: int, blocking_s: float) -> None:
         assert self._front is not None
         started = time.monotonic()
+        self._sent_delta = False
         try:
             bytes_sent, receivers = self._send(self._front, version)
             ok = True
@@ -396,7 +400,15 @@ class BackgroundPublisher(ABC):
             bytes_sent, receivers, ok = 0, 0, False
         ended = time.monotonic()
         record = SyncRecord(
-            version, blocking_s, ended - started, bytes_sent, receivers, ok, started, ended
+            version,
+            blocking_s,
+            ended - started,
+            bytes_sent,
+            receivers,
+            ok,
+            started,
+            ended,
+            delta=ok and self._sent_delta,
         )
         with self._cond:
             if ok:

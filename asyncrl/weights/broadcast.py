@@ -25,6 +25,11 @@ PUBLISH on the channel of the same name (the doorbell subscribers block on).
                    subscriber —, and the floating `dtype` its engine keeps if it said); it counts
                    as live while the key `{Keys.weights}:lease:{id}` exists (TTL lease_s,
                    refreshed every lease_s/3)
+    delta          "1" while versions may go as deltas (`weights.delta`): subscribers keep a
+                   copy of what they hold to apply them to
+    delta_dir      `weights.delta.pull_dir`: where a subscriber pulls the versions it lacks
+    behind:{id}    a version subscriber {id} could neither apply nor pull: the publisher sends
+                   it again in full, to the group as it is (deleted once sent)
 
 Forming epoch e: the publisher proposes it to the live subscribers, waits until each has set
 `ready:{id}` = e (a candidate whose lease lapses, or the sync timeout, ends the wait), writes
@@ -45,14 +50,16 @@ gets the current version at once rather than at the next publish (which, with on
 comes). If Redis loses the hash (restarted empty), the publisher writes its rendezvous fields
 again at its next look at the hash, so that workers can still find it.
 
-One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the
-flat buffer in buckets, and a trailer holding the checksum, all posted at once so that they
-pipeline. Subscribers enter the collectives only once a send is announced, so none ever waits
-inside one between versions (an NCCL kernel would occupy its GPU meanwhile); they take part in
-every announced send of their epoch, in order. A failed op aborts the group: the publisher's
-failure makes it resend to a rebuilt group (at once if nothing newer is staged), a subscriber's
-— e.g. the peer it relays to in gloo's broadcast tree died — is reported by deleting its
-`ready:` field.
+One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the flat
+buffer in buckets, and a trailer holding the checksum, all posted at once so that they pipeline. A
+delta (`asyncrl.weights.delta`; header `base` ≥ 0) sends its table and its payload in buckets
+instead of the flat buffer, and the checksum of the buffer it produces; a member that lacks its
+base pulls the versions from `delta_dir` or asks for an anchor (`behind:`), never leaving the group
+for it. Subscribers enter the collectives only once a send is announced, so none ever waits inside
+one between versions (an NCCL kernel would occupy its GPU meanwhile); they take part in every
+announced send of their epoch, in order. A failed op aborts the group: the publisher's failure
+makes it resend to a rebuilt group (at once if nothing newer is staged), a subscriber's — e.g. the
+peer it relays to in gloo's broadcast tree died — is reported by deleting its `ready:` field.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import json
 import logging
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import redis
@@ -87,6 +95,7 @@ from asyncrl.weights.buckets import (
     wrap64,
 )
 from asyncrl.weights.config import BroadcastWeightsConfig
+from asyncrl.weights.delta import BUCKET_BYTES, Delta, DeltaRefused, DeltaSource, Held, word_dtype
 from asyncrl.weights.groups import (
     Group,
     broadcast_all,
@@ -99,6 +108,7 @@ from asyncrl.weights.groups import (
     resolve_backend,
 )
 from asyncrl.weights.members import Lease, join_record, leased, live_joins
+from asyncrl.weights.versions import DeltaLog, read_to
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -132,7 +142,10 @@ class BroadcastPublisher(BackgroundPublisher):
             "transport": "broadcast",
             "backend": self._backend,
             "master": f"{cfg.master_addr}:{self._store.port}",
+            "delta": str(int(cfg.delta.enabled)),
         }
+        if cfg.delta.enabled and cfg.delta.pull_dir is not None:
+            self._rendezvous["delta_dir"] = str(cfg.delta.pull_dir)
         self._group: Group | None = None
         self._broken = False  # the group's last op failed
         self._members: list[str] = []
@@ -142,6 +155,10 @@ class BroadcastPublisher(BackgroundPublisher):
         self._unresponsive: set[str] = set()  # live, proposed, never ready: not worth a resend
         self._failures = 0  # failed deliveries of `_holders_version`
         self._joins: dict[str, str] = {}  # the `join:` record last seen of each live subscriber
+        self._delta = DeltaSource(cfg.delta)
+        self._based: set[str] = set()  # subscribers that hold the delta source's base
+        pull = cfg.delta.pull_dir if cfg.delta.enabled else None
+        self._pull = None if pull is None else DeltaLog(pull, 2, cfg.delta.anchor_every)
         h = read_hash(client, keys.weights)
         # Epochs keep counting across trainer restarts, so that no subscriber mistakes a new
         # epoch for one it was in; what a previous publisher left mid-way is cleared.
@@ -167,6 +184,7 @@ class BroadcastPublisher(BackgroundPublisher):
         renewed = {w for w in live if self._joins.get(w) != joins[w]}
         if renewed:
             self._holders -= renewed
+            self._based -= renewed
             self._unresponsive -= renewed
             self._failures = 0  # a newcomer deserves its tries, even of a version that failed
         self._joins = {w: joins[w] for w in live}
@@ -193,8 +211,14 @@ class BroadcastPublisher(BackgroundPublisher):
         }
         # A member that withdrew its readiness failed to receive, even if the send succeeded
         # here (in gloo's tree it may relay for a peer that died).
-        self._holders -= {m for m in self._members if h.get(f"ready:{m}") != str(self._epoch)}
-        return bool(set(live) - self._holders - self._unresponsive)
+        withdrawn = {m for m in self._members if h.get(f"ready:{m}") != str(self._epoch)}
+        self._holders -= withdrawn
+        self._based -= withdrawn
+        # A member that refused a delta and could not pull what it lacks waits for an anchor.
+        return bool(set(live) - self._holders - self._unresponsive) or bool(self._behind(h))
+
+    def _behind(self, h: dict[str, str]) -> list[str]:
+        return [m for m in self._members if f"behind:{m}" in h]
 
     def _await_ready(self, epoch: int, candidates: list[str]) -> list[str]:
         deadline = time.monotonic() + self._timeout.total_seconds()
@@ -260,35 +284,67 @@ class BroadcastPublisher(BackgroundPublisher):
     def _send(self, buffer: FlatBuffer, version: int) -> tuple[int, int | None]:
         if version != self._holders_version:
             self._holders, self._holders_version, self._failures = set(), version, 0
+        delta, behind = None, []
         try:
             live, h = self._live()
             if self._stale(live, h):
                 self._form(live)
             if self._group is not None:
-                self._broadcast(buffer, version)
+                behind = self._behind(h)
+                # Without a directory to pull from, a member that lacks the base needs the
+                # version in full; with one it pulls, and the others keep getting deltas.
+                lacking = self._pull is None and bool(set(self._members) - self._based)
+                delta = self._delta.encode(
+                    buffer.flat, buffer.layout, version, anchor=bool(behind) or lacking
+                )
+                if self._pull is not None:  # before the send: a refusing member reads it
+                    self._pull.write(buffer, version, delta)
+                self._broadcast(buffer, version, delta)
         except RuntimeError:  # c10d errors (DistError and kin) all derive from it
             self._broken = True
             self._failures += 1
             raise
         self._holders |= set(self._members)
         self._failures = 0
-        announce(self._client, self._keys, sent_version=str(version))
-        return (buffer.layout.total_bytes if self._members else 0), len(self._members)
+        if self._members and self._delta.enabled:
+            self._delta.sent(buffer.flat, buffer.layout, version, delta)
+            self._based = set(self._members)
+        pipe = self._client.pipeline(transaction=True)
+        if delta is None and behind:
+            pipe.hdel(self._keys.weights, *(f"behind:{m}" for m in behind))
+        pipe.hset(self._keys.weights, "sent_version", str(version))
+        pipe.publish(self._keys.weights, "sent_version")
+        pipe.execute()
+        if not self._members:
+            return 0, 0
+        self._sent_delta = delta is not None
+        sent = buffer.layout.total_bytes if delta is None else delta.nbytes
+        return sent, len(self._members)
 
-    def _broadcast(self, buffer: FlatBuffer, version: int) -> None:
+    def _broadcast(self, buffer: FlatBuffer, version: int, delta: Delta | None) -> None:
         assert self._group is not None
         layout = buffer.layout.to_bytes()
-        header = Header(version, buffer.layout.total_bytes, self._bucket_bytes, len(layout))
+        total = buffer.layout.total_bytes
+        if delta is None:
+            header = Header(version, total, self._bucket_bytes, len(layout))
+            body, table = buffer.flat, []
+        else:
+            header = Header(
+                version, total, self._bucket_bytes, len(layout), delta.base, delta.payload.numel()
+            )
+            body, table = delta.payload, [delta.table.to(self._device)]
         self._seq += 1
         send = {"epoch": self._epoch, "seq": self._seq, "version": version}
         announce(self._client, self._keys, send=json.dumps(send))
         tensors = [
             header.to_tensor(self._device),
             torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self._device),
-            *(buffer.flat[s:e] for s, e in bucket_ranges(header.total_bytes, self._bucket_bytes)),
+            *table,
+            *(body[s:e] for s, e in bucket_ranges(body.numel(), self._bucket_bytes)),
         ]
         works = post_broadcasts(self._group, tensors)
-        trailer = torch.tensor([checksum(buffer.flat)], dtype=torch.int64, device=self._device)
+        check = checksum(buffer.flat) if delta is None else delta.checksum
+        trailer = torch.tensor([check], dtype=torch.int64, device=self._device)
         works += post_broadcasts(self._group, [trailer])
         for work in works:
             work.wait()
@@ -342,6 +398,9 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
         self._epoch = -1  # the last epoch whose group this subscriber built, or formed unseen
         self._acked = -1  # the last epoch it declared itself ready for
         self._seq = 0  # sends of `_epoch` taken part in
+        self._held = Held()  # a copy of the version handed over, while the publisher sends deltas
+        self._delta_on = False
+        self._pull_dir: Path | None = None
         keeps = {} if self._keeps_dtype is None else {"dtype": dtype_name(self._keeps_dtype)}
         self._lease = Lease(self._client, self._keys, self._id, cfg.lease_s, keeps)
 
@@ -377,6 +436,8 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
                 self._client.hset(self._keys.weights, f"ready:{self._id}", str(self._epoch))
         if h.get("backend") != self._backend:
             return
+        self._delta_on = h.get("delta") == "1"
+        self._pull_dir = Path(h["delta_dir"]) if "delta_dir" in h else None
         self._take_sends(h)
         self._follow_epoch(h)
 
@@ -437,20 +498,10 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
             layout = Layout.from_bytes(layout_t.cpu().numpy().tobytes())
             if layout.total_bytes != header.total_bytes:
                 raise ValueError("layout and header disagree on the size")
-            flat = self._buffers.take(header.total_bytes)
-            ranges = bucket_ranges(header.total_bytes, header.bucket_bytes)
-            trailer = torch.zeros(1, dtype=torch.int64, device=self._comm)
-            buckets = [flat[s:e] for s, e in ranges]
-            works = post_broadcasts(group, [*buckets, trailer])
-            # Each bucket is summed once it is in, while the next ones are still arriving: the
-            # check then costs one bucket's pass after the last byte, not the whole buffer's.
-            sums = []
-            for work, bucket in zip(works, buckets, strict=False):
-                work.wait()
-                sums.append(bucket.view(torch.int64).sum())
-            works[-1].wait()
-            if wrap64(sum(int(x) for x in sums)) != trailer.item():
-                raise ValueError(f"version {header.version}: checksum mismatch")
+            if header.base >= 0:
+                delta = self._receive_delta(group, header, layout)
+            else:
+                flat = self._receive_full(group, header)
         except (RuntimeError, ValueError) as exc:
             # Withdrawing readiness reports it: the publisher rebuilds and resends.
             log.warning("weights epoch %d: receive failed: %s", self._epoch, exc)
@@ -459,7 +510,62 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
             return
         if self._version is not None and header.version <= self._version:
             return  # a resend for a newcomer; this worker holds it already
-        self._hand_over(layout.views(flat.to(self._device)), header.version)
+        if header.base < 0:
+            if self._delta_on:
+                self._held.anchor(flat, layout, header.version)
+            self._hand_over(layout.views(flat.to(self._device)), header.version)
+            return
+        try:
+            applied: torch.Tensor | None = self._held.apply(delta, layout)
+        except DeltaRefused as exc:
+            applied = self._pull(header.version, exc)
+        if applied is not None:
+            self._hand_over(layout.views(applied.to(self._device)), header.version)
+
+    def _receive_full(self, group: Group, header: Header) -> torch.Tensor:
+        flat = self._buffers.take(header.total_bytes)
+        ranges = bucket_ranges(header.total_bytes, header.bucket_bytes)
+        trailer = torch.zeros(1, dtype=torch.int64, device=self._comm)
+        buckets = [flat[s:e] for s, e in ranges]
+        works = post_broadcasts(group, [*buckets, trailer])
+        # Each bucket is summed once it is in, while the next ones are still arriving: the
+        # check then costs one bucket's pass after the last byte, not the whole buffer's.
+        sums = []
+        for work, bucket in zip(works, buckets, strict=False):
+            work.wait()
+            sums.append(bucket.view(torch.int64).sum())
+        works[-1].wait()
+        if wrap64(sum(int(x) for x in sums)) != trailer.item():
+            raise ValueError(f"version {header.version}: checksum mismatch")
+        return flat
+
+    def _receive_delta(self, group: Group, header: Header, layout: Layout) -> Delta:
+        """Receive a delta whole; whether it applies to what is held is decided after."""
+        n_buckets = len(bucket_ranges(header.total_bytes, BUCKET_BYTES))
+        table = torch.empty(n_buckets, 3, dtype=torch.int64, device=self._comm)
+        payload = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self._comm)
+        trailer = torch.zeros(1, dtype=torch.int64, device=self._comm)
+        chunks = [payload[s:e] for s, e in bucket_ranges(payload.numel(), header.bucket_bytes)]
+        broadcast_all(group, [table, *chunks, trailer])
+        word = word_dtype(layout)
+        return Delta(header.version, header.base, int(trailer.item()), word, table.cpu(), payload)
+
+    def _pull(self, version: int, refused: DeltaRefused) -> torch.Tensor | None:
+        """The flat buffer of `version` pulled from the publisher's directory; None (and an
+        anchor asked for) where there is none to pull from, or it fails."""
+        if self._pull_dir is not None:
+            try:
+                read_to(self._pull_dir, self._held, version, self._comm)
+                assert self._held.flat is not None
+                log.info(
+                    "weights: version %d pulled from %s (%s)", version, self._pull_dir, refused
+                )
+                return self._held.flat.clone()
+            except (OSError, ValueError) as exc:
+                refused = DeltaRefused(f"{refused}; pulling it failed: {exc}")
+        log.warning("weights: %s; asking for an anchor", refused)
+        self._client.hset(self._keys.weights, f"behind:{self._id}", str(version))
+        return None
 
     def _drop_group(self, *, broken: bool) -> None:
         if self._group is not None:

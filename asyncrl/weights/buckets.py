@@ -160,8 +160,10 @@ class Header:
     """First message of every version: what follows.
 
     A version on the wire: this header, int64[8] = MAGIC, version, total_bytes, bucket_bytes,
-    layout_bytes, 0, 0, 0; the layout as JSON, uint8[layout_bytes]; the buckets; a trailer,
-    int64[1] = the checksum. The checksum comes last so that the sender computes it while the
+    layout_bytes, base, payload_bytes, 0; the layout as JSON, uint8[layout_bytes]; for a delta
+    (base ≥ 0) its table; the buckets (of the flat buffer, or of a delta's payload); a trailer,
+    int64[1] = the checksum of the flat buffer (a delta's: of the buffer it produces). The
+    checksum comes last so that the sender computes it while the
     buckets are on the wire instead of before (a tenth of a 100 MB send on CPU).
     """
 
@@ -169,6 +171,10 @@ class Header:
     total_bytes: int
     bucket_bytes: int
     layout_bytes: int
+    base: int = -1
+    """The version a delta applies to (`asyncrl.weights.delta`); -1: the version in full."""
+    payload_bytes: int = 0
+    """A delta's payload size (its table's follows from `total_bytes`)."""
 
     @property
     def n_buckets(self) -> int:
@@ -176,7 +182,8 @@ class Header:
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         words = [MAGIC, self.version, self.total_bytes, self.bucket_bytes, self.layout_bytes]
-        return torch.tensor(words + [0] * 3, dtype=torch.int64, device=device)
+        words += [self.base, self.payload_bytes, 0]
+        return torch.tensor(words, dtype=torch.int64, device=device)
 
     @staticmethod
     def empty(device: torch.device) -> torch.Tensor:
@@ -184,7 +191,7 @@ class Header:
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Header:
-        magic, version, total, bucket, layout_bytes, *_ = tensor.tolist()
+        magic, version, total, bucket, layout_bytes, base, payload_bytes, _ = tensor.tolist()
         if magic != MAGIC:
             raise ValueError("not a weight-sync header")
-        return cls(version, total, bucket, layout_bytes)
+        return cls(version, total, bucket, layout_bytes, base, payload_bytes)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from asyncrl.weights.fields import GroupFields, StoreFields
+from asyncrl.weights.fields import BroadcastDeltaFields, DeltaFields, GroupFields, StoreFields
 
 
 class BroadcastWeightsConfig(GroupFields):
@@ -20,6 +20,8 @@ class BroadcastWeightsConfig(GroupFields):
     """Weight-sync backend."""
     bucket_mb: int = Field(default=64, gt=0)
     """Size in MiB of one broadcast: the flat weight buffer goes out in slices of this size."""
+    delta: BroadcastDeltaFields = Field(default_factory=BroadcastDeltaFields)
+    """Sparse delta sync."""
 
 
 class StoreWeightsConfig(StoreFields):
@@ -28,3 +30,7 @@ class StoreWeightsConfig(StoreFields):
 
     type: Literal["store"] = "store"
     """Weight-sync backend."""
+    delta: DeltaFields = Field(default_factory=DeltaFields)
+    """Sparse delta sync: anchors are written as full files, the versions between them as
+    delta files that a receiver applies in order from the newest anchor or from its own
+    version."""

@@ -45,3 +45,28 @@ class StoreFields(SyncFields):
     caller. A subscriber with it set reads files there, whatever path the trainer announced."""
     keep_last: int = Field(default=3, ge=1)
     """Versions kept in `store_dir`; older files are deleted after each write."""
+
+
+class DeltaFields(Section):
+    """Sparse delta sync (`asyncrl.weights.delta`): per version only the words that changed in
+    the engine's dtype, against the version every receiver holds, with a full version (an
+    anchor) every `anchor_every` versions and whenever a receiver lacks the base."""
+
+    enabled: bool = False
+    """Send deltas. Off: every version goes in full, as before. On, the trainer's host and each
+    receiver keep one more copy of the weights in the engine's dtype."""
+    anchor_every: int = Field(default=20, ge=1)
+    """A full version after at most this many versions sent (1: always full)."""
+    max_fraction: float = Field(default=0.5, gt=0, le=1)
+    """A delta larger than this fraction of the full version is not sent: the version goes in
+    full (`asyncrl_weight_sync_deltas_total` then stops counting)."""
+
+
+class BroadcastDeltaFields(DeltaFields):
+    pull_dir: Path | None = None
+    """Also write every version sent (anchors in full, deltas as deltas) here, a directory the
+    receivers can read: one that joins or falls behind pulls the versions it lacks from it by
+    number while the group goes on with deltas. Each version is written before it is sent, so
+    an anchor costs its sync a file write of the full version too; two anchors and the deltas
+    after them are kept. Unset: such a receiver asks for an anchor, which then goes to the
+    whole group."""

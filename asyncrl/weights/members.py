@@ -5,6 +5,8 @@ to registered receivers (the broadcast group, SGLang's servers) forms its member
     join:{id}      subscriber {id} wants weights (JSON: host, pid, incarnation — random per
                    subscriber —, and what its transport adds); it counts as live while the key
                    `{Keys.weights}:lease:{id}` exists (TTL lease_s, refreshed every lease_s/3)
+    behind:{id}    the version of a delta subscriber {id} could not apply: it waits for an
+                   anchor (`asyncrl.weights.delta`)
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
     from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
+
+
+_PER_SUBSCRIBER = ("join", "ready", "behind")
+"""Prefixes of a subscriber's own fields of the `weights` hash, removed when it leaves."""
 
 
 def lease_key(keys: Keys, worker_id: str) -> str:
@@ -55,7 +61,7 @@ class Lease:
         if first:
             # A predecessor under this id (killed, restarted) may have left its readiness: the
             # publisher would take this process for a member that holds the weights.
-            pipe.hdel(self._keys.weights, f"ready:{self._id}")
+            pipe.hdel(self._keys.weights, f"ready:{self._id}", f"behind:{self._id}")
         pipe.execute()
 
     def _beat(self) -> None:
@@ -72,7 +78,7 @@ class Lease:
         self._thread.join()
         pipe = self._client.pipeline(transaction=True)
         pipe.delete(lease_key(self._keys, self._id))
-        pipe.hdel(self._keys.weights, f"join:{self._id}", f"ready:{self._id}")
+        pipe.hdel(self._keys.weights, *(f"{p}:{self._id}" for p in _PER_SUBSCRIBER))
         pipe.execute()
 
 
@@ -103,5 +109,5 @@ def live_joins(client: redis.Redis, keys: Keys) -> tuple[dict[str, str], dict[st
     alive = leased(client, keys, joined)
     gone = [w for w, a in zip(joined, alive, strict=True) if not a]
     if gone:
-        client.hdel(keys.weights, *(f"{p}:{w}" for w in gone for p in ("join", "ready")))
+        client.hdel(keys.weights, *(f"{p}:{w}" for w in gone for p in _PER_SUBSCRIBER))
     return {w: joins[w] for w, a in zip(joined, alive, strict=True) if a}, h

@@ -11,21 +11,20 @@ a reader that loses the race to a deletion takes the newer file announced since.
 
 Files are plain safetensors state dicts, readable by any tool (e.g. an inference server's
 load-from-disk). A new worker loads the newest one first, so the store also serves as bootstrap.
+With `weights.delta` the versions between anchors are delta files under `{store_dir}/delta/`
+(`asyncrl.weights.versions`): a subscriber applies the chain from what it holds, or from the
+newest anchor, checking each step's checksum.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
 
 from asyncrl.weights.base import (
     POLL_S,
@@ -35,8 +34,10 @@ from asyncrl.weights.base import (
     announce,
     text,
 )
-from asyncrl.weights.buckets import FlatBuffer, checksum, checksum_tensors
+from asyncrl.weights.buckets import FlatBuffer
 from asyncrl.weights.config import StoreWeightsConfig
+from asyncrl.weights.delta import DeltaSource, Held
+from asyncrl.weights.versions import DELTA_DIR, DeltaLog, load_anchor, read_to
 
 if TYPE_CHECKING:
     import redis
@@ -44,78 +45,6 @@ if TYPE_CHECKING:
     from asyncrl.runstate import Keys
 
 log = logging.getLogger(__name__)
-
-_VERSION = re.compile(r"v\d{12}")  # zero-padded: name order is version order
-
-
-def version_name(version: int, suffix: str = "") -> str:
-    return f"v{version:012d}{suffix}"
-
-
-def version_path(store_dir: Path, version: int) -> Path:
-    return store_dir / version_name(version, ".safetensors")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-class VersionedDir:
-    """Versions written atomically into one directory, the newest `keep` kept: version v is
-    `{root}/v{v:012d}{suffix}`, a file or a directory of files. Each is written under a hidden
-    temporary name beside it, fsynced, renamed over (atomic on POSIX) and the directory fsynced,
-    so a reader finds a complete version or none; a writer that starts removes the partial ones
-    a crashed writer left. The store transport writes safetensors files in it, SGLang's
-    model and adapter directories (`asyncrl.sglang.publisher`)."""
-
-    def __init__(self, root: Path, keep: int, suffix: str = "") -> None:
-        self.root, self._keep, self._suffix = root, keep, suffix
-        root.mkdir(parents=True, exist_ok=True)
-        for partial in root.glob(f".v*{suffix}.tmp"):
-            _remove(partial)
-
-    def path(self, version: int) -> Path:
-        return self.root / version_name(version, self._suffix)
-
-    def write(self, version: int, fill: Callable[[Path], None]) -> Path:
-        """The path of `version`, made by `fill(path)` unless it exists: versions are never
-        reused, so an existing one is this version's (a resend after a failed announce)."""
-        path = self.path(version)
-        if path.exists():
-            return path
-        tmp = path.with_name(f".{path.name}.tmp")
-        _remove(tmp)
-        try:
-            fill(tmp)
-            for written in [*tmp.iterdir(), tmp] if tmp.is_dir() else [tmp]:
-                _fsync(written)
-            os.replace(tmp, path)
-        except BaseException:
-            _remove(tmp)
-            raise
-        _fsync(self.root)
-        return path
-
-    def prune(self) -> None:
-        """Remove the versions older than the newest `keep`."""
-        names = sorted(
-            p.name
-            for p in self.root.iterdir()
-            if _VERSION.fullmatch(p.name.removesuffix(self._suffix))
-        )
-        for old in names[: -self._keep]:
-            _remove(self.root / old)
 
 
 class StorePublisher(BackgroundPublisher):
@@ -132,16 +61,16 @@ class StorePublisher(BackgroundPublisher):
         # Staged in host memory: that is where the file is written from.
         super().__init__(torch.device("cpu"), on_record, close_timeout_s=3 * cfg.sync_timeout_s)
         self._client, self._keys = client, keys
-        self._versions = VersionedDir(cfg.store_dir, cfg.keep_last, ".safetensors")
-        announce(client, keys, transport="store")
+        self._log = DeltaLog(cfg.store_dir, cfg.keep_last, cfg.delta.anchor_every)
+        self._delta = DeltaSource(cfg.delta)
+        announce(client, keys, transport="store", delta=str(int(cfg.delta.enabled)))
         self._start()
 
     def _send(self, buffer: FlatBuffer, version: int) -> tuple[int, int | None]:
-        def fill(tmp: Path) -> None:
-            meta = {"version": str(version), "checksum": str(checksum(buffer.flat))}
-            save_file(buffer.tensors, tmp, metadata=meta)
-
-        path = self._versions.write(version, fill)
+        # A restarted publisher writes an anchor first: it knows no base (nor does a reader
+        # of a directory it left, whose newest files may be of other versions).
+        delta = self._delta.encode(buffer.flat, buffer.layout, version, anchor=False)
+        path = self._log.write(buffer, version, delta)
         announce(
             self._client,
             self._keys,
@@ -149,7 +78,8 @@ class StorePublisher(BackgroundPublisher):
             store_version=str(version),
             store_path=str(path),
         )
-        self._versions.prune()
+        self._delta.sent(buffer.flat, buffer.layout, version, delta)
+        self._sent_delta = delta is not None
         return path.stat().st_size, None
 
     def _wants_resend(self) -> bool:
@@ -166,24 +96,35 @@ class StorePublisher(BackgroundPublisher):
 
 
 class StoreSubscriber(BackgroundSubscriber[StoreWeightsConfig]):
+    """Loads the announced version: an anchor directly; a delta by pulling the chain that
+    leads to it (`DeltaLog.read_to`) from what it holds or from the newest anchor."""
+
     def _setup(self, cfg: StoreWeightsConfig) -> None:
         self._dir = cfg.store_dir
         self._rejected: int | None = None  # a bad file is not retried until a newer one comes
+        self._held = Held()
 
     def _step(self) -> None:
         self._doorbell.wait(POLL_S)
-        raw_version, raw_path = self._client.hmget(
-            self._keys.weights, ["store_version", "store_path"]
+        raw_version, raw_path, raw_delta = self._client.hmget(
+            self._keys.weights, ["store_version", "store_path", "delta"]
         )
         if raw_version is None or raw_path is None:
             return
         version, path = int(text(raw_version)), Path(text(raw_path))
         if version == self._rejected or (self._version is not None and version <= self._version):
             return
-        if self._dir is not None:
-            path = self._dir / path.name
+        is_delta = path.parent.name == DELTA_DIR
+        root = self._dir or (path.parent.parent if is_delta else path.parent)
         try:
-            tensors = self._load(path, version)
+            if is_delta:
+                read_to(root, self._held, version, self._device)
+                assert self._held.flat is not None and self._held.layout is not None
+                tensors = self._held.layout.views(self._held.flat.clone())
+            else:
+                tensors = load_anchor(root / path.name, version, self._device)
+                if raw_delta is not None and text(raw_delta) == "1":
+                    self._held.anchor_tensors(tensors, version)
         except FileNotFoundError:
             return  # pruned while we were away; a newer version has been announced
         except (SafetensorError, ValueError, OSError) as exc:
@@ -191,16 +132,6 @@ class StoreSubscriber(BackgroundSubscriber[StoreWeightsConfig]):
             self._rejected = version
             return
         self._hand_over(tensors, version)
-
-    def _load(self, path: Path, version: int) -> dict[str, torch.Tensor]:
-        with safe_open(path, framework="pt", device=str(self._device)) as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        if meta.get("version") != str(version):
-            raise ValueError(f"file holds version {meta.get('version')}")
-        if meta.get("checksum") != str(checksum_tensors(tensors.values())):
-            raise ValueError("checksum mismatch")
-        return tensors
 
     def _leave(self) -> None:
         self._doorbell.close()
