@@ -1,0 +1,132 @@
+"""The agent gateway in process: agents written as plain `openai` code (in a folder outside
+the checkout) run as `task.agent` episodes over a real gateway HTTP server and an
+`EpisodeScheduler`; the engine is scripted, so what each call generates is known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from asyncrl.engines.config import SamplingParams
+from asyncrl.rollout.episodes import FailedGroup, FinishedGroup
+
+from episode_helpers import ScriptedEngine
+from gateway_helpers import CALL_TEXT, ExactTask, agent_module, agent_scheduler, tool_model
+
+PARAMS = SamplingParams(max_new_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return AutoTokenizer.from_pretrained(tool_model(tmp_path_factory.mktemp("tools") / "tiny"))
+
+
+def _run(sched: Any, groups: int) -> tuple[list[FinishedGroup[str]], list[FailedGroup[str]]]:
+    finished: list[FinishedGroup[str]] = []
+    failed: list[FailedGroup[str]] = []
+    for _ in range(2000):
+        done, bad = sched.advance(0.05)
+        finished += done
+        failed += bad
+        if len(finished) + len(failed) == groups:
+            return finished, failed
+    raise AssertionError("groups did not end")
+
+
+def _spelled(tokenizer: Any, ids: list[int]) -> str:
+    return "".join(tokenizer.convert_ids_to_tokens(ids))
+
+
+TOOL_AGENT = """
+import json
+from openai import AsyncOpenAI
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+async def run(item, base_url, api_key, out):
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": item["prompt"]}]
+    seen = []
+    for stream in (False, True):
+        kw = dict(model="m", messages=messages, tools=TOOLS, logprobs=True)
+        if not stream:
+            r = await client.chat.completions.create(**kw)
+            msg = r.choices[0].message
+            calls = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls]
+            lps = [t.logprob for t in r.choices[0].logprobs.content]
+            finish = r.choices[0].finish_reason
+        else:
+            calls, lps, content, finish = {}, [], "", None
+            async for chunk in await client.chat.completions.create(stream=True, **kw):
+                choice = chunk.choices[0]
+                if choice.logprobs and choice.logprobs.content:
+                    lps += [t.logprob for t in choice.logprobs.content]
+                for d in choice.delta.tool_calls or []:
+                    calls[d.index] = (d.id, d.function.name, d.function.arguments)
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+            calls = [calls[i] for i in sorted(calls)]
+        seen.append({"calls": [c[1:] for c in calls], "logprobs": lps, "finish": finish})
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+            for i, n, a in calls]})
+        for i, n, a in calls:
+            messages.append({"role": "tool", "tool_call_id": i, "content": "3"})
+    with open(out, "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+    return [0.25, 1.0]
+"""
+
+
+def test_agents_calls_are_batched_recorded_and_streamed_alike(
+    tokenizer: Any, user_code: Path
+) -> None:
+    """Three agents' calls share each generate call; streaming and non-streaming replies carry
+    the same tool call and the same tokens; the group's samples hold exactly what was sampled,
+    the prompts loss-masked, per-call rewards on their segments."""
+    reply = [*tokenizer(CALL_TEXT, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    engine = ScriptedEngine(reply)
+    agent_module(user_code, "tool_agent", TOOL_AGENT)
+    out = user_code / "seen.jsonl"
+    sched, _ = agent_scheduler(
+        engine,
+        tokenizer,
+        user_code,
+        "tool_agent:run",
+        params=PARAMS,
+        batch_wait_s=60.0,
+        kwargs={"out": str(out)},
+    )
+    try:
+        sched.start("g", ExactTask(tokenizer).item("one plus two?"), 3, "g")
+        (group,), failed = _run(sched, 1)
+    finally:
+        sched.close()
+    assert failed == []
+    assert engine.batches == [3, 3]  # each round of calls in one generate
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(runs) == 3
+    for seen in runs:
+        plain, streamed = seen
+        assert plain["calls"] == streamed["calls"] == [["add", '{"a": 1, "b": 2}']]
+        assert plain["finish"] == streamed["finish"] == "tool_calls"
+        assert plain["logprobs"] == streamed["logprobs"] == [-0.5] * len(reply)
+    # One sample per episode (each continued its first call), over the group's shared prompt.
+    assert len(group.samples) == 3
+    prompt = _spelled(tokenizer, group.item.prompt_ids)
+    assert prompt.endswith("user:oneplustwo?assistant:")  # (this tokenizer drops spaces)
+    for s in group.samples:
+        assert s.loss_mask is not None and s.reward == 1.0 and s.meta == {"calls": 2}
+        trained = s.response_ids[s.loss_mask == 1].tolist()
+        assert trained == reply + reply  # token for token what the engine sampled
+        assert (s.logprobs[s.loss_mask == 1] == -0.5).all()
+        assert (s.logprobs[s.loss_mask == 0] == 0).all()
+        assert (np.diff(s.versions) >= 0).all()
+        observed = _spelled(tokenizer, s.response_ids[s.loss_mask == 0].tolist())
+        assert "tool:3" in observed
