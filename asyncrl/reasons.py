@@ -113,3 +113,21 @@ class DropReason(StrEnum):
     STALE = "stale"
     ZERO_VARIANCE = "zero_variance"
     INVALID = "invalid"
+
+
+class BreakCause(StrEnum):
+    """Why a gateway call did not continue its session's sample and began a new one of the
+    same episode (`asyncrl.gateway.transcript`): each segment is trained as its own sample."""
+
+    HISTORY_EDITED = "history_edited"
+    """An earlier message changed or is gone (an edit, a compaction, a truncation)."""
+    REPLY_EDITED = "reply_edited"
+    """The reply the gateway returned is missing or changed (beyond its reasoning and the
+    spelling of its tool calls' arguments)."""
+    TOOLS_CHANGED = "tools_changed"
+    OPTIONS_CHANGED = "options_changed"
+    """Other chat template options (e.g. `enable_thinking`)."""
+    TEMPLATE = "template"
+    """The template's rendering leaves no single place for the new turns after a reply."""
+    CONCURRENT = "concurrent"
+    """A call planned before the session's previous call was recorded (parallel calls)."""
