@@ -130,3 +130,134 @@ def test_agents_calls_are_batched_recorded_and_streamed_alike(
         assert (np.diff(s.versions) >= 0).all()
         observed = _spelled(tokenizer, s.response_ids[s.loss_mask == 0].tolist())
         assert "tool:3" in observed
+
+
+MISBEHAVING = """
+import asyncio
+import openai
+
+async def run(item, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    what = item["prompt"]
+
+    async def call(content="hi"):
+        return await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": content}])
+
+    if what == "raise":
+        await call()
+        raise RuntimeError("the agent's own bug")
+    if what == "exit":
+        raise SystemExit(3)
+    if what == "hang":
+        await asyncio.sleep(600)
+    if what == "nocall":
+        return 1.0
+    if what == "many":
+        for _ in range(3):
+            await call()
+    if what == "long":
+        await call("x" * 300)
+    if what == "reward":
+        await call()
+        return "high"
+    if what == "rewards":
+        await call()
+        return [1.0, 2.0]
+    if what == "good":
+        await call()
+        return 1.0
+"""
+
+
+def test_agents_that_misbehave_fail_their_group_by_reason(tokenizer: Any, user_code: Path) -> None:
+    """Raising (a BaseException too), hanging past `timeout_s`, making no call, calling past
+    `max_calls`, a prompt past the context, a reward that is none: each fails only its own
+    group, with its reason; the worker's scheduler goes on (a good group finishes beside)."""
+    engine = ScriptedEngine([tokenizer.eos_token_id])
+    agent_module(user_code, "bad_agent", MISBEHAVING)
+    sched, gateway = agent_scheduler(
+        engine,
+        tokenizer,
+        user_code,
+        "bad_agent:run",
+        params=PARAMS,
+        max_context=200,
+        timeout_s=3.0,
+        max_calls=2,
+    )
+    task = ExactTask(tokenizer)
+    cases = {
+        "raise": "agent_error",
+        "exit": "agent_error",
+        "hang": "agent_timeout",
+        "nocall": "agent_no_calls",
+        "many": "agent_over_budget",
+        "long": "agent_context_too_long",
+        "reward": "agent_error",
+        "rewards": "agent_error",  # two rewards for one call
+    }
+    try:
+        for what in [*cases, "good"]:
+            sched.start(what, task.item("good" if what == "good" else what), 1, what)
+        finished, failed = _run(sched, len(cases) + 1)
+    finally:
+        sched.close()
+    assert {f.tag: f.reason for f in failed} == cases
+    assert [g.tag for g in finished] == ["good"]
+    assert "still running after 3.0s" in next(f.detail for f in failed if f.tag == "hang")
+    assert len(gateway.sessions) == 0  # every session ended with its episode
+
+
+CREDENTIALS = """
+import json
+import openai
+
+def run(item, base_url, api_key, out):
+    good = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = good.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    root = base_url.split("/s/")[0] + "/v1"
+    statuses = []
+    for key_url, key in ((root, "not-a-session"), (root, api_key)):
+        try:
+            openai.OpenAI(base_url=key_url, api_key=key, max_retries=0).models.list()
+            statuses.append(200)
+        except openai.APIStatusError as exc:
+            statuses.append(exc.status_code)
+    with open(out, "w") as f:
+        json.dump({"base_url": base_url, "api_key": api_key, "root": root,
+                   "statuses": statuses}, f)
+    return None
+"""
+
+
+def test_calls_need_a_live_session_and_an_ended_one_is_refused_at_once(
+    tokenizer: Any, user_code: Path
+) -> None:
+    """A sync agent: its base URL alone or its API key on the plain URL reach its session; an
+    unknown key is refused (401); once the episode is over its credentials get 410 at once."""
+    import openai
+
+    engine = ScriptedEngine(
+        [*tokenizer.encode("3", add_special_tokens=False), tokenizer.eos_token_id]
+    )
+    agent_module(user_code, "cred_agent", CREDENTIALS)
+    out = user_code / "creds.json"
+    sched, _ = agent_scheduler(
+        engine, tokenizer, user_code, "cred_agent:run", params=PARAMS, kwargs={"out": str(out)}
+    )
+    try:
+        sched.start("c", ExactTask(tokenizer).item("what?"), 1, "c")
+        (group,), failed = _run(sched, 1)
+        seen = json.loads(out.read_text())
+        assert seen["statuses"] == [401, 200]
+        assert failed == [] and group.samples[0].reward == 1.0  # the task scored "3"
+        for url, key in ((seen["base_url"], "x"), (seen["root"], seen["api_key"])):
+            client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+            with pytest.raises(openai.APIStatusError) as gone:
+                client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "b"}]
+                )
+            assert gone.value.status_code == 410 and "session is over" in str(gone.value)
+    finally:
+        sched.close()

@@ -75,7 +75,8 @@ class Gateway:
         self._on_call = on_call
         self._server = _Server((cfg.host, cfg.port), self)
         host, port = self._server.server_address[:2]
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+        name = host if isinstance(host, str) else host.decode()
+        self.url = f"http://{'127.0.0.1' if name in ('0.0.0.0', '') else name}:{port}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="gateway", daemon=True
         )

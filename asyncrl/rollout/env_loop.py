@@ -60,9 +60,10 @@ class Posted:
     value: Any
 
 
-Returned = Reset | StepResult | Posted | Exception | Any
-"""What an environment call (or other work `spawn`ed) hands back to the generating thread: its
-failure too (a failing environment fails its group, never the worker)."""
+Returned = Reset | StepResult | Exception | Any
+"""What an environment call hands back to the generating thread: its failure too (a failing
+environment fails its group, never the worker); or what other work `spawn`ed returned, or
+something `post`ed."""
 
 Call = tuple[K, Environment, PromptItem | str]
 """An environment call to make: `reset` of the item, or `step` of the text; the key comes back

@@ -524,9 +524,7 @@ class EpisodeScheduler(Generic[T]):
         if isinstance(result, AgentFailure):
             self._fail(ep.group, result.reason, result.detail)
             return
-        if not isinstance(result, AgentEnded):  # a bug of ours in the run: still only its group
-            self._fail(ep.group, GroupReason.AGENT_ERROR, describe(result))  # type: ignore[arg-type]
-            return
+        assert isinstance(result, AgentEnded)  # `Agents.run` turns any failure into one
         segments = session.transcript.samples()
         if not segments:
             self._fail(ep.group, GroupReason.AGENT_NO_CALLS, "the agent returned without a call")
@@ -538,11 +536,11 @@ class EpisodeScheduler(Generic[T]):
             if reward is None:
                 return
         try:
-            rewards = segment_rewards(segments, reward)
+            ep.group.samples[ep.index] = episode_samples(
+                segments, segment_rewards(segments, reward)
+            )
         except AgentFailure as exc:
             self._fail(ep.group, exc.reason, exc.detail)
-            return
-        ep.group.samples[ep.index] = episode_samples(segments, rewards)
 
     def _agent_call(self, ep: _Episode, call: PendingCall, agents: Agents) -> None:
         """Make `call` `ep`'s next turn, bounded by the run's sampling, the episode's budget

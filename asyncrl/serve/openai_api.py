@@ -489,13 +489,13 @@ def _chunks(
         if message is None:
             continue
         for k, call in enumerate(message.get("tool_calls") or []):
-            delta = {"tool_calls": [{"index": k, **call}]}
+            called = {"tool_calls": [{"index": k, **call}]}
             yield head | {
                 "choices": [
-                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                    {"index": index, "delta": called, "logprobs": None, "finish_reason": None}
                 ]
             }
-        end = {"index": index, "delta": {}, "logprobs": None}
-        yield head | {"choices": [end | {"finish_reason": _chat_finish(out, message)}]}
+        closing = {"index": index, "delta": {}, "logprobs": None}
+        yield head | {"choices": [closing | {"finish_reason": _chat_finish(out, message)}]}
     if req.include_usage:
         yield head | {"choices": [], "usage": _usage(req, outs)}
