@@ -495,6 +495,7 @@ METRICS: tuple[Metric, ...] = (
         "Agent episodes (task.agent) a rollout worker's gateway opened a session for; agents "
         "that failed are asyncrl_rollout_groups_failed_total's agent_* reasons.",
         "rollout",
+        roles=("rollout",),
     ),
     Metric(
         "gateway_calls",
@@ -502,6 +503,7 @@ METRICS: tuple[Metric, ...] = (
         "counter",
         "Chat completion calls agents made through the gateway and got an answer to.",
         "rollout",
+        roles=("rollout",),
     ),
     Metric(
         "gateway_tokens",
@@ -510,6 +512,7 @@ METRICS: tuple[Metric, ...] = (
         "Tokens of the gateway's answered calls: their prompts and what was generated.",
         "rollout",
         label=("kind", ("prompt", "generated")),
+        roles=("rollout",),
     ),
     Metric(
         "gateway_call_seconds",
@@ -518,6 +521,7 @@ METRICS: tuple[Metric, ...] = (
         "Seconds from a gateway call's arrival to its answer (waiting for a batch included).",
         "rollout",
         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0),
+        roles=("rollout",),
     ),
     Metric(
         "gateway_stitch_breaks",
@@ -528,6 +532,7 @@ METRICS: tuple[Metric, ...] = (
         "re-renders earlier turns, parallel calls.",
         "rollout",
         label=("cause", tuple(BreakCause)),
+        roles=("rollout",),
     ),
 )
 
