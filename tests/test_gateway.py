@@ -261,3 +261,28 @@ def test_calls_need_a_live_session_and_an_ended_one_is_refused_at_once(
             assert gone.value.status_code == 410 and "session is over" in str(gone.value)
     finally:
         sched.close()
+
+
+def test_the_example_agent_runs_unchanged(tokenizer: Any) -> None:
+    """examples/openai_agent/agent.py (a sync `openai` loop) runs its tool on the model's tool
+    calls and calls again with the results, to its `max_turns`."""
+    reply = [*tokenizer(CALL_TEXT, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    folder = Path(__file__).resolve().parents[1] / "examples" / "openai_agent"
+    sched, _ = agent_scheduler(
+        ScriptedEngine(reply),
+        tokenizer,
+        folder,
+        "agent:solve",
+        params=PARAMS,
+        kwargs={"max_turns": 2},
+    )
+    try:
+        sched.start("e", ExactTask(tokenizer).item("what is one plus two?"), 1, "e")
+        (group,), failed = _run(sched, 1)
+    finally:
+        sched.close()
+    assert failed == []
+    (sample,) = group.samples
+    assert sample.meta == {"calls": 2} and sample.reward == 0.0  # its last turn still called
+    assert sample.loss_mask is not None
+    assert "tool:3" in _spelled(tokenizer, sample.response_ids[sample.loss_mask == 0].tolist())
