@@ -286,3 +286,40 @@ def test_the_example_agent_runs_unchanged(tokenizer: Any) -> None:
     assert sample.meta == {"calls": 2} and sample.reward == 0.0  # its last turn still called
     assert sample.loss_mask is not None
     assert "tool:3" in _spelled(tokenizer, sample.response_ids[sample.loss_mask == 0].tolist())
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"task.agent.path": "nowhere:run"}, "cannot import 'nowhere'"),
+        ({"task.agent.path": "sig_agent:no_credentials"}, "cannot be called as fn(item, base_url"),
+        ({"trainer.eval_every": 5}, "trainer.eval_every must be 0 with task.agent"),
+        (
+            {"task.environment": {"type": "remote", "urls": ["http://x:1"]}},
+            "task.agent and task.environment exclude each other",
+        ),
+    ],
+)
+def test_agent_config_errors(
+    settings: dict[str, Any], says: str, user_code: Path, tmp_path: Path
+) -> None:
+    from asyncrl.config import load_config, write_config
+
+    agent_module(
+        user_code,
+        "sig_agent",
+        "def run(item, base_url, api_key): ...\ndef no_credentials(item): ...\n",
+    )
+    path = write_config(
+        tmp_path / "c.yaml",
+        {
+            "task.type": "arithmetic",
+            "task.agent.python_path": [str(user_code)],
+            "task.agent.path": "sig_agent:run",
+            "trainer.eval_every": 0,
+            **settings,
+        },
+    )
+    with pytest.raises(ValueError) as bad:
+        load_config(path)
+    assert says in str(bad.value)

@@ -43,8 +43,9 @@ messages = json.loads(sys.argv[5])
 walls = []
 for _ in range(calls):
     t0 = time.perf_counter()
-    client.chat.completions.create(model="m", messages=messages, max_tokens=new)
+    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=new)
     walls.append(time.perf_counter() - t0)
+    assert reply.usage.completion_tokens == new
 print(json.dumps(walls))
 """
 AGENT = """
@@ -61,10 +62,13 @@ def run(item, base_url, api_key, calls, new, client, out):
 
 def direct(engine: TorchEngine, prompt: list[int], calls: int, new: int) -> tuple[float, float]:
     params = SamplingParams(max_new_tokens=new, stop_token_ids=())
-    cpu, t0 = time.process_time(), time.perf_counter()
+    cpu, walls = time.process_time(), []
     for _ in range(calls):
-        engine.generate([prompt], params)
-    return (time.process_time() - cpu) / calls, (time.perf_counter() - t0) / calls
+        t0 = time.perf_counter()
+        (gen,) = engine.generate([prompt], params)
+        walls.append(time.perf_counter() - t0)
+        assert len(gen.token_ids) == new
+    return (time.process_time() - cpu) / calls, statistics.median(walls)
 
 
 def gateway(
