@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from typing import Any
 
 import numpy as np
 import pytest
 from chat_families import FAMILIES, TINY_CHARS, TOOLS, family
 from compare_transcript import Conversation, Stats, check, compare
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncrl.environments.tools import ToolCall, parse_tool_calls
 from asyncrl.gateway.transcript import CallRecord, ChatTemplate, Plan, Transcript
@@ -318,3 +321,59 @@ def test_the_comparator_catches_a_retokenizing_transcript(monkeypatch: pytest.Mo
         conv.run()
         check(conv, stats)
     assert stats.differing > 0 and not stats.ok
+
+
+TEXT = st.text(alphabet=TINY_CHARS, max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_any_ids_any_order_of_calls(data: st.DataObject) -> None:
+    """Arbitrary sampled ids (special tokens anywhere, empty replies, cut or stopped), calls
+    that fail, edits, tool changes and parallel calls, in any order: every sampled id stays
+    where it was recorded, every prompt is its segment's prefix, every break is a segment."""
+    tok = family("tiny").tokenizer
+    tr = Transcript(ChatTemplate(tok))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": data.draw(TEXT)}]
+    tools = list(TOOLS)
+    recorded: list[tuple[Plan, CallRecord]] = []
+    causes: list[BreakCause | None] = []
+    version = 0
+    for step in range(data.draw(st.integers(1, 6))):
+        op = data.draw(st.sampled_from(["continue", "edit", "tools", "failed", "parallel"]))
+        if step and op == "edit":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "x"}
+        elif step and op == "tools":
+            tools = tools[:1] if len(tools) > 1 else list(TOOLS)
+        plan = tr.plan(messages, tools)
+        assert tr.plan(messages, tools) == plan  # planning is pure
+        expected = (
+            None if not step else {"edit": "history_edited", "tools": "tools_changed"}.get(op)
+        )
+        assert plan.cause == expected and plan.continues == (step > 0 and expected is None)
+        plans = [plan, plan] if op == "parallel" else [plan]
+        for k, p in enumerate(plans):
+            ids = data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=16))
+            finish = data.draw(st.sampled_from(["stop", "length"]))
+            version += data.draw(st.integers(0, 1))
+            reply = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
+            call = _call(p, ids, reply, version, finish)
+            tr.record(p, call)
+            recorded.append((p, call))
+            causes.append(BreakCause.CONCURRENT if k else p.cause)
+        messages = [*plan.messages, reply, {"role": "user", "content": data.draw(TEXT)}]
+    segments = tr.samples()
+    calls = iter(recorded)
+    for seg in segments:
+        for start, end in seg.spans:
+            plan, call = next(calls)
+            assert seg.ids[start:end].tolist() == call.output_ids.tolist()
+            assert seg.versions[start:end].tolist() == call.versions.tolist()
+            assert seg.loss_mask[start:end].all()
+            assert plan.prompt_ids == [*seg.prompt_ids, *seg.ids[:start].tolist()]
+        assert (seg.logprobs[seg.loss_mask == 0] == 0).all()
+        assert (np.diff(seg.versions) >= 0).all()
+    assert next(calls, None) is None
+    breaks = [c for c in causes[1:] if c is not None]
+    assert [s.cause for s in segments] == [None, *breaks]
+    assert tr.breaks == Counter(breaks)

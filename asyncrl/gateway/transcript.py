@@ -261,19 +261,19 @@ class Transcript:
         tools_key = _key(list(tools or ()))
         options_key = _key(template_kwargs)
         cur = self._open
+        basis = self._basis()
         cause: BreakCause | None = None
         if cur is not None:
             cause = _cause(cur, msgs, tools_key, options_key)
             if cause is None:
                 obs = self._observation(cur, msgs, tools, template_kwargs)
                 if obs is not None:
-                    basis = (cur.serial, len(cur.spans))
                     return Plan(
                         cur.context + obs, True, None, obs, msgs, tools_key, options_key, basis
                     )
                 cause = BreakCause.TEMPLATE
         prompt = self.template.render(msgs, tools, **template_kwargs)
-        return Plan(prompt, False, cause, [], msgs, tools_key, options_key)
+        return Plan(prompt, False, cause, [], msgs, tools_key, options_key, basis)
 
     def record(self, plan: Plan, call: CallRecord) -> None:
         """Add a call generated from `plan.prompt_ids` to the session's sample."""
@@ -285,7 +285,14 @@ class Transcript:
                 f"{len(ids)} output ids, {len(logprobs)} log-probs, {len(versions)} versions"
             )
         cur = self._open
-        if plan.continues and cur is not None and plan.basis == (cur.serial, len(cur.spans)):
+        if plan.basis != self._basis():
+            # Planned before the session's last call was recorded (parallel calls): its prompt
+            # holds none of that call, so it is a sample of its own, the prompt whole.
+            cause: BreakCause | None = BreakCause.CONCURRENT
+        else:
+            cause = plan.cause
+        if plan.continues and cause is None:
+            assert cur is not None  # a plan continues only an open segment
             n = len(plan.observation)
             before = cur.last_version
             version = before if before is not None else int(versions[0]) if len(versions) else 0
@@ -296,7 +303,6 @@ class Transcript:
                 gen=False,
             )
         else:
-            cause = plan.cause if not plan.continues else BreakCause.CONCURRENT
             if cur is not None:
                 self._closed.append(cur.segment())
             self._serial += 1
@@ -310,6 +316,11 @@ class Transcript:
         cur.tools_key, cur.options_key = plan.tools_key, plan.options_key
         cur.last_id = int(ids[-1]) if len(ids) else None
         cur.finish = call.finish
+
+    def _basis(self) -> tuple[int, int]:
+        """What a plan is made on: the open segment and how many calls it holds."""
+        cur = self._open
+        return (0, 0) if cur is None else (cur.serial, len(cur.spans))
 
     def samples(self) -> list[Segment]:
         """Every segment so far, in order (the open one included)."""
