@@ -377,3 +377,79 @@ def test_fuzz_any_ids_any_order_of_calls(data: st.DataObject) -> None:
     breaks = [c for c in causes[1:] if c is not None]
     assert [s.cause for s in segments] == [None, *breaks]
     assert tr.breaks == Counter(breaks)
+
+
+def _streamed(message: dict[str, Any]) -> dict[str, Any]:
+    """The reply as a client assembles it from a stream: content deltas joined (None when there
+    were none), each call's arguments from its fragments, as the `openai` SDK's accumulator
+    does."""
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": None}]
+    text = message.get("content") or ""
+    deltas += [{"content": text[i : i + 3]} for i in range(0, len(text), 3)]
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        args = call["function"]["arguments"]
+        head = {"index": index, "id": call["id"], "type": "function"}
+        deltas.append({"tool_calls": [head | {"function": {"name": call["function"]["name"]}}]})
+        for i in range(0, len(args), 4):
+            deltas.append(
+                {"tool_calls": [{"index": index, "function": {"arguments": args[i : i + 4]}}]}
+            )
+    out: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": []}
+    for delta in deltas:
+        if delta.get("content"):
+            out["content"] = (out["content"] or "") + delta["content"]
+        for part in delta.get("tool_calls", ()):
+            if part["index"] == len(out["tool_calls"]):
+                out["tool_calls"].append(
+                    {
+                        "id": part["id"],
+                        "type": "function",
+                        "function": {"name": "", "arguments": ""},
+                    }
+                )
+            fn = out["tool_calls"][part["index"]]["function"]
+            fn["name"] += part["function"].get("name", "")
+            fn["arguments"] += part["function"].get("arguments", "")
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_streamed_reply_records_and_plans_like_a_whole_one(name: str) -> None:
+    """The same sampled tool call returned whole or streamed: the client's two versions of the
+    reply give the same next prompt and the same sample."""
+    fam = family(name)
+    samples = []
+    seed = next(
+        i
+        for i in range(100)
+        if Conversation(fam, random.Random(i), 0.0)
+        .engine.reply(list(TOOLS), 0)[1]
+        .message.get("tool_calls")
+    )
+    for stream in (False, True):
+        conv = Conversation(fam, random.Random(seed), 0.0)
+        tr = conv.transcript
+        plan = tr.plan(QUESTION, TOOLS)
+        record = conv.engine.reply(list(TOOLS), 0)[1]
+        message = dict(record.message)
+        tr.record(
+            plan,
+            CallRecord(
+                plan.prompt_ids,
+                record.output_ids,
+                record.logprobs,
+                record.versions,
+                record.finish,
+                message,
+            ),
+        )
+        echo = _streamed(message) if stream else message
+        assert [c["function"] for c in echo["tool_calls"]] == [
+            c["function"] for c in message["tool_calls"]
+        ]
+        results = [{**RESULT, "tool_call_id": c["id"]} for c in message["tool_calls"]]
+        nxt = tr.plan([*QUESTION, echo, *results], TOOLS)
+        assert nxt.continues
+        tr.record(nxt, _call(nxt, [5], {"role": "assistant", "content": ""}))
+        samples.append((nxt.prompt_ids, [s.ids.tolist() for s in tr.samples()]))
+    assert samples[0] == samples[1]
