@@ -453,3 +453,24 @@ def test_a_streamed_reply_records_and_plans_like_a_whole_one(name: str) -> None:
         tr.record(nxt, _call(nxt, [5], {"role": "assistant", "content": ""}))
         samples.append((nxt.prompt_ids, [s.ids.tolist() for s in tr.samples()]))
     assert samples[0] == samples[1]
+
+
+def test_rebase_moves_the_prompts_tail_into_the_response_masked() -> None:
+    tr, _ = _two_calls()
+    plan = tr.plan([*QUESTION, CALL, RESULT], TOOLS)
+    tr.record(plan, _call(plan, [9, 9], {"role": "assistant", "content": "x"}, version=5))
+    [seg] = tr.samples()
+    n = len(seg.prompt_ids)
+    moved = seg.rebase(2)
+    assert moved.prompt_ids == seg.prompt_ids[:2]
+    assert [*moved.prompt_ids, *moved.ids.tolist()] == [*seg.prompt_ids, *seg.ids.tolist()]
+    assert moved.loss_mask.tolist() == [0] * (n - 2) + seg.loss_mask.tolist()
+    assert moved.versions.tolist() == [3] * (n - 2) + seg.versions.tolist()
+    assert (moved.logprobs[: n - 2] == 0).all()
+    assert [moved.ids[a:b].tolist() for a, b in moved.spans] == [
+        seg.ids[a:b].tolist() for a, b in seg.spans
+    ]
+    same = seg.rebase(n)
+    assert same.prompt_ids == seg.prompt_ids and same.ids.tolist() == seg.ids.tolist()
+    with pytest.raises(ValueError, match="rebase at"):
+        seg.rebase(n + 1)

@@ -55,7 +55,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -188,6 +188,26 @@ class Segment:
     @property
     def calls(self) -> int:
         return len(self.spans)
+
+    def rebase(self, n: int) -> Segment:
+        """The same tokens over a prompt of only the first `n` prompt ids (e.g. the part a
+        group's published prompt shares): the rest of the prompt opens the response as
+        observation tokens, loss-masked, with log-prob 0 and the first generated id's version
+        (no id comes before them), as a first observation is in `asyncrl.rollout.episodes`."""
+        if not 0 <= n <= len(self.prompt_ids):
+            raise ValueError(f"rebase at {n}: the prompt has {len(self.prompt_ids)} ids")
+        moved = self.prompt_ids[n:]
+        k = len(moved)
+        first = int(self.versions[0]) if len(self.versions) else 0
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[:n],
+            ids=np.concatenate([np.asarray(moved, np.int32), self.ids]),
+            logprobs=np.concatenate([np.zeros(k, np.float32), self.logprobs]),
+            versions=np.concatenate([np.full(k, first, np.int32), self.versions]),
+            loss_mask=np.concatenate([np.zeros(k, np.uint8), self.loss_mask]),
+            spans=tuple((a + k, b + k) for a, b in self.spans),
+        )
 
 
 @dataclass
