@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.environments.tools import ToolCall, parse_tool_calls
-from asyncrl.gateway.transcript import CallRecord, ChatTemplate, Plan, Transcript
+from asyncrl.gateway.transcript import CallRecord, ChatTemplate, Plan, RenderError, Transcript
 from asyncrl.reasons import BreakCause
 from asyncrl.tiny_model import (
     SPECIAL_TOKENS,
@@ -474,3 +474,11 @@ def test_rebase_moves_the_prompts_tail_into_the_response_masked() -> None:
     assert same.prompt_ids == seg.prompt_ids and same.ids.tolist() == seg.ids.tolist()
     with pytest.raises(ValueError, match="rebase at"):
         seg.rebase(n + 1)
+
+
+def test_messages_the_template_refuses_are_one_error() -> None:
+    tr, _ = _transcript("llama3")
+    two = {**CALL, "tool_calls": CALL["tool_calls"] * 2}  # Llama 3.1 takes one call per turn
+    with pytest.raises(RenderError, match="only supports single tool-calls"):
+        tr.plan([*QUESTION, two, RESULT], TOOLS)
+    assert tr.samples() == [] and not tr.breaks

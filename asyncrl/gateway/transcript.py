@@ -73,6 +73,11 @@ MARK = "\x00asyncrl-reply\x00"
 _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
 
 
+class RenderError(ValueError):
+    """The chat template refused the messages (it raised, e.g. Llama 3.1 on two tool calls in
+    one turn): the request's fault, a 400 for an HTTP caller."""
+
+
 class ChatTemplate:
     """A HF tokenizer's chat template, tools included; text is tokenized with no special tokens
     added (the template writes its own, as `apply_chat_template(tokenize=True)` does)."""
@@ -96,15 +101,17 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        return str(
-            self.tokenizer.apply_chat_template(
+        try:
+            text = self.tokenizer.apply_chat_template(
                 [_for_template(m) for m in messages],
                 tools=[dict(t) for t in tools] if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **template_kwargs,
             )
-        )
+        except Exception as exc:  # the template's own checks, or messages of the wrong shape
+            raise RenderError(f"the chat template refused the messages: {exc}") from exc
+        return str(text)
 
     def encode(self, text: str) -> list[int]:
         if self._backend is not None:
@@ -119,7 +126,8 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        """The ids of the conversation as the template writes it."""
+        """The ids of the conversation as the template writes it; `RenderError` when the
+        template refuses it."""
         text = self.text(
             messages, tools, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
@@ -277,6 +285,8 @@ class Transcript:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> Plan:
+        """The prompt of a call with these messages, tools and template options (see the
+        module docstring); `RenderError` when the template refuses them. Changes nothing."""
         msgs = tuple(messages)
         tools_key = _key(list(tools or ()))
         options_key = _key(template_kwargs)
@@ -361,7 +371,7 @@ class Transcript:
             text = self.template.text(
                 [*msgs[:n], placeholder, *msgs[n + 1 :]], tools, **template_kwargs
             )
-        except Exception:  # a template that insists on its own pairing of calls and results
+        except RenderError:  # e.g. a template that pairs each tool result with its call
             return None
         if text.count(MARK) != 1:
             return None
