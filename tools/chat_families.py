@@ -7,7 +7,8 @@ The templates follow the published ones (tokenizer_config.json of Qwen2.5-7B-Ins
 Qwen3-8B and Llama-3.1-8B-Instruct) statement by statement; where they differ:
 - Qwen2.5's default system prompt is shortened and its tool preamble kept verbatim;
 - Qwen3 is its tool/think template without the `content is string` guards for multimodal
-  content (contents here are strings);
+  content (contents here are strings), its tool turn shared with Qwen2.5 (`loop.index0 == 0`
+  for `loop.first`);
 - Llama 3.1 leaves out the builtin tools (`brave_search`, `code_interpreter`) and the
   `<|python_tag|>` call form: custom tools only, as JSON in the turn (`{"name": …,
   "parameters": …}`), one call per turn (the template refuses more, as the real one does).
@@ -33,7 +34,31 @@ from transformers import PreTrainedTokenizerFast
 
 from asyncrl.tiny_model import SPECIAL_TOKENS, build_tokenizer
 
-QWEN25_TEMPLATE = """{%- if tools %}
+_QWEN_TOOL_LIST = """    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+"""
+_QWEN_TOOL_TURN = """    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+"""
+"""Qwen3's is the same, its first test spelled `loop.first`."""
+
+QWEN25_TEMPLATE = (
+    """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
     {%- if messages[0]['role'] == 'system' %}
         {{- messages[0]['content'] }}
@@ -41,12 +66,9 @@ QWEN25_TEMPLATE = """{%- if tools %}
         {{- 'You are Qwen, a helpful assistant.' }}
     {%- endif %}
     {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
+"""
+    + _QWEN_TOOL_LIST
+    + """{%- else %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
     {%- else %}
@@ -72,35 +94,22 @@ QWEN25_TEMPLATE = """{%- if tools %}
             {{- '}\\n</tool_call>' }}
         {%- endfor %}
         {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
 """
+    + _QWEN_TOOL_TURN
+    + """{%- endif %}
+"""
+)
 
-QWEN3_TEMPLATE = """{%- if tools %}
+QWEN3_TEMPLATE = (
+    """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
     {%- if messages[0].role == 'system' %}
         {{- messages[0].content + '\\n\\n' }}
     {%- endif %}
     {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
+"""
+    + _QWEN_TOOL_LIST
+    + """{%- else %}
     {%- if messages[0].role == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
     {%- endif %}
@@ -156,27 +165,26 @@ QWEN3_TEMPLATE = """{%- if tools %}
             {%- endfor %}
         {%- endif %}
         {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
+"""
+    + _QWEN_TOOL_TURN
+    + """    {%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\\n\\n</think>\\n\\n' }}
     {%- endif %}
 {%- endif %}
 """
+)
 
-LLAMA3_TEMPLATE = """{{- bos_token }}
+_LLAMA_TOOL_LIST = """    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+"""
+"""The published template writes it twice: in the system turn or the first user turn."""
+
+LLAMA3_TEMPLATE = (
+    """{{- bos_token }}
 {%- if custom_tools is defined %}
     {%- set tools = custom_tools %}
 {%- endif %}
@@ -203,13 +211,9 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {{- "Today Date: " + date_string + "\\n\\n" }}
 {%- if tools is not none and not tools_in_user_message %}
     {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\\n\\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\\n\\n" }}
-    {%- endfor %}
-{%- endif %}
+"""
+    + _LLAMA_TOOL_LIST
+    + """{%- endif %}
 {{- system_message }}
 {{- "<|eot_id|>" }}
 {%- if tools_in_user_message and not tools is none %}
@@ -222,13 +226,9 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
     {{- "Given the following functions, please respond with a JSON for a function call " }}
     {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\\n\\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\\n\\n" }}
-    {%- endfor %}
-    {{- first_user_message + "<|eot_id|>"}}
+"""
+    + _LLAMA_TOOL_LIST
+    + """    {{- first_user_message + "<|eot_id|>"}}
 {%- endif %}
 {%- for message in messages %}
     {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
@@ -258,6 +258,7 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
+)
 
 WORDS = [
     "the",

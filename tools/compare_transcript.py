@@ -81,6 +81,10 @@ class Stats:
     """Canonical prompts that do not decode to the template's rendering (must be 0)."""
     drifted: int = 0
     """Calls whose sampled ids differ from the tokenizer's encoding of their text."""
+    continued: int = 0
+    rerendered_differ: int = 0
+    """Continuing calls whose prompt, rendered afresh from the messages, is not the stitched
+    one: where a gateway that re-renders would train on tokens the model did not sample."""
     breaks: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
 
@@ -284,13 +288,16 @@ class _Call:
 class Conversation:
     """One random conversation through a Transcript, with the breaks it made."""
 
-    def __init__(self, fam: Family, rng: random.Random, edit_rate: float) -> None:
-        self.fam, self.rng, self.edit_rate = fam, rng, edit_rate
+    def __init__(
+        self, fam: Family, rng: random.Random, edit_rate: float, rerender: bool = False
+    ) -> None:
+        self.fam, self.rng, self.edit_rate, self.rerender = fam, rng, edit_rate, rerender
         self.engine = FakeEngine(fam, rng)
         self.transcript = Transcript(self.engine.template)
         self.calls: list[_Call] = []
         self.expected: list[BreakCause] = []
         self.oracle_checked = self.oracle_failed = self.drifted = 0
+        self.continued = self.rerendered_differ = 0
         self.tools = self._tools()
         self.options: dict[str, Any] = self._options()
         self.messages: list[dict[str, Any]] = []
@@ -334,6 +341,10 @@ class Conversation:
             # A fresh rendering is the template's, but Qwen3 drops an earlier turn's <think>
             # once a user turn follows it, which the prompt, kept as sampled, will not.
             self.canonical = not any(_thinks(m) for m in self.messages)
+        elif self.rerender:
+            self.continued += 1
+            rendered = self.engine.template.render(self.messages, self.tools, **self.options)
+            self.rerendered_differ += rendered != plan.prompt_ids
         self._oracle(plan)
         return plan
 
@@ -451,15 +462,25 @@ def check(conv: Conversation, stats: Stats) -> None:
     stats.oracle_checked += conv.oracle_checked
     stats.oracle_failed += conv.oracle_failed
     stats.drifted += conv.drifted
+    stats.continued += conv.continued
+    stats.rerendered_differ += conv.rerendered_differ
     stats.conversations += 1
 
 
-def compare(name: str, conversations: int, seed: int = 0, edit_rate: float = 0.15) -> Stats:
+def compare(
+    name: str,
+    conversations: int,
+    seed: int = 0,
+    edit_rate: float = 0.15,
+    rerender: bool = False,
+) -> Stats:
+    """`rerender`: also render each continuing call's messages afresh, to count how often that
+    prompt differs from the stitched one."""
     fam = family(name)
     stats = Stats(name)
     t0 = time.perf_counter()
     for i in range(conversations):
-        conv = Conversation(fam, random.Random(f"{seed}/{name}/{i}"), edit_rate)
+        conv = Conversation(fam, random.Random(f"{seed}/{name}/{i}"), edit_rate, rerender)
         conv.run()
         check(conv, stats)
     stats.seconds = time.perf_counter() - t0
@@ -475,18 +496,19 @@ def main() -> None:
     print(
         "| family | conversations | calls | generated tokens | differing | bad prompts | "
         "breaks made = split | unbroken as one sample | canonical prompts = template | "
-        "calls with drifted ids | s |"
+        "calls with drifted ids | continued prompts a re-render changes | s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     ok = True
     for name in args.families:
-        s = compare(name, args.conversations, args.seed)
+        s = compare(name, args.conversations, args.seed, rerender=True)
         ok &= s.ok
         print(
             f"| {name} | {s.conversations} | {s.calls} | {s.generated} | {s.differing} | "
             f"{s.bad_prompts} | {sum(s.breaks.values())} ({s.missed_breaks} missed) | "
             f"{s.unbroken_one_sample}/{s.unbroken} | {s.oracle_checked - s.oracle_failed}/"
-            f"{s.oracle_checked} | {s.drifted} | {s.seconds:.1f} |"
+            f"{s.oracle_checked} | {s.drifted}/{s.calls} | {s.rerendered_differ}/{s.continued} | "
+            f"{s.seconds:.1f} |"
         )
     raise SystemExit(0 if ok else 1)
 

@@ -55,7 +55,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,6 +71,11 @@ MARK = "\x00asyncrl-reply\x00"
 """The placeholder reply's content: no template writes it, no message holds it by chance."""
 
 _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
+
+
+class RenderError(ValueError):
+    """The chat template refused the messages (it raised, e.g. Llama 3.1 on two tool calls in
+    one turn): the request's fault, a 400 for an HTTP caller."""
 
 
 class ChatTemplate:
@@ -96,15 +101,17 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        return str(
-            self.tokenizer.apply_chat_template(
+        try:
+            text = self.tokenizer.apply_chat_template(
                 [_for_template(m) for m in messages],
                 tools=[dict(t) for t in tools] if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **template_kwargs,
             )
-        )
+        except Exception as exc:  # the template's own checks, or messages of the wrong shape
+            raise RenderError(f"the chat template refused the messages: {exc}") from exc
+        return str(text)
 
     def encode(self, text: str) -> list[int]:
         if self._backend is not None:
@@ -119,7 +126,8 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        """The ids of the conversation as the template writes it."""
+        """The ids of the conversation as the template writes it; `RenderError` when the
+        template refuses it."""
         text = self.text(
             messages, tools, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
@@ -189,6 +197,26 @@ class Segment:
     def calls(self) -> int:
         return len(self.spans)
 
+    def rebase(self, n: int) -> Segment:
+        """The same tokens over a prompt of only the first `n` prompt ids (e.g. the part a
+        group's published prompt shares): the rest of the prompt opens the response as
+        observation tokens, loss-masked, with log-prob 0 and the first generated id's version
+        (no id comes before them), as a first observation is in `asyncrl.rollout.episodes`."""
+        if not 0 <= n <= len(self.prompt_ids):
+            raise ValueError(f"rebase at {n}: the prompt has {len(self.prompt_ids)} ids")
+        moved = self.prompt_ids[n:]
+        k = len(moved)
+        first = int(self.versions[0]) if len(self.versions) else 0
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[:n],
+            ids=np.concatenate([np.asarray(moved, np.int32), self.ids]),
+            logprobs=np.concatenate([np.zeros(k, np.float32), self.logprobs]),
+            versions=np.concatenate([np.full(k, first, np.int32), self.versions]),
+            loss_mask=np.concatenate([np.zeros(k, np.uint8), self.loss_mask]),
+            spans=tuple((a + k, b + k) for a, b in self.spans),
+        )
+
 
 @dataclass
 class _Open:
@@ -257,23 +285,25 @@ class Transcript:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> Plan:
+        """The prompt of a call with these messages, tools and template options (see the
+        module docstring); `RenderError` when the template refuses them. Changes nothing."""
         msgs = tuple(messages)
         tools_key = _key(list(tools or ()))
         options_key = _key(template_kwargs)
         cur = self._open
+        basis = self._basis()
         cause: BreakCause | None = None
         if cur is not None:
             cause = _cause(cur, msgs, tools_key, options_key)
             if cause is None:
                 obs = self._observation(cur, msgs, tools, template_kwargs)
                 if obs is not None:
-                    basis = (cur.serial, len(cur.spans))
                     return Plan(
                         cur.context + obs, True, None, obs, msgs, tools_key, options_key, basis
                     )
                 cause = BreakCause.TEMPLATE
         prompt = self.template.render(msgs, tools, **template_kwargs)
-        return Plan(prompt, False, cause, [], msgs, tools_key, options_key)
+        return Plan(prompt, False, cause, [], msgs, tools_key, options_key, basis)
 
     def record(self, plan: Plan, call: CallRecord) -> None:
         """Add a call generated from `plan.prompt_ids` to the session's sample."""
@@ -285,7 +315,14 @@ class Transcript:
                 f"{len(ids)} output ids, {len(logprobs)} log-probs, {len(versions)} versions"
             )
         cur = self._open
-        if plan.continues and cur is not None and plan.basis == (cur.serial, len(cur.spans)):
+        if plan.basis != self._basis():
+            # Planned before the session's last call was recorded (parallel calls): its prompt
+            # holds none of that call, so it is a sample of its own, the prompt whole.
+            cause: BreakCause | None = BreakCause.CONCURRENT
+        else:
+            cause = plan.cause
+        if plan.continues and cause is None:
+            assert cur is not None  # a plan continues only an open segment
             n = len(plan.observation)
             before = cur.last_version
             version = before if before is not None else int(versions[0]) if len(versions) else 0
@@ -296,7 +333,6 @@ class Transcript:
                 gen=False,
             )
         else:
-            cause = plan.cause if not plan.continues else BreakCause.CONCURRENT
             if cur is not None:
                 self._closed.append(cur.segment())
             self._serial += 1
@@ -310,6 +346,11 @@ class Transcript:
         cur.tools_key, cur.options_key = plan.tools_key, plan.options_key
         cur.last_id = int(ids[-1]) if len(ids) else None
         cur.finish = call.finish
+
+    def _basis(self) -> tuple[int, int]:
+        """What a plan is made on: the open segment and how many calls it holds."""
+        cur = self._open
+        return (0, 0) if cur is None else (cur.serial, len(cur.spans))
 
     def samples(self) -> list[Segment]:
         """Every segment so far, in order (the open one included)."""
@@ -330,7 +371,7 @@ class Transcript:
             text = self.template.text(
                 [*msgs[:n], placeholder, *msgs[n + 1 :]], tools, **template_kwargs
             )
-        except Exception:  # a template that insists on its own pairing of calls and results
+        except RenderError:  # e.g. a template that pairs each tool result with its call
             return None
         if text.count(MARK) != 1:
             return None
