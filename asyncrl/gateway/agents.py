@@ -150,22 +150,20 @@ class Agents:
 
 
 def episode_samples(segments: list[Segment], rewards: list[float]) -> list[Sample]:
-    """A sample per segment (`rewards[i]` for segment i): its prompt joins the response
-    loss-masked, with the version of the segment's first token (none is known before it)."""
+    """A sample per segment (`rewards[i]` for segment i), its whole prompt opening the response
+    loss-masked (`Segment.rebase`); `shared_prompt` cuts what the group's samples share."""
     samples = []
     for seg, reward in zip(segments, rewards, strict=True):
-        n = len(seg.prompt_ids)
-        first = int(seg.versions[0]) if len(seg.versions) else 0
-        mask = np.concatenate([np.zeros(n, np.uint8), seg.loss_mask.astype(np.uint8)])
+        whole = seg.rebase(0)
         samples.append(
             Sample(
-                response_ids=np.concatenate([np.asarray(seg.prompt_ids, np.int32), seg.ids]),
-                logprobs=np.concatenate([np.zeros(n, np.float32), seg.logprobs]),
-                versions=np.concatenate([np.full(n, first, np.int32), seg.versions]),
+                response_ids=whole.ids,
+                logprobs=whole.logprobs,
+                versions=whole.versions,
                 reward=float(reward),
                 finish="stop" if seg.finish == "stop" else "length",
                 meta={"calls": seg.calls},
-                loss_mask=mask,
+                loss_mask=whole.loss_mask,
             )
         )
     return samples
