@@ -136,6 +136,16 @@ class Config(Section):
                 f"trainer.groups_per_step={self.trainer.groups_per_step} must be a multiple of "
                 f"trainer.ranks={self.trainer.ranks}: each rank trains an equal share"
             )
+        agent = getattr(self.task, "agent", None)
+        if agent is not None and self.task.environment is not None:
+            raise ValueError(
+                "task.agent and task.environment exclude each other: an agent runs its own loop"
+            )
+        if agent is not None and self.trainer.eval_every:
+            raise ValueError(
+                "trainer.eval_every must be 0 with task.agent: held-out evaluation runs in the "
+                "trainer, which serves no gateway"
+            )
         if self.trainer.parallel == "fsdp" and self.trainer.eval_every:
             raise ValueError(
                 "trainer.eval_every must be 0 with trainer.parallel=fsdp: evaluation runs on "

@@ -79,6 +79,16 @@ class GroupReason(StrEnum):
     ENV_TIMEOUT = "env_timeout"
     ENV_MALFORMED = "env_malformed"
     ENV_UNAVAILABLE = "env_unavailable"
+    AGENT_ERROR = "agent_error"
+    """A `task.agent` function raised (any BaseException), or returned what is no reward."""
+    AGENT_TIMEOUT = "agent_timeout"
+    """An agent outlived its `timeout_s`."""
+    AGENT_NO_CALLS = "agent_no_calls"
+    """An agent returned without one call through its gateway session: nothing to train."""
+    AGENT_OVER_BUDGET = "agent_over_budget"
+    """An agent's call past its episode's `max_calls` or `max_tokens`."""
+    AGENT_CONTEXT_TOO_LONG = "agent_context_too_long"
+    """An agent's call whose prompt leaves no room for a token within the context bound."""
     OTHER = "other"
     """A reason added elsewhere and not listed here, so that counting never fails a worker."""
 
@@ -113,3 +123,21 @@ class DropReason(StrEnum):
     STALE = "stale"
     ZERO_VARIANCE = "zero_variance"
     INVALID = "invalid"
+
+
+class BreakCause(StrEnum):
+    """Why a gateway call did not continue its session's sample and began a new one of the
+    same episode (`asyncrl.gateway.transcript`): each segment is trained as its own sample."""
+
+    HISTORY_EDITED = "history_edited"
+    """An earlier message changed or is gone (an edit, a compaction, a truncation)."""
+    REPLY_EDITED = "reply_edited"
+    """The reply the gateway returned is missing or changed (beyond its reasoning and the
+    spelling of its tool calls' arguments)."""
+    TOOLS_CHANGED = "tools_changed"
+    OPTIONS_CHANGED = "options_changed"
+    """Other chat template options (e.g. `enable_thinking`)."""
+    TEMPLATE = "template"
+    """The template's rendering leaves no single place for the new turns after a reply."""
+    CONCURRENT = "concurrent"
+    """A call planned before the session's previous call was recorded (parallel calls)."""

@@ -1,6 +1,10 @@
 """An offline tiny model for the quickstart: a char-level Qwen2 (or, with `moe`, a Qwen3-MoE of
 8 experts, top-2) that half-knows `a+b=`.
 
+With `chat=True` its tokenizer also carries a chat template with tools (`CHAT_TEMPLATE`), whose
+turn markers are special tokens appended after the characters (ids of the characters unchanged),
+so a chat-speaking tiny model needs no letters for its roles.
+
 RL sharpens a half-learned skill; it does not teach one from nothing in a CPU-sized budget. So
 the model is warmed up on the arithmetic task's train split with 40% of the answers off by 1..3
 ("noisy"), which leaves it usually right when greedy but often wrong when sampled, and stops as
@@ -19,7 +23,7 @@ from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -41,6 +45,31 @@ VOCAB = (*SPECIAL_TOKENS, *"0123456789+=")
 PAD_ID, BOS_ID, EOS_ID = range(3)
 INFO_FILE = "asyncrl_model.json"
 
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+"""Added but not special: decoded text keeps them, for the tool-call parser."""
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' or tools %}{{- '<|system|>' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}"
+    "{%- for tool in tools or [] %}{{- ' ' + (tool.function or tool).name }}{%- endfor %}"
+    "{{- '<eos>' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{{- '<|assistant|>' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}{%- set call = call.function or call %}"
+    '{{- \'<tool_call>{"name": "\' + call.name + \'", "arguments": \' }}'
+    "{{- (call.arguments if call.arguments is string else call.arguments | tojson) }}"
+    "{{- '}</tool_call>' }}{%- endfor %}{{- '<eos>' }}"
+    "{%- elif not (loop.first and message.role == 'system') %}"
+    "{{- '<|' + message.role + '|>' + message.content + '<eos>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+"""A miniature of the Hermes/Qwen tool format: a role token opens each turn and `<eos>` (what
+the model stops on) ends it; the tools go into the system turn by name only (their schemas
+would pass the 128 positions), a call is `<tool_call>{"name": …, "arguments": …}</tool_call>`
+as `asyncrl.environments.tools.parse_tool_calls` reads it."""
+
 NOISE_FRACTION = 0.4
 TARGET_SAMPLED, TARGET_GREEDY = 0.3, 0.5
 
@@ -60,9 +89,12 @@ class TinyModelInfo(TypedDict):
     build_seconds: float
 
 
-def build_tokenizer(vocab: Sequence[str] = VOCAB) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab: Sequence[str] = VOCAB, *, chat: bool = False) -> PreTrainedTokenizerFast:
     """One token per character of `vocab` (the special tokens first); encoding prepends <bos>,
-    decoding joins characters."""
+    decoding joins characters. `chat`: `CHAT_TOKENS` and `TOOL_TOKENS` follow the vocabulary,
+    and `CHAT_TEMPLATE` is its chat template."""
+    if chat:
+        vocab = (*vocab, *CHAT_TOKENS, *TOOL_TOKENS)
     tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -70,9 +102,15 @@ def build_tokenizer(vocab: Sequence[str] = VOCAB) -> PreTrainedTokenizerFast:
         single="<bos> $A", special_tokens=[("<bos>", BOS_ID)]
     )
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    if chat:
+        tok.add_special_tokens(list(CHAT_TOKENS))
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
     )
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 # What the dense and the MoE tiny models share: a char vocabulary, hidden 64, 2 layers, 4 heads
@@ -115,15 +153,21 @@ def new_tiny_moe(seed: int = 0, vocab_size: int = len(VOCAB)) -> Qwen3MoeForCaus
 
 
 def save_random_tiny_model(
-    out_dir: str | Path, seed: int = 0, chars: str | None = None, *, moe: bool = False
+    out_dir: str | Path,
+    seed: int = 0,
+    chars: str | None = None,
+    *,
+    moe: bool = False,
+    chat: bool = False,
 ) -> Path:
     """An untrained tiny model and its tokenizer in `out_dir` (for tests and benchmarks); `chars`
     replaces the arithmetic characters of the vocabulary (a task with other text); `moe`: the
-    Qwen3-MoE one."""
+    Qwen3-MoE one; `chat`: the tokenizer speaks `CHAT_TEMPLATE` (see `build_tokenizer`)."""
     out = Path(out_dir)
     vocab = VOCAB if chars is None else (*SPECIAL_TOKENS, *dict.fromkeys(chars))
-    (new_tiny_moe if moe else new_tiny_model)(seed, len(vocab)).save_pretrained(out)
-    build_tokenizer(vocab).save_pretrained(out)
+    tokenizer = build_tokenizer(vocab, chat=chat)
+    (new_tiny_moe if moe else new_tiny_model)(seed, len(tokenizer)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 

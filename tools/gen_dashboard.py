@@ -353,6 +353,46 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
         ],
     ),
+    (
+        "Agent gateway",
+        [
+            Panel(
+                "Agent calls and sessions",
+                "Chat calls the rollout workers' gateways answered, and agent episodes started "
+                "(task.agent), per second.",
+                [
+                    (f"sum(rate(asyncrl_gateway_calls_total{RATE}))", "calls"),
+                    (f"sum(rate(asyncrl_gateway_sessions_total{RATE}))", "sessions"),
+                ],
+            ),
+            _one(
+                "Agent tokens",
+                f"sum by (kind) (rate(asyncrl_gateway_tokens_total{RATE}))",
+                "{{kind}}",
+                "Tokens per second of the gateway's calls: prompts and generated.",
+                stacked=True,
+            ),
+            Panel(
+                "Agent call time",
+                "Seconds from a gateway call's arrival to its answer (batching included): "
+                "median and 99th percentile.",
+                [
+                    (_q(0.5, "asyncrl_gateway_call_seconds"), "p50"),
+                    (_q(0.99, "asyncrl_gateway_call_seconds"), "p99"),
+                ],
+                unit="s",
+            ),
+            _one(
+                "Stitch breaks",
+                f"sum by (cause) (rate(asyncrl_gateway_stitch_breaks_total{RATE}))",
+                "{{cause}}",
+                "Gateway calls that began a new sample of their episode, by cause (an edited "
+                "history, changed tools, a template that re-renders earlier turns, ...). Agent "
+                "failures are the agent_* reasons of Groups failed in rollout.",
+                stacked=True,
+            ),
+        ],
+    ),
 ]
 
 

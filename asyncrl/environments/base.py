@@ -176,15 +176,17 @@ _MARK = "\x00asyncrl-assistant\x00"
 
 def render_prompt(
     tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of a conversation's start through the chat template, the generation prompt
-    added; `tools` (JSON schemas) go where the template puts them (Qwen: the system turn)."""
+    added; `tools` (JSON schemas) go where the template puts them (Qwen: the system turn);
+    `template_kwargs` are the template's own variables (Qwen3's `enable_thinking`)."""
     # As transformers types `tools=` (it also takes functions, which it makes schemas of).
     schemas: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else [*tools]
     text = tokenizer.apply_chat_template(
-        messages, tools=schemas, tokenize=False, add_generation_prompt=True
+        messages, tools=schemas, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -83,6 +83,11 @@ class RoleMetrics:
     env_server_call_seconds: Histogram
     env_server_sessions_closed_idle: Counter
     tool_calls: dict[str, Counter]
+    gateway_sessions: Counter
+    gateway_calls: Counter
+    gateway_tokens: dict[str, Counter]
+    gateway_call_seconds: Histogram
+    gateway_stitch_breaks: dict[str, Counter]
 
     def __init__(self, role: str, worker: str) -> None:
         self.role = role

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from asyncrl.reasons import DropReason, EnvReason, GroupReason, ToolCallOutcome
+from asyncrl.reasons import BreakCause, DropReason, EnvReason, GroupReason, ToolCallOutcome
 from asyncrl.runstate import ROLES
 from asyncrl.runstate import Counter as RunCounter
 
@@ -494,6 +494,52 @@ METRICS: tuple[Metric, ...] = (
         "reads each failure; none fails a group.",
         "rollout",
         label=("outcome", tuple(ToolCallOutcome)),
+        roles=("rollout",),
+    ),
+    Metric(
+        "gateway_sessions",
+        "asyncrl_gateway_sessions_total",
+        "counter",
+        "Agent episodes (task.agent) a rollout worker's gateway opened a session for; agents "
+        "that failed are asyncrl_rollout_groups_failed_total's agent_* reasons.",
+        "rollout",
+        roles=("rollout",),
+    ),
+    Metric(
+        "gateway_calls",
+        "asyncrl_gateway_calls_total",
+        "counter",
+        "Chat completion calls agents made through the gateway and got an answer to.",
+        "rollout",
+        roles=("rollout",),
+    ),
+    Metric(
+        "gateway_tokens",
+        "asyncrl_gateway_tokens_total",
+        "counter",
+        "Tokens of the gateway's answered calls: their prompts and what was generated.",
+        "rollout",
+        label=("kind", ("prompt", "generated")),
+        roles=("rollout",),
+    ),
+    Metric(
+        "gateway_call_seconds",
+        "asyncrl_gateway_call_seconds",
+        "histogram",
+        "Seconds from a gateway call's arrival to its answer (waiting for a batch included).",
+        "rollout",
+        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0),
+        roles=("rollout",),
+    ),
+    Metric(
+        "gateway_stitch_breaks",
+        "asyncrl_gateway_stitch_breaks_total",
+        "counter",
+        "Gateway calls that did not continue their episode's sample and began a new one, by "
+        "cause: history or reply edited, tools or template options changed, a template that "
+        "re-renders earlier turns, parallel calls.",
+        "rollout",
+        label=("cause", tuple(BreakCause)),
         roles=("rollout",),
     ),
 )

@@ -9,6 +9,7 @@ retried through an outage like any of the worker's Redis calls.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from asyncrl.config import Config
     from asyncrl.engines.base import RolloutEngine
+    from asyncrl.gateway.agents import Agents
     from asyncrl.heartbeat import Heartbeat
     from asyncrl.metrics.roles import RoleMetrics
     from asyncrl.model_identity import ModelIdentity
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from asyncrl.weights.base import WeightSubscriber
 
     Prompt = Delivery[PromptGroup]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,7 +160,34 @@ def build_episodes(
         on_generate=on_generate,
         on_env_error=lambda reason: metrics.environment_errors[reason].inc(),
         on_tool_calls=lambda outcome, n: metrics.tool_calls[outcome].inc(n),
+        agents=build_agents(rt, tokenizer, model_dir),
     )
+
+
+def build_agents(
+    rt: RoleRuntime, tokenizer: PreTrainedTokenizerBase, model_dir: Path
+) -> Agents | None:
+    """The task's agent over a gateway of this worker's; None when the task has no agent."""
+    agent = getattr(rt.cfg.task, "agent", None)
+    if agent is None:
+        return None
+    from asyncrl.gateway.agents import Agents
+    from asyncrl.gateway.server import CallStats, Gateway
+    from asyncrl.model import vocab_size
+
+    metrics = rt.metrics
+
+    def on_call(call: CallStats) -> None:
+        metrics.gateway_calls.inc()
+        metrics.gateway_call_seconds.observe(call.seconds)
+        metrics.gateway_tokens["prompt"].inc(call.prompt_tokens)
+        metrics.gateway_tokens["generated"].inc(call.output_tokens)
+        if call.cause is not None:
+            metrics.gateway_stitch_breaks[call.cause].inc()
+
+    gateway = Gateway(rt.cfg.rollout.gateway, tokenizer, vocab_size(model_dir), on_call)
+    log.info("gateway for task.agent at %s", gateway.url)
+    return Agents(agent, gateway, on_session=metrics.gateway_sessions.inc)
 
 
 def _least(*limits: int | None) -> int | None:

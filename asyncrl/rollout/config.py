@@ -8,6 +8,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from asyncrl.configbase import Section, type_or
 from asyncrl.engines.config import SamplingParams, TorchEngineConfig
+from asyncrl.gateway.config import GatewayConfig
 from asyncrl.sglang.config import SglangEngineConfig
 
 EngineConfig = Annotated[
@@ -49,6 +50,8 @@ class RolloutConfig(Section):
     (`trainer.dtype`, one full forward) with the weights that generated them, shipped as
     `audit_logprobs` for the trainer's lag-0 mismatch figures (`asyncrl mismatch`). A sample
     whose weights were swapped since is not audited. 0: no audit, no cost. Builtin engine only."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    """The OpenAI-compatible endpoint the worker serves when the task has an `agent`."""
     capture_routing: bool = False
     """Record, per token and MoE layer, the top-k experts the engine routed it to (prompt and
     response tokens), shipped as `routed_experts` for routing replay (`algo.routing_replay`) and

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -52,9 +52,18 @@ class Reset:
     first: Observation
 
 
-Returned = Reset | StepResult | Exception
+@dataclass(frozen=True)
+class Posted:
+    """Handed in from another thread, outside any call sent (an agent's call, from the
+    gateway's HTTP thread): it wakes `take_back` but is no call's result."""
+
+    value: Any
+
+
+Returned = Reset | StepResult | Exception | Any
 """What an environment call hands back to the generating thread: its failure too (a failing
-environment fails its group, never the worker)."""
+environment fails its group, never the worker); or what other work `spawn`ed returned, or
+something `post`ed."""
 
 Call = tuple[K, Environment, PromptItem | str]
 """An environment call to make: `reset` of the item, or `step` of the text; the key comes back
@@ -89,6 +98,18 @@ class EnvironmentLoop(Generic[K]):
         self.pending += len(calls)
         self._event_loop().call_soon_threadsafe(self._spawn, calls)
 
+    def spawn(self, key: K, work: Callable[[], Awaitable[Any]]) -> None:
+        """Run `work()` on the loop; its value (or the Exception it raised) comes back with
+        `key`. Cancelled by `close`, like environment steps."""
+        self.pending += 1
+        self._event_loop().call_soon_threadsafe(
+            lambda: self._track(self._run(key, work), self.steps)
+        )
+
+    def post(self, key: K, value: Any) -> None:
+        """Hand `value` to the generating thread as `Posted` (from any thread)."""
+        self._returned.put((key, Posted(value)))
+
     def close_env(self, env: Environment) -> None:
         self._open.pop(id(env), None)
         self._event_loop().call_soon_threadsafe(self._spawn_close, env)
@@ -113,7 +134,7 @@ class EnvironmentLoop(Generic[K]):
         if len(returned) < len(got):
             self._died = next(r for r in got if isinstance(r, EnvironmentLoopDied))
             raise self._died
-        self.pending -= len(returned)
+        self.pending -= sum(not isinstance(r, Posted) for _, r in returned)
         return returned
 
     def close(self) -> None:
@@ -215,6 +236,13 @@ class EnvironmentLoop(Generic[K]):
             else:
                 result = Reset(await reset_checked(env, what))
         except Exception as exc:  # a failing environment fails its group, never the worker
+            result = exc
+        self._returned.put((key, result))
+
+    async def _run(self, key: K, work: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            result = await contained(work())
+        except Exception as exc:
             result = exc
         self._returned.put((key, result))
 

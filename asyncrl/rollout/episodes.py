@@ -41,15 +41,25 @@ from asyncrl.environments.base import (
     render_observation,
 )
 from asyncrl.environments.tools import tool_call_counts
+from asyncrl.gateway.agents import (
+    AgentEnded,
+    AgentFailure,
+    episode_samples,
+    segment_rewards,
+    shared_prompt,
+)
 from asyncrl.items import PromptItem
 from asyncrl.protocol import Sample
 from asyncrl.reasons import GroupReason
-from asyncrl.rollout.env_loop import Call, EnvironmentLoop, describe
+from asyncrl.rollout.env_loop import Call, EnvironmentLoop, Posted, describe
 from asyncrl.tasks.base import EpisodicTask, Task
 from asyncrl.tasks.isolated import RewardFailure
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from asyncrl.gateway.agents import Agents
+    from asyncrl.gateway.sessions import PendingCall, Session
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -101,11 +111,19 @@ class FailedGroup(Generic[T]):
 class _Group(Generic[T]):
     tag: T
     item: PromptItem
-    samples: list[Sample | None]
+    samples: list[list[Sample] | None]
+    """Each episode's samples once it ended: one, or an agent's one per transcript segment."""
     created_at: float
     failed: bool = False
     oldest: int | None = None
     """The version of its oldest generated token (None before the first)."""
+    sessions: list[Session] = field(default_factory=list)
+    """Its agents' gateway sessions (`task.agent`), ended with the group."""
+
+    def saw(self, versions: np.ndarray) -> None:
+        if len(versions):
+            first = int(versions[0])
+            self.oldest = first if self.oldest is None else min(self.oldest, first)
 
     @property
     def done(self) -> bool:
@@ -137,14 +155,21 @@ class _Episode:
     routed: np.ndarray | None = None
     """The last turn's routed experts: its prompt is the whole context, so they cover every
     token of the sample (earlier turns' tokens as that turn's prefill routed them)."""
+    session: Session | None = None
+    """An agent episode's gateway session; its calls are its turns."""
+    call: PendingCall | None = None
+    """The agent's call this turn answers (`context` is its prompt)."""
+    params: SamplingParams | None = None
+    """This turn's sampling when not the run's (an agent's call: its token bound)."""
+    calls: int = 0
+    generated: int = 0
 
     def __post_init__(self) -> None:
         self.episodic = self.env is not None
 
     def add_turn(self, gen: Generation) -> None:
-        if not self.turns and len(gen.versions):  # versions only grow along an episode
-            first, group = int(gen.versions[0]), self.group
-            group.oldest = first if group.oldest is None else min(group.oldest, first)
+        if not self.turns:  # versions only grow along an episode
+            self.group.saw(gen.versions)
         if self.first_observation and not self.turns:
             self._masked(self.first_observation, int(gen.versions[0]) if len(gen.versions) else 0)
         self.ids.append(gen.token_ids)
@@ -217,6 +242,7 @@ class EpisodeScheduler(Generic[T]):
         on_generate: Callable[[GenerateCall], None] | None = None,
         on_env_error: Callable[[str], None] | None = None,
         on_tool_calls: Callable[[str, int], None] | None = None,
+        agents: Agents | None = None,
     ) -> None:
         self._engine = engine
         self._task = task
@@ -228,6 +254,7 @@ class EpisodeScheduler(Generic[T]):
         self._on_tool_calls = on_tool_calls
         self._batch_wait_s = batch_wait_s
         self._max_context = max_context
+        self._agents = agents
         self._envs: EnvironmentLoop[_Episode] = EnvironmentLoop()
         self._ready: list[_Episode] = []
         self._ready_since = 0.0  # when the oldest ready episode became ready (monotonic)
@@ -244,6 +271,9 @@ class EpisodeScheduler(Generic[T]):
         self._groups.append(group)
         self.inflight += n
         for i in range(n):
+            if self._agents is not None:
+                self._start_agent(_Episode(group, i, None, []), self._agents)
+                continue
             if self._episodic is None:
                 ep = _Episode(group, i, None, list(item.prompt_ids))
                 if not self._turn_fits(ep, 0):
@@ -269,7 +299,7 @@ class EpisodeScheduler(Generic[T]):
         # Every generate call pays its decode steps' fixed overhead once, so ready episodes wait
         # a little for others coming back from their environments to share one.
         deadline = self._ready_since + self._batch_wait_s
-        while self._ready and self._envs.pending and (left := deadline - time.monotonic()) > 0:
+        while self._ready and self._others() and (left := deadline - time.monotonic()) > 0:
             self._take_back(left)
         if self._ready:
             self._generate()
@@ -280,12 +310,25 @@ class EpisodeScheduler(Generic[T]):
             if g.failed:
                 self.inflight -= len(g.samples)
             elif g.done:
-                samples = [s for s in g.samples if s is not None]
-                finished.append(FinishedGroup(g.tag, g.item, samples, g.created_at))
-                self.inflight -= len(samples)
+                samples = [s for ep in g.samples if ep is not None for s in ep]
+                item = g.item
+                if g.sessions:
+                    try:
+                        item, samples = shared_prompt(item, samples)
+                    except ValueError as exc:
+                        self._fail(g, GroupReason.AGENT_ERROR, str(exc))
+                        self.inflight -= len(g.samples)
+                        continue
+                finished.append(FinishedGroup(g.tag, item, samples, g.created_at))
+                self.inflight -= len(g.samples)
         self._groups = [g for g in self._groups if not g.done and not g.failed]
         failed, self._failed = self._failed, []
         return finished, failed
+
+    def _others(self) -> int:
+        """Episodes away whose turn may come back soon: those inside an environment, and
+        agents not blocked on a call of theirs that is ready."""
+        return self._envs.pending - sum(ep.call is not None for ep in self._ready)
 
     def drop_older_than(self, version: int) -> None:
         """Give up every group holding a token generated before `version`, handed back by the
@@ -299,7 +342,10 @@ class EpisodeScheduler(Generic[T]):
     def close(self) -> None:
         """Cancel the environment steps still awaiting their tools, close every environment
         still open (episodes cut short: a session on an env-server is deleted), best effort
-        within a few seconds, and end the loop thread."""
+        within a few seconds, and end the loop thread. Agents' sessions end first, so that no
+        call of theirs waits on a scheduler that is gone."""
+        if self._agents is not None:
+            self._agents.shutdown()
         self._envs.close()
 
     def _fail(self, group: _Group[T], reason: str, detail: str) -> None:
@@ -307,6 +353,9 @@ class EpisodeScheduler(Generic[T]):
             return
         group.failed = True
         self._failed.append(FailedGroup(group.tag, reason, detail))
+        if self._agents is not None:
+            for session in group.sessions:
+                self._agents.close(session, f"its group failed ({reason})")
         # Its other episodes are dropped now; those inside an environment are closed on return.
         for ep in self._ready:
             if ep.group is group:
@@ -315,6 +364,9 @@ class EpisodeScheduler(Generic[T]):
 
     def _take_back(self, wait_s: float) -> None:
         for ep, result in self._envs.take_back(wait_s):
+            if ep.session is not None:
+                self._agent_returned(ep, result)
+                continue
             if isinstance(result, StepResult) and self._on_tool_calls is not None:
                 for outcome, n in tool_call_counts(result.info):
                     self._on_tool_calls(outcome, n)
@@ -355,19 +407,25 @@ class EpisodeScheduler(Generic[T]):
 
     def _generate(self) -> None:
         batch, self._ready = self._ready, []
+        # Turns of one sampling share a generate call (agents' calls may bound their tokens).
+        parts: dict[tuple[int, tuple[int, ...] | None], list[_Episode]] = {}
+        for ep in batch:
+            params = ep.params or self._sampling
+            parts.setdefault((params.max_new_tokens, params.stop_token_ids), []).append(ep)
         try:
-            self._generate_turn(batch)
+            for part in parts.values():
+                self._generate_turn(part, part[0].params or self._sampling)
         finally:
             # `_fail` closes the environments of ready episodes; these were taken out of that list.
             for ep in batch:
                 if ep.group.failed:
                     self._close_env(ep)
 
-    def _generate_turn(self, batch: list[_Episode]) -> None:
+    def _generate_turn(self, batch: list[_Episode], params: SamplingParams) -> None:
         t0 = time.monotonic()
         try:
             gens: list[Generation | None] = list(
-                self._engine.generate([ep.context for ep in batch], self._sampling)
+                self._engine.generate([ep.context for ep in batch], params)
             )
             if len(gens) != len(batch):
                 raise RuntimeError(f"{len(gens)} generations for {len(batch)} prompts")
@@ -396,7 +454,10 @@ class EpisodeScheduler(Generic[T]):
                     cached_tokens=sum(g.cached_tokens for _, g in done),
                 )
             )
-        done = [(ep, g) for ep, g in done if not ep.group.failed]
+        for ep, gen in done:
+            if ep.call is not None and not ep.group.failed:
+                self._answer(ep, gen)
+        done = [(ep, g) for ep, g in done if not ep.group.failed and ep.session is None]
         try:
             texts = self._tokenizer.batch_decode(
                 [g.token_ids.tolist() for _, g in done], skip_special_tokens=True
@@ -421,19 +482,103 @@ class EpisodeScheduler(Generic[T]):
 
     def _score(self, ep: _Episode, reward: Callable[[], float]) -> None:
         """End `ep` with the reward the task's code computes; its group fails if that raises."""
+        value = self._reward(ep, reward)
+        if value is not None:
+            ep.group.samples[ep.index] = [ep.sample(value)]
+
+    def _reward(self, ep: _Episode, reward: Callable[[], float]) -> float | None:
+        """What the task's code computes; None when it raised (its group failed)."""
         try:
-            value = reward()
+            return reward()
         except RewardFailure as exc:  # the user's reward, isolated: its own reason, no trace here
             log.warning("reward failed: %s", exc)
             self._fail(ep.group, exc.reason, exc.detail)
-            return
         except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
             raise
         except BaseException as exc:  # a user task's score may sys.exit(): its group fails
             log.exception("scoring an episode failed")
             self._fail(ep.group, GroupReason.TASK_ERROR, describe(exc))
+        return None
+
+    # -- agents (task.agent): an episode is its agent's run; each of its calls is a turn ------
+
+    def _start_agent(self, ep: _Episode, agents: Agents) -> None:
+        ep.session = agents.open(partial(self._envs.post, ep))
+        ep.group.sessions.append(ep.session)
+        self._envs.spawn(ep, partial(agents.run, ep.group.item, ep.session))
+
+    def _agent_returned(self, ep: _Episode, result: object) -> None:
+        """A call of `ep`'s agent (made ready for a turn), or its end (samples, or failure)."""
+        agents, session = self._agents, ep.session
+        assert agents is not None and session is not None
+        if isinstance(result, Posted):
+            call: PendingCall = result.value
+            if ep.group.failed:
+                call.refuse("its group failed")
+            else:
+                self._agent_call(ep, call, agents)
             return
-        ep.group.samples[ep.index] = ep.sample(value)
+        agents.close(session, "its episode ended")
+        if ep.group.failed:
+            return
+        if isinstance(result, AgentFailure):
+            self._fail(ep.group, result.reason, result.detail)
+            return
+        assert isinstance(result, AgentEnded)  # `Agents.run` turns any failure into one
+        segments = session.transcript.samples()
+        if not segments:
+            self._fail(ep.group, GroupReason.AGENT_NO_CALLS, "the agent returned without a call")
+            return
+        reward = result.reward
+        if reward is None:
+            text = session.last_content
+            reward = self._reward(ep, partial(self._task.score, ep.group.item, text))
+            if reward is None:
+                return
+        try:
+            ep.group.samples[ep.index] = episode_samples(
+                segments, segment_rewards(segments, reward)
+            )
+        except AgentFailure as exc:
+            self._fail(ep.group, exc.reason, exc.detail)
+
+    def _agent_call(self, ep: _Episode, call: PendingCall, agents: Agents) -> None:
+        """Make `call` `ep`'s next turn, bounded by the run's sampling, the episode's budget
+        and the context; a call past them fails the group."""
+        room = min(call.max_new_tokens, self._sampling.max_new_tokens)
+        if agents.max_tokens is not None:
+            room = min(room, agents.max_tokens - ep.generated)
+        over = (
+            f"call {ep.calls + 1} past max_calls {agents.max_calls}"
+            if ep.calls >= agents.max_calls
+            else f"{ep.generated} tokens generated: none left of max_tokens {agents.max_tokens}"
+            if room < 1
+            else None
+        )
+        if over is not None:
+            self._fail(ep.group, GroupReason.AGENT_OVER_BUDGET, over)
+            return
+        if self._max_context is not None:
+            room = min(room, self._max_context - len(call.prompt_ids))
+            if room < 1:
+                self._fail(
+                    ep.group,
+                    GroupReason.AGENT_CONTEXT_TOO_LONG,
+                    f"a prompt of {len(call.prompt_ids)} tokens leaves no room within the "
+                    f"{self._max_context} positions",
+                )
+                return
+        ep.context, ep.call = call.prompt_ids, call
+        ep.params = self._sampling.model_copy(update={"max_new_tokens": room})
+        self._make_ready(ep)
+
+    def _answer(self, ep: _Episode, gen: Generation) -> None:
+        call, ep.call = ep.call, None
+        assert call is not None
+        ep.calls += 1
+        ep.generated += len(gen.token_ids)
+        ep.group.saw(gen.versions)
+        call.resolve(gen)
 
     def _turn_fits(self, ep: _Episode, observed: int) -> bool:
         """Whether a turn after `observed` more tokens stays within `max_context`."""

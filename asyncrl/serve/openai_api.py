@@ -4,18 +4,26 @@ Requests become the same jobs as SGLang's native `/generate` (`asyncrl.serve.nat
 OpenAI's names mapped onto SGLang's (`max_tokens` → `max_new_tokens`, `min_tokens` →
 `min_new_tokens`) and SGLang's extensions accepted as its OpenAI server does (`top_k`,
 `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`). Chat prompts are made
-with the tokenizer's chat template; a tokenizer without one is refused. Replies, SSE chunks and
-`usage` take OpenAI's shapes; errors are OpenAI's `{"error": {...}}`.
+with the tokenizer's chat template (or the caller's `Render`: the agent gateway's transcript);
+a tokenizer without one is refused. Chat histories may hold assistant `tool_calls` and `tool`
+results, and `tools` go to the template; tool calls are parsed out of the generated text with
+the Hermes/Qwen parser of `asyncrl.environments.tools` (`<tool_call>{json}</tool_call>`) and
+answered as OpenAI's `tool_calls` (finish reason `tool_calls`), streamed as tool-call deltas.
+`tool_choice` `none` leaves the text unparsed; no choice constrains sampling (a trained policy
+is sampled from as it is). Replies, SSE chunks and `usage` take OpenAI's shapes; errors are
+OpenAI's `{"error": {...}}`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
+from asyncrl.environments.tools import OPEN, ToolCall, parse_tool_calls
 from asyncrl.serve.native import (
     ApiError,
     Body,
@@ -67,12 +75,16 @@ COMMON_NEUTRAL: dict[str, Any] = {
 }
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
 COMPLETION_NEUTRAL = COMMON_NEUTRAL | {"echo": False, "suffix": None, "best_of": 1}
-CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_KEYS = COMMON_KEYS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+}
 CHAT_NEUTRAL = COMMON_NEUTRAL | {
-    "tools": None,
-    "tool_choice": "none",
-    "parallel_tool_calls": None,
-    "chat_template_kwargs": None,
     "continue_final_message": False,
     "separate_reasoning": True,
 }
@@ -80,6 +92,11 @@ CHAT_NEUTRAL = COMMON_NEUTRAL | {
 NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 MAX_MESSAGES = 4096
 """The most messages a chat request may hold: refused before the chat template renders them."""
+TOOL_CHOICES = ("none", "auto", "required")
+
+Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]], list[int]]
+"""Chat messages (as chat templates read them), tools and the template's own variables → the
+prompt's token ids."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,9 @@ class OpenAIRequest:
     """Alternatives per token when log-probs are asked for (0: only the sampled token's)."""
     stream: bool
     include_usage: bool
+    tools: bool = False
+    """Parse tool calls out of the generated text (a chat request with tools, `tool_choice`
+    not `none`)."""
 
 
 def models(model_path: str) -> dict[str, Any]:
@@ -164,33 +184,108 @@ def parse_completion(body: Body, model: Model) -> OpenAIRequest:
     return _request(body, prompts, raw, logprobs, model, chat=False)
 
 
-def _message_text(message: Any) -> dict[str, str]:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ApiError("messages: each needs a role and content", "messages")
+def _content(message: dict[str, Any], empty_ok: bool) -> str:
     content = message.get("content")
+    if content is None and empty_ok:
+        return ""
     if isinstance(content, list):  # content parts: text only here
         if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             raise ApiError("messages: only text content parts are supported", "messages")
         content = "".join(str(p.get("text", "")) for p in content)
     if not isinstance(content, str):
         raise ApiError("messages: content must be a string or text parts", "messages")
-    return {"role": message["role"], "content": content}
+    return content
 
 
-def parse_chat(body: Body, model: Model) -> OpenAIRequest:
+def _arguments(raw: Any) -> dict[str, Any]:
+    """A tool call's arguments as chat templates write them (an object), from OpenAI's JSON
+    string."""
+    try:
+        args = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError:
+        args = None
+    if not isinstance(args, dict):
+        raise ApiError("messages: tool call arguments must be a JSON object", "messages")
+    return args
+
+
+def chat_message(message: Any) -> dict[str, Any]:
+    """One OpenAI chat message as chat templates read it: text content, an assistant's
+    `tool_calls` with their arguments as objects, a tool result's `tool_call_id` and `name`."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError("messages: each needs a role and content", "messages")
+    role = message["role"]
+    calls = message.get("tool_calls") if role == "assistant" else None
+    out: dict[str, Any] = {"role": role, "content": _content(message, bool(calls))}
+    if calls:
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+        ):
+            raise ApiError("messages: tool_calls must be a list of function calls", "messages")
+        out["tool_calls"] = [
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {
+                    "name": str(c["function"].get("name", "")),
+                    "arguments": _arguments(c["function"].get("arguments", "{}")),
+                },
+            }
+            for c in calls
+        ]
+    if role == "tool":
+        out |= {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+    return out
+
+
+def _tools(body: Body) -> tuple[list[dict[str, Any]] | None, bool]:
+    """The request's tools for the template, and whether to parse calls out of the reply."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        return None, False
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+        for t in tools
+    ):
+        raise ApiError("tools: a list of {type: function, function: {...}}", "tools")
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    if choice is not None and choice not in TOOL_CHOICES and not named:
+        raise ApiError(
+            f"tool_choice: one of {', '.join(TOOL_CHOICES)} or a function", "tool_choice"
+        )
+    return tools, choice != "none"
+
+
+def template_render(model: Model) -> Render:
+    """The chat template of the model's tokenizer (`asyncrl serve`)."""
+    from asyncrl.environments.base import render_prompt
+
+    tokenizer = model.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ApiError("the model's tokenizer has no chat template", "messages")
+    return lambda messages, tools, kwargs: render_prompt(tokenizer, messages, tools, **kwargs)
+
+
+def parse_chat(body: Body, model: Model, render: Render | None = None) -> OpenAIRequest:
     refuse_unknown(body, CHAT_KEYS, CHAT_NEUTRAL, "parameters")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages: a non-empty list", "messages")
     if len(messages) > MAX_MESSAGES:
         raise ApiError(f"messages: {len(messages)} is over {MAX_MESSAGES}", "messages")
-    tokenizer = model.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ApiError("the model's tokenizer has no chat template", "messages")
-    text = tokenizer.apply_chat_template(
-        [_message_text(m) for m in messages], add_generation_prompt=True, tokenize=False
-    )
-    prompt = model.check_ids(list(tokenizer.encode(text, add_special_tokens=False)), "messages")
+    tools, parse = _tools(body)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError("chat_template_kwargs: an object", "chat_template_kwargs")
+    turns = [chat_message(m) for m in messages]
+    try:
+        ids = (render or template_render(model))(turns, tools, kwargs)
+    except ApiError:
+        raise
+    except Exception as exc:  # the template's own refusal (a role it does not know, ...)
+        raise ApiError(f"messages: the chat template refused them: {exc}", "messages") from None
+    prompt = model.check_ids(ids, "messages")
     logprobs = None
     if typed(body, "logprobs", bool, False, "logprobs"):
         logprobs = typed(body, "top_logprobs", int, 0, "top_logprobs")
@@ -203,7 +298,45 @@ def parse_chat(body: Body, model: Model) -> OpenAIRequest:
     if raw["max_new_tokens"] is None and model.max_positions is not None:
         # The default is what the context leaves; none left is the prompt's fault.
         raw["max_new_tokens"] = max(model.max_positions - len(prompt), 0)
-    return _request(body, [prompt], raw, logprobs, model, chat=True)
+    req = _request(body, [prompt], raw, logprobs, model, chat=True)
+    return replace(req, tools=parse)
+
+
+@dataclass(frozen=True)
+class AssistantTurn:
+    """What a chat reply says: its content and the tool calls parsed out of it."""
+
+    content: str | None
+    calls: list[ToolCall]
+
+    def message(self, ids: list[str]) -> dict[str, Any]:
+        """The OpenAI assistant message; `ids` name its tool calls."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.calls:
+            out["tool_calls"] = [
+                {
+                    "id": i,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for i, c in zip(ids, self.calls, strict=True)
+            ]
+        return out
+
+
+def assistant_turn(text: str, tools: bool) -> AssistantTurn:
+    """`text` as an assistant turn: with `tools`, its well-formed `<tool_call>` blocks become
+    tool calls and the text before the first is the content; a text with any block that does
+    not parse stays content as it is, so that the agent sees what the model wrote."""
+    parsed = parse_tool_calls(text) if tools else []
+    calls = [c for c in parsed if isinstance(c, ToolCall)]
+    if not parsed or len(calls) < len(parsed):
+        return AssistantTurn(text, [])
+    return AssistantTurn(text[: text.index(OPEN)].strip() or None, calls)
+
+
+def _call_ids(turn: AssistantTurn) -> list[str]:
+    return ["call_" + uuid.uuid4().hex[:24] for _ in turn.calls]
 
 
 def _finish_reason(out: Output) -> str | None:
@@ -260,68 +393,109 @@ def _usage(req: OpenAIRequest, outs: list[Output]) -> dict[str, int]:
     }
 
 
-def _choice(req: OpenAIRequest, index: int, text: str, logprobs: Any, out: Output | None) -> Any:
+def message_of(req: OpenAIRequest, out: Output) -> dict[str, Any]:
+    """The assistant message a chat reply gives for `out`."""
+    turn = assistant_turn(out.text, req.tools)
+    return turn.message(_call_ids(turn))
+
+
+def _chat_finish(out: Output | None, message: dict[str, Any]) -> str | None:
     finish = None if out is None else _finish_reason(out)
-    matched = None if out is None else out.finish.get("matched")
-    if req.chat:
+    return "tool_calls" if finish is not None and message.get("tool_calls") else finish
+
+
+def _choice(
+    req: OpenAIRequest, index: int, out: Output, logprobs: Any, message: dict[str, Any] | None
+) -> Any:
+    matched = out.finish.get("matched")
+    if message is not None:
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": finish,
+            "finish_reason": _chat_finish(out, message),
             "matched_stop": matched,
         }
     return {
         "index": index,
-        "text": text,
+        "text": out.text,
         "logprobs": logprobs,
-        "finish_reason": finish,
+        "finish_reason": _finish_reason(out),
         "matched_stop": matched,
     }
 
 
-def reply(req: OpenAIRequest, outs: list[Output], model: Model, name: str) -> Any:
-    """The whole reply, or for `stream` the iterator of its SSE chunks."""
+def reply(
+    req: OpenAIRequest,
+    outs: list[Output],
+    model: Model,
+    name: str,
+    messages: list[dict[str, Any]] | None = None,
+) -> Any:
+    """The whole reply, or for `stream` the iterator of its SSE chunks. A chat reply's
+    `messages` (one per output) are made here unless the caller made them (`message_of`)."""
     head = {
         "id": ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex,
         "object": "chat.completion" if req.chat else "text_completion",
         "created": int(time.time()),
         "model": name,
     }
+    said: list[dict[str, Any] | None] = [None] * len(outs)
+    if req.chat:
+        said = list(messages) if messages is not None else [message_of(req, o) for o in outs]
     if req.stream:
-        return _chunks(req, outs, model, head)
+        return _chunks(req, outs, model, head, said)
     choices = [
-        _choice(req, i, out.text, _token_logprobs(req, job, out, model), out)
+        _choice(req, i, out, _token_logprobs(req, job, out, model), said[i])
         for i, (job, out) in enumerate(zip(req.jobs, outs, strict=True))
     ]
     return head | {"choices": choices, "usage": _usage(req, outs)}
 
 
 def _chunks(
-    req: OpenAIRequest, outs: list[Output], model: Model, head: dict[str, Any]
+    req: OpenAIRequest,
+    outs: list[Output],
+    model: Model,
+    head: dict[str, Any],
+    said: list[dict[str, Any] | None],
 ) -> Iterator[dict[str, Any]]:
+    """A chat stream shows the content as its tokens produce it, then each tool call whole
+    (index, id, name and arguments in one delta), then the finish reason."""
     if req.chat:
         head = head | {"object": "chat.completion.chunk"}
     for index, (job, out) in enumerate(zip(req.jobs, outs, strict=True)):
-        if req.chat:
+        message = said[index]
+        content = "" if message is None else message["content"] or ""
+        if message is not None:
             role = {"index": index, "delta": {"role": "assistant", "content": ""}}
             yield head | {"choices": [role | {"logprobs": None, "finish_reason": None}]}
         shown, done = 0, 0
         for stage, last in prefixes(out, model, job.spec):
-            delta = stage.text[shown:]
-            shown = len(stage.text)
+            text = stage.text if message is None else stage.text[: len(content)]
+            delta = text[shown:]
+            shown = len(text)
             logprobs = _token_logprobs(req, job, out, model, done)
             if logprobs is not None:  # this chunk's tokens only
                 end = len(stage.tokens) - done
                 logprobs = {k: v[:end] for k, v in logprobs.items()}
             done = len(stage.tokens)
-            finish = _finish_reason(out) if last else None
-            if req.chat:
-                choice = {"index": index, "delta": {"content": delta}}
-            else:
+            if message is None:
                 choice = {"index": index, "text": delta}
+                finish = _finish_reason(out) if last else None
+            else:
+                choice = {"index": index, "delta": {"content": delta}}
+                finish = None
+            yield head | {"choices": [choice | {"logprobs": logprobs, "finish_reason": finish}]}
+        if message is None:
+            continue
+        for k, call in enumerate(message.get("tool_calls") or []):
+            called = {"tool_calls": [{"index": k, **call}]}
             yield head | {
-                "choices": [choice | {"logprobs": logprobs, "finish_reason": finish}],
+                "choices": [
+                    {"index": index, "delta": called, "logprobs": None, "finish_reason": None}
+                ]
             }
+        closing = {"index": index, "delta": {}, "logprobs": None}
+        yield head | {"choices": [closing | {"finish_reason": _chat_finish(out, message)}]}
     if req.include_usage:
         yield head | {"choices": [], "usage": _usage(req, outs)}

@@ -30,7 +30,7 @@ Where it differs from SGLang, by design of the builtin engine:
   queue. It serves tests and small models, not throughput.
 - Requests are bounded beyond the model's context, each a 400 naming the key: `n` (`native.MAX_N`),
   prompts × `n` (`native.MAX_JOBS`), chat messages (`openai_api.MAX_MESSAGES`); a body over
-  `MAX_BODY_BYTES` is a 413, refused unread.
+  `http.MAX_BODY_BYTES` is a 413, refused unread.
 
 Binds to loopback by default: the API can replace the model's weights and has no auth.
 """
@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.httpserve import serve_until_interrupted
 from asyncrl.serve import native, openai_api
+from asyncrl.serve.http import JsonHandler, Stream
 from asyncrl.serve.native import ApiError, Body, Job, Output, Spec
 from asyncrl.weights.groups import broadcast_all, join_update_group
 
@@ -70,9 +70,6 @@ API_VERSION = "0.5.23"
 """The SGLang release whose HTTP API this server implements (pause modes included)."""
 PAUSE_MODES = ("abort", "retract", "in_place")
 GROUP_TIMEOUT = timedelta(seconds=60)
-MAX_BODY_BYTES = 32 << 20
-"""The largest request body read: a batch of long prompts fits many times over (weights never
-travel in a body), and parsing one costs a few hundred MB at most."""
 
 
 class _Aborted(Exception):
@@ -435,113 +432,14 @@ class ServeApp:
         }
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server: _Server
 
-    def do_GET(self) -> None:
-        self._dispatch()
-
-    def do_POST(self) -> None:
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        app = self.server.app
-        path = self.path.split("?", 1)[0].rstrip("/")
-        openai = path.startswith("/v1/")
-        try:
-            body = self._body()
-            route = ROUTES.get(path)
-            if route is None:
-                self._reply(HTTPStatus.NOT_FOUND, _error("Not Found", 404, None, openai))
-            else:
-                self._reply(HTTPStatus.OK, route(app, body))
-        except ApiError as exc:
-            self._reply(exc.status, _error(str(exc), exc.status, exc.param, openai))
-        except ValueError as exc:  # JSON that does not parse, a value the engine refuses
-            self._reply(HTTPStatus.BAD_REQUEST, _error(str(exc), 400, None, openai))
-        except Exception as exc:  # a bug must answer 500, never take the server down
-            log.exception("%s failed", path)
-            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, _error(repr(exc), 500, None, openai))
-
-    def _body(self) -> Body:
-        """The request's JSON object (`{}` without a body), read only when its length is below
-        `MAX_BODY_BYTES`: a larger one is refused unread."""
-        header = self.headers.get("Content-Length") or "0"
-        if not header.isdecimal():  # no sign, no spaces
-            raise ApiError(f"Content-Length {header!r} is not a byte count", "Content-Length")
-        length = int(header)
-        if length > MAX_BODY_BYTES:
-            raise ApiError(
-                f"the request body ({length} bytes) is over {MAX_BODY_BYTES} bytes",
-                "Content-Length",
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            )
-        raw = self.rfile.read(length) if length else b""
-        try:
-            body = json.loads(raw) if raw.strip() else {}
-        except RecursionError:
-            raise ApiError("the request body nests too deeply") from None
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
-        return body
-
-    def _reply(self, status: HTTPStatus, obj: Any) -> None:
-        if isinstance(obj, Stream):
-            self._stream(obj)
-            return
-        if obj is None:
-            data, kind = b"", "text/plain"
-        elif isinstance(obj, str):
-            data, kind = obj.encode(), "text/plain"
-        else:
-            data, kind = json.dumps(obj).encode(), "application/json"
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _stream(self, stream: Stream) -> None:
-        """Server-sent events as SGLang writes them; the body ends when the connection closes
-        (HTTP/1.0), after `data: [DONE]`."""
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        for chunk in stream.chunks:
-            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        self.wfile.write(b"data: [DONE]\n\n")
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-
-def _error(message: str, code: int, param: str | None, openai: bool) -> dict[str, Any]:
-    """OpenAI's error body under /v1, else SGLang's (its `ErrorResponse`)."""
-    kind = (
-        "not_found_error"
-        if code == 404
-        else "invalid_request_error"
-        if code < 500
-        else "server_error"
-    )
-    if openai:
-        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return {
-        "object": "error",
-        "message": message,
-        "type": "BadRequest" if code == 400 else HTTPStatus(code).phrase.replace(" ", ""),
-        "param": param,
-        "code": code,
-    }
-
-
-class Stream:
-    """A reply sent as server-sent events, one `data:` line per chunk; made in full before the
-    headers go out, so that a failure still answers with an error status."""
-
-    def __init__(self, chunks: Iterator[dict[str, Any]]) -> None:
-        self.chunks = list(chunks)
+    def route(self, path: str, body: Body) -> Any:
+        route = ROUTES.get(path)
+        if route is None:
+            raise ApiError("Not Found", None, HTTPStatus.NOT_FOUND)
+        return route(self.server.app, body)
 
 
 Route = Callable[[ServeApp, Body], Any]

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from asyncrl.configbase import PluginConfig, Section
 from asyncrl.environments.config import EnvironmentConfig
+from asyncrl.gateway.config import AgentConfig
 from asyncrl.plugins import call_shape, check_signature, factory_kwargs, load_object
 
 
@@ -90,6 +91,11 @@ class ArithmeticTaskConfig(Section):
     """The environment each episode talks to between turns (`asyncrl.environments`); None:
     one turn, scored by `reward`."""
 
+    agent: AgentConfig | None = None
+    """Your agent, unchanged, run once per episode against the worker's OpenAI-compatible
+    gateway (`asyncrl.gateway`), its calls recorded token for token; excludes `environment`.
+    See docs/agents.md."""
+
 
 class _RecordsConfig(Section):
     """How records (dataset rows, a factory's records) become prompts and answers."""
@@ -116,6 +122,11 @@ class _RecordsConfig(Section):
     environment: EnvironmentConfig | None = None
     """The environment each episode talks to between turns (`asyncrl.environments`); None:
     one turn, scored by `reward`."""
+
+    agent: AgentConfig | None = None
+    """Your agent, unchanged, run once per episode against the worker's OpenAI-compatible
+    gateway (`asyncrl.gateway`), its calls recorded token for token; excludes `environment`.
+    See docs/agents.md."""
 
 
 class DatasetTaskConfig(_RecordsConfig):
@@ -243,6 +254,11 @@ class ReasoningGymTaskConfig(Section):
     environment: EnvironmentConfig | None = None
     """The environment each episode talks to between turns (`asyncrl.environments`); None:
     one turn, scored by the dataset's `score_answer`."""
+
+    agent: AgentConfig | None = None
+    """Your agent, unchanged, run once per episode against the worker's OpenAI-compatible
+    gateway (`asyncrl.gateway`), its calls recorded token for token; excludes `environment`.
+    See docs/agents.md."""
 
 
 TaskConfig = Annotated[

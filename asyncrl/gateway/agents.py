@@ -1,0 +1,210 @@
+"""Agents as a task (`task.agent`): the user's function run once per episode against its own
+gateway session, and what its episode becomes: a sample per transcript segment.
+
+The function runs on the rollout worker's environment event loop (`asyncrl.rollout.env_loop`):
+an `async def` as a task there, a plain function on a thread of its own, each under the
+episode's `timeout_s`. Whatever it raises, a BaseException included, fails only its group
+(`agent_error`); past its time, `agent_timeout` (a thread cannot be stopped: its session is
+ended, so its next call fails at once).
+
+Samples and the wire: an agent renders its own prompt (system turn, tools, its history), so
+the episodes of one group need not share the item's prompt. Each sample's response is its
+segment's whole prompt, loss-masked, then its tokens; the group's `prompt_ids` are the longest
+run of masked tokens every sample begins with (the chat template's head and whatever the
+agents rendered alike), cut from each response. The trainer conditions on prompt + response
+as always, so nothing on the wire or in the trainer changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asyncrl.environments.base import contained
+from asyncrl.items import PromptItem
+from asyncrl.plugins import load_object
+from asyncrl.protocol import Sample
+from asyncrl.reasons import GroupReason
+
+if TYPE_CHECKING:
+    from asyncrl.gateway.config import PythonAgentConfig
+    from asyncrl.gateway.server import Gateway
+    from asyncrl.gateway.sessions import PendingCall, Session
+    from asyncrl.gateway.transcript import Segment
+
+_THREADS = 256
+"""Sync agents running at once in a worker (a thread each, for their whole episode)."""
+
+Reward = float | list[float] | None
+
+
+@dataclass(frozen=True)
+class AgentEnded:
+    """What an agent returned: its reward, a reward per call, or None (the task scores)."""
+
+    reward: Reward
+
+
+class AgentFailure(Exception):
+    """An episode's agent that failed; `reason` is a `GroupReason` `agent_*` member."""
+
+    def __init__(self, reason: GroupReason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def _reward(value: object) -> Reward:
+    """`value` if it is a reward the agent may return, else `agent_error`."""
+
+    def number(x: object) -> bool:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+    if value is None or number(value):
+        return None if value is None else float(value)  # type: ignore[arg-type]
+    if isinstance(value, list | tuple) and value and all(number(x) for x in value):
+        return [float(x) for x in value]
+    raise AgentFailure(
+        GroupReason.AGENT_ERROR,
+        f"returned {value!r:.200}: expected a finite number, a list of them or None",
+    )
+
+
+class Agents:
+    """The agent of `task.agent` over one worker's gateway: sessions, runs, samples."""
+
+    def __init__(
+        self,
+        cfg: PythonAgentConfig,
+        gateway: Gateway,
+        on_session: Callable[[], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.gateway = gateway
+        self._on_session = on_session
+        self._fn = load_object(cfg.path, cfg.python_path)
+        self._threads: ThreadPoolExecutor | None = None
+
+    @property
+    def max_calls(self) -> int:
+        return self.cfg.max_calls
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.cfg.max_tokens
+
+    def open(self, post: Callable[[PendingCall], None]) -> Session:
+        if self._on_session is not None:
+            self._on_session()
+        return self.gateway.open(post)
+
+    def close(self, session: Session, why: str) -> None:
+        self.gateway.sessions.close(session, why)
+
+    async def run(self, item: PromptItem, session: Session) -> AgentEnded:
+        """The agent's episode on the running loop: its reward, or `AgentFailure`."""
+        given = {"id": item.prompt_id, "prompt": item.prompt, "answer": item.answer}
+        call = partial(
+            self._fn,
+            given,
+            base_url=self.gateway.base_url(session),
+            api_key=session.token,
+            **self.cfg.kwargs,
+        )
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s) as deadline:
+                value = await contained(self._call(call))
+        except TimeoutError:
+            if deadline.expired():
+                raise AgentFailure(
+                    GroupReason.AGENT_TIMEOUT, f"still running after {self.cfg.timeout_s}s"
+                ) from None
+            raise AgentFailure(
+                GroupReason.AGENT_ERROR, "TimeoutError raised by the agent"
+            ) from None
+        except Exception as exc:  # Escaped too: a BaseException of the agent's own
+            raise AgentFailure(GroupReason.AGENT_ERROR, f"{type(exc).__name__}: {exc}") from exc
+        return AgentEnded(_reward(value))
+
+    async def _call(self, call: Callable[[], Any]) -> Any:
+        if inspect.iscoroutinefunction(self._fn):
+            return await call()
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(_THREADS, thread_name_prefix="agent")
+        value = await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        return await value if inspect.isawaitable(value) else value
+
+    def shutdown(self) -> None:
+        self.gateway.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def episode_samples(segments: list[Segment], rewards: list[float]) -> list[Sample]:
+    """A sample per segment (`rewards[i]` for segment i), its whole prompt opening the response
+    loss-masked (`Segment.rebase`); `shared_prompt` cuts what the group's samples share."""
+    samples = []
+    for seg, reward in zip(segments, rewards, strict=True):
+        whole = seg.rebase(0)
+        samples.append(
+            Sample(
+                response_ids=whole.ids,
+                logprobs=whole.logprobs,
+                versions=whole.versions,
+                reward=float(reward),
+                finish="stop" if seg.finish == "stop" else "length",
+                meta={"calls": seg.calls},
+                loss_mask=whole.loss_mask,
+            )
+        )
+    return samples
+
+
+def segment_rewards(segments: list[Segment], reward: float | list[float]) -> list[float]:
+    """Each segment's reward: the episode's, or of per-call rewards the one of the segment's
+    last call (`agent_error` unless there is one per call)."""
+    if not isinstance(reward, list):
+        return [reward] * len(segments)
+    calls = sum(seg.calls for seg in segments)
+    if len(reward) != calls:
+        raise AgentFailure(
+            GroupReason.AGENT_ERROR, f"returned {len(reward)} rewards for {calls} calls"
+        )
+    ends = np.cumsum([seg.calls for seg in segments]) - 1
+    return [reward[int(i)] for i in ends]
+
+
+def shared_prompt(item: PromptItem, samples: list[Sample]) -> tuple[PromptItem, list[Sample]]:
+    """The group's prompt: the longest masked run every sample's response begins with, cut
+    from each (see the module docstring); ValueError when they share no first token."""
+    heads = []
+    for s in samples:
+        assert s.loss_mask is not None
+        trained = np.flatnonzero(s.loss_mask)
+        heads.append(s.response_ids[: trained[0] if len(trained) else len(s.response_ids) - 1])
+    k = min(len(h) for h in heads)
+    for h in heads[1:]:
+        differ = np.flatnonzero(h[:k] != heads[0][:k])
+        k = int(differ[0]) if len(differ) else k
+    if k == 0:
+        raise ValueError("the episodes' prompts share no first token")
+    cut = [
+        replace(
+            s,
+            response_ids=s.response_ids[k:],
+            logprobs=s.logprobs[k:],
+            versions=s.versions[k:],
+            loss_mask=None if s.loss_mask is None else s.loss_mask[k:],
+        )
+        for s in samples
+    ]
+    return replace(item, prompt_ids=heads[0][:k].tolist()), cut

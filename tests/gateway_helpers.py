@@ -1,0 +1,87 @@
+"""The gateway tests' model, task and scheduler: a random tiny model whose tokenizer spells
+tool calls and whose chat template renders tools, tool calls and tool results (Hermes-like),
+and an `EpisodeScheduler` running `task.agent` agents over a real gateway."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.gateway.agents import Agents
+from asyncrl.gateway.config import GatewayConfig, PythonAgentConfig
+from asyncrl.gateway.server import Gateway
+from asyncrl.items import PromptItem
+from asyncrl.rollout.episodes import EpisodeScheduler
+
+CHARS = ' abcdefghijklmnopqrstuvwxyz0123456789+=.,:?!<>/{}"_[]\n'
+TEMPLATE = (
+    "{%- if tools %}system: tools{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
+    "{% endif %}"
+    "{%- for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+    '{%- for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}\n{% endfor %}'
+    "{%- if add_generation_prompt %}assistant: {% endif %}"
+)
+CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def tool_model(out: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from asyncrl.tiny_model import save_random_tiny_model
+
+    save_random_tiny_model(out, seed=0, chars=CHARS)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(out)
+    return out
+
+
+class ExactTask:
+    """Items `prompt` → answer; reward 1 for the exact answer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def item(self, prompt: str, answer: str = "3") -> PromptItem:
+        return PromptItem(prompt, prompt, self.tokenizer(prompt)["input_ids"], answer)
+
+    def train_items(self, seed: int, epoch: int) -> Sequence[PromptItem]:
+        return []
+
+    def eval_items(self) -> Sequence[PromptItem]:
+        return []
+
+    def score(self, item: PromptItem, response_text: str) -> float:
+        return float(response_text.strip() == item.answer)
+
+
+def agent_module(folder: Path, name: str, source: str) -> None:
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+def agent_scheduler(
+    engine: Any,
+    tokenizer: Any,
+    folder: Path,
+    path: str,
+    *,
+    params: Any,
+    max_context: int | None = None,
+    batch_wait_s: float = 0.0,
+    **agent: Any,
+) -> tuple[EpisodeScheduler[str], Gateway]:
+    cfg = PythonAgentConfig(python_path=[str(folder)], path=path, **agent)
+    gateway = Gateway(GatewayConfig(), tokenizer, len(tokenizer))
+    sched: EpisodeScheduler[str] = EpisodeScheduler(
+        engine,
+        ExactTask(tokenizer),
+        tokenizer,
+        params,
+        batch_wait_s=batch_wait_s,
+        max_context=max_context,
+        agents=Agents(cfg, gateway),
+    )
+    return sched, gateway
