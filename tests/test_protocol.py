@@ -485,6 +485,35 @@ def test_bulk_optional_arrays_round_trip_on_the_samples_that_have_them() -> None
         assert (a.reward, a.finish, a.meta) == (b.reward, b.finish, b.meta)
 
 
+def test_an_entry_an_old_worker_wrote_decodes() -> None:
+    """Schema 1 as any msgpack writer of before the bulk codec packed it (not our encoder)."""
+    sample = {
+        "response_ids": np.array([5, 6], "<i4").tobytes(),
+        "logprobs": np.array([-0.5, -1.5], "<f4").tobytes(),
+        "versions": np.array([2, 3], "<i4").tobytes(),
+        "reward": 1,
+        "finish": "length",
+        "meta": {"turns": 2},
+        "loss_mask": bytes([1, 0]),
+    }
+    old = {
+        "schema": 1,
+        "run": "r1",
+        "group_id": "1-0",
+        "prompt_id": "p",
+        "release_version": 2,
+        "worker": "w",
+        "created_at": 1.0,
+        "finished_at": 2.0,
+        "prompt_ids": np.array([1, 2], "<i4").tobytes(),
+        "samples": [sample, {**sample, "loss_mask": bytes([1, 1]), "finish": "stop"}],
+    }
+    g = decode_group(msgpack.packb(old), current_version=3)
+    assert (g.schema, g.min_version, [s.finish for s in g.samples]) == (1, 2, ["length", "stop"])
+    assert g.samples[0].loss_mask.tolist() == [1, 0] and g.samples[1].meta == {"turns": 2}
+    assert g.samples[1].versions.tolist() == [2, 3] and g.samples[0].reward == 1.0
+
+
 def test_a_new_reader_takes_old_entries_and_the_same_group_in_both_layouts() -> None:
     """A rolling upgrade: workers of before the bulk codec still write schema 1 entries."""
     g = make_group([make_sample(loss_mask=np.array([1, 1, 0, 0, 1], np.uint8)), make_sample()])

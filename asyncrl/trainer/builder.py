@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -213,7 +213,7 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
 _FUSED_ADAMW = frozenset({"cpu", "cuda"})
 
 
-def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+def adamw_kernel(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     """AdamW's implementation flags: fused on the devices in `_FUSED_ADAMW`. The fused kernel
     updates a parameter in one pass with no temporaries, where the for-loop one (torch's default
     on CPU) allocates two the size of the parameter: at 150 M parameters, two copies of the

@@ -135,7 +135,9 @@ def load_optimizer_state(
     # A loaded param group brings the flags of the optimizer that saved it; the kernel stays this
     # optimizer's (a checkpoint of before the fused AdamW resumes fused), with the step counts
     # where the fused kernel wants them.
-    kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    kernels: list[dict[str, Any]] = [
+        {k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups
+    ]
     _load_optimizer_state(model, optimizer, state)
     for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
         group.update(kernel)
