@@ -33,7 +33,7 @@ and the figures are medians.
   kernel (`trainer.builder.adamw_kernel`). MFU = 6 × parameters × tokens/s over the peak FLOP/s
   of an fp32 matmul measured here. Trainer RSS: the peak of the first step (which allocates the
   Adam state) and the steady one, of the later steps (with the Adam state already there), with
-  glibc set up as the trainer sets it (`trainer.builder.return_freed_memory`).
+  glibc set up as the trainer sets it (`device.return_freed_memory`).
 - queue: (size-independent) trajectory groups of 8 samples at each response length through
   `protocol.stream_fields` + `Producer.add` + `Consumer.read` (decoding and validating) +
   `Consumer.ack`, against redis-py `XADD` / `XREADGROUP` / `XACK` of the same encoded bytes.
@@ -463,8 +463,9 @@ def part_train(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from asyncrl.algo.config import AlgoConfig
+    from asyncrl.device import return_freed_memory
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.trainer.builder import adamw_kernel, return_freed_memory
+    from asyncrl.trainer.builder import adamw_kernel
     from asyncrl.trainer.step import train_step
 
     base = baseline_mb()
