@@ -182,12 +182,16 @@ _BULK_PATHS = [
 )
 def test_one_field_of_a_valid_group_replaced(path: tuple[Any, ...], value: Any) -> None:
     # Random objects alone rarely get past the schema check; this reaches the field checks.
-    wire = msgpack.unpackb(VALID_1)
+    decodes_or_rejects(_replaced(VALID_1, path, value))
+
+
+def _replaced(valid: bytes, path: tuple[Any, ...], value: Any) -> bytes:
+    wire = msgpack.unpackb(valid)
     target = wire
     for key in path[:-1]:
         target = target[key]
     target[path[-1]] = value
-    decodes_or_rejects(msgpack.packb(wire))
+    return msgpack.packb(wire)
 
 
 @FUZZ
@@ -201,12 +205,7 @@ def test_one_field_of_a_valid_group_replaced(path: tuple[Any, ...], value: Any) 
     | _objects,
 )
 def test_one_field_of_a_valid_bulk_group_replaced(path: tuple[Any, ...], value: Any) -> None:
-    wire = msgpack.unpackb(VALID)
-    target = wire
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
-    decodes_or_rejects(msgpack.packb(wire))
+    decodes_or_rejects(_replaced(VALID, path, value))
 
 
 @pytest.mark.parametrize("unpackb", [msgpack.unpackb, msgpack.fallback.unpackb])
