@@ -5,7 +5,8 @@ environment variable that restricts a process to some devices, the `--device` fl
 server — so that adding a kind is one table row — and the few operations whose code differs by
 kind (resolving `auto`, waiting for queued work). The pure lookups import nothing heavy (config
 validation and the launcher use them); the rest import torch, and `torch_npu` only for npu,
-because importing torch_npu patches torch and it exists only on Ascend machines.
+because importing torch_npu patches torch and it exists only on Ascend machines. Beside them,
+the host side: `return_freed_memory`, how the trainer has glibc's allocator treat tensors.
 """
 
 from __future__ import annotations
