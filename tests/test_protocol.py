@@ -433,6 +433,8 @@ WRONG_BULK = {
     "one_length_more": (_set(("lengths",), np.array([5, 5, 0], "<i4").tobytes()), "malformed"),
     "rewards_one_short": (_set(("rewards",), np.array([1.0], "<f8").tobytes()), "malformed"),
     "rewards_odd_bytes": (_set(("rewards",), b"\x00" * 12), "malformed"),
+    "rewards_a_million": (_set(("rewards",), bytes(8 << 20)), "malformed"),
+    "has_a_million": (_set(("has",), bytes(1 << 20)), "malformed"),
     "finish_code_unknown": (_set(("finish",), bytes([0, 3])), "finish"),
     "finish_str": (_set(("finish",), "stop"), "malformed"),
     "meta_one_short": (_set(("meta",), [{}]), "malformed"),

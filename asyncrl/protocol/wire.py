@@ -396,16 +396,18 @@ def _decode_bulk(
     check_header(g, len(lengths_array), limits)
     lengths: list[int] = lengths_array.tolist()
     n = len(lengths)
-    rewards = _array(d, "rewards", _F64, "").tolist()
-    finish = list(_take(d, "finish", (bytes,), ""))
+    rewards_array = _array(d, "rewards", _F64, "")
+    finish_bytes = _take(d, "finish", (bytes,), "")
     metas = _take(d, "meta", (list,), "") if "meta" in d else [{}] * n
-    has = list(_take(d, "has", (bytes,), "")) if "has" in d else [0] * n
-    if len(rewards) != n or len(finish) != n or len(metas) != n or len(has) != n:
+    has_bytes = _take(d, "has", (bytes,), "") if "has" in d else bytes(n)
+    # Counted before they become lists: a field as long as the message allows must cost nothing.
+    counts = [len(rewards_array), len(finish_bytes), len(metas), len(has_bytes)]
+    if counts != [n] * 4:
         raise ValidationError(
             "malformed",
-            f"{n} lengths, {len(rewards)} rewards, {len(finish)} finish, {len(metas)} meta, "
-            f"{len(has)} has: one each per sample",
+            f"{n} lengths but {counts} rewards, finish, meta, has: one each per sample",
         )
+    rewards, finish, has = rewards_array.tolist(), list(finish_bytes), list(has_bytes)
     check_bulk_samples(lengths, rewards, finish, metas, len(g.prompt_ids), limits)
 
     ends = list(accumulate(lengths))
