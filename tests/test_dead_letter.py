@@ -47,9 +47,10 @@ def raw(data: bytes) -> dict[bytes | str, bytes]:
     return {"data": data, "schema": b"1", "min_version": b"0"}
 
 
-def patched(**keys: Any) -> dict[bytes | str, bytes]:
-    """A valid group's message with top-level keys replaced as another encoder might write them."""
-    message = msgpack.unpackb(encode_group(make_group("bad")))
+def patched(schema: int = 1, **keys: Any) -> dict[bytes | str, bytes]:
+    """A valid group's message with top-level keys replaced as another encoder might write them
+    (in schema 1's layout, one map per sample, by default)."""
+    message = msgpack.unpackb(encode_group(make_group("bad", schema=schema)))
     return raw(msgpack.packb({**message, **keys}))
 
 
@@ -57,7 +58,7 @@ F32, I32 = np.float32, np.int32
 
 # (rule, stream fields of the bad entry, reason expected in dlq)
 BAD: list[tuple[str, Callable[[], dict[bytes | str, bytes]], str]] = [
-    ("unknown schema", lambda: entry(schema=2), "schema"),
+    ("unknown schema", lambda: entry(schema=3), "schema"),
     ("schema field missing", lambda: raw(msgpack.packb({"run": "dlq"})), "schema"),
     (
         "length mismatch",
@@ -124,6 +125,8 @@ BAD: list[tuple[str, Callable[[], dict[bytes | str, bytes]], str]] = [
     ("samples not a list", lambda: patched(samples={"0": 1}), "malformed"),
     ("empty prompt", lambda: entry(prompt_ids=np.array([], I32)), "malformed"),
     ("no samples", lambda: patched(samples=[]), "malformed"),
+    ("bulk lengths not bytes", lambda: patched(2, lengths=[3, 3]), "malformed"),
+    ("bulk no samples", lambda: patched(2, lengths=b""), "malformed"),
 ]
 # Bad entries in which no group id can be found.
 NAMELESS = {"schema field missing", "malformed bytes", "not a map", "no data field"}

@@ -1,3 +1,4 @@
+import dataclasses
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -115,8 +116,24 @@ def test_decoded_arrays_are_read_only_views() -> None:
         out.samples[0].logprobs[0] = 0.0
 
 
-def test_plain_msgpack_reads_string_keys_and_little_endian_bytes() -> None:
-    g = make_group()
+def test_plain_msgpack_reads_the_bulk_layout() -> None:
+    g = make_group([make_sample(), make_sample(n=3, version=4, reward=0.5, finish="length")])
+    wire = msgpack.unpackb(encode_group(g), strict_map_key=True)
+    assert all(isinstance(k, str) for k in wire)
+    assert wire["schema"] == 2
+    assert "samples" not in wire and "has" not in wire  # no optional arrays in this group
+    assert wire["prompt_ids"] == np.arange(7, dtype="<i4").tobytes()
+    assert np.frombuffer(wire["lengths"], "<i4").tolist() == [5, 3]
+    assert np.frombuffer(wire["versions"], "<i4").tolist() == [3] * 5 + [4] * 3
+    logprobs = np.concatenate([s.logprobs for s in g.samples]).tolist()
+    assert np.frombuffer(wire["logprobs"], "<f4").tolist() == logprobs
+    assert np.frombuffer(wire["rewards"], "<f8").tolist() == [1.0, 0.5]
+    assert list(wire["finish"]) == [0, 1]  # FINISH_CODES: stop, length
+    assert wire["meta"] == [s.meta for s in g.samples]
+
+
+def test_plain_msgpack_reads_string_keys_and_little_endian_bytes_in_schema_1() -> None:
+    g = make_group(schema=1)
     wire = msgpack.unpackb(encode_group(g), strict_map_key=True)
     assert all(isinstance(k, str) for k in wire)
     assert wire["schema"] == 1
@@ -133,10 +150,12 @@ def test_encode_casts_to_little_endian_wire_dtypes() -> None:
         logprobs=np.array([-0.5, -1.0, 0.0], dtype=np.float64),
         versions=[0, 0, 1],
     )
-    wire = msgpack.unpackb(encode_group(make_group([s])))
-    assert wire["samples"][0]["response_ids"] == np.array([1, 70000, 3], "<i4").tobytes()
-    assert wire["samples"][0]["logprobs"] == np.array([-0.5, -1.0, 0.0], "<f4").tobytes()
-    assert wire["samples"][0]["versions"] == np.array([0, 0, 1], "<i4").tobytes()
+    for schema in (1, 2):
+        wire = msgpack.unpackb(encode_group(make_group([s], schema=schema)))
+        arrays = wire["samples"][0] if schema == 1 else wire
+        assert arrays["response_ids"] == np.array([1, 70000, 3], "<i4").tobytes()
+        assert arrays["logprobs"] == np.array([-0.5, -1.0, 0.0], "<f4").tobytes()
+        assert arrays["versions"] == np.array([0, 0, 1], "<i4").tobytes()
 
 
 def test_decode_accepts_bytearray_memoryview_ints_for_floats_and_missing_meta() -> None:
@@ -146,8 +165,14 @@ def test_decode_accepts_bytearray_memoryview_ints_for_floats_and_missing_meta() 
         del w["samples"][0]["meta"]
         w["added_in_a_later_producer"] = [1, 2]
 
-    data = repack(make_group(), edit)
-    for buf in (data, bytearray(data), memoryview(data)):
+    def edit_bulk(w: dict[str, Any]) -> None:
+        w["created_at"] = 1700000000
+        del w["meta"]
+        w["added_in_a_later_producer"] = [1, 2]
+
+    data = repack(make_group(schema=1), edit)
+    bulk = repack(make_group(), edit_bulk)
+    for buf in (data, bytearray(data), memoryview(data), bulk, bytearray(bulk), memoryview(bulk)):
         out = decode_group(buf)
         assert out.created_at == 1.7e9 and isinstance(out.created_at, float)
         assert out.samples[0].reward == 1.0 and isinstance(out.samples[0].reward, float)
@@ -158,10 +183,13 @@ def test_min_version_num_tokens_and_stream_fields() -> None:
     g = make_group([make_sample(version=5), make_sample(n=3, version=4), make_sample(n=0)])
     assert g.min_version == 4
     assert g.num_tokens == 8
-    fields = stream_fields(g)
-    assert fields["schema"] == b"1"
-    assert fields["min_version"] == b"4"
-    assert decode_group(fields["data"]).min_version == 4
+    for schema in (1, 2):
+        g.schema = schema
+        fields = stream_fields(g)
+        assert fields["schema"] == str(schema).encode()
+        assert fields["min_version"] == b"4"
+        assert decode_group(fields["data"]).min_version == 4
+    assert stream_fields(make_group([make_sample(n=0)], release_version=9))["min_version"] == b"9"
 
 
 def test_min_version_of_group_without_tokens_is_release_version() -> None:
@@ -205,7 +233,7 @@ def _with_sample(**overrides: Any) -> TrajectoryGroup:
 VOCAB_104 = Limits(vocab_size=104)
 
 BAD_GROUPS: list[tuple[str, TrajectoryGroup, dict[str, Any], str]] = [
-    ("schema_unknown", make_group(schema=2), {}, "schema"),
+    ("schema_unknown", make_group(schema=3), {}, "schema"),
     ("no_samples", make_group([]), {}, "malformed"),
     ("logprobs_short", _with_sample(logprobs=np.zeros(4, np.float32)), {}, "length_mismatch"),
     ("versions_long", _with_sample(versions=np.zeros(6, np.int32)), {}, "length_mismatch"),
@@ -302,19 +330,24 @@ def test_audit_logprobs_round_trip_and_are_absent_when_not_audited() -> None:
     np.testing.assert_array_equal(back.samples[0].audit_logprobs, audit)
     assert back.samples[1].audit_logprobs is None
     # An entry written before the field existed has no such key: it decodes unaudited.
-    raw = msgpack.unpackb(encode_group(make_group()))
+    raw = msgpack.unpackb(encode_group(make_group(schema=1)))
     assert all("audit_logprobs" not in s for s in raw["samples"])
+    assert all(s.audit_logprobs is None for s in decode_group(msgpack.packb(raw)).samples)
     assert all(s.audit_logprobs is None for s in decode_group(encode_group(make_group())).samples)
 
 
+@pytest.mark.parametrize("schema", [1, 2])
 @pytest.mark.parametrize(
     ("group", "kwargs", "reason"),
     [case[1:] for case in BAD_GROUPS],
     ids=[case[0] for case in BAD_GROUPS],
 )
 def test_bad_group_is_rejected_with_its_reason(
-    group: TrajectoryGroup, kwargs: dict[str, Any], reason: str
+    group: TrajectoryGroup, kwargs: dict[str, Any], reason: str, schema: int
 ) -> None:
+    """In either layout: schema 1 as workers of before the bulk codec wrote it, schema 2."""
+    if group.schema != 3:
+        group = dataclasses.replace(group, schema=schema)
     assert reason_of(encode_group(group), **kwargs) == reason
     if "limits" not in kwargs:
         # The same rule holds for a group checked in process, before it is sent.
@@ -389,10 +422,115 @@ WRONG_TYPES = {
 
 @pytest.mark.parametrize("edit", list(WRONG_TYPES.values()), ids=list(WRONG_TYPES))
 def test_wrong_types_are_malformed(edit: Callable[[dict[str, Any]], None]) -> None:
-    assert reason_of(repack(make_group(), edit)) == "malformed"
+    assert reason_of(repack(make_group(schema=1), edit)) == "malformed"
+
+
+WRONG_BULK = {
+    "lengths_list": (_set(("lengths",), [5, 5]), "malformed"),
+    "lengths_missing": (_delete("lengths"), "malformed"),
+    "lengths_negative": (_set(("lengths",), np.array([6, -1], "<i4").tobytes()), "malformed"),
+    "lengths_longer": (_set(("lengths",), np.array([5, 6], "<i4").tobytes()), "length_mismatch"),
+    "one_length_more": (_set(("lengths",), np.array([5, 5, 0], "<i4").tobytes()), "malformed"),
+    "rewards_one_short": (_set(("rewards",), np.array([1.0], "<f8").tobytes()), "malformed"),
+    "rewards_odd_bytes": (_set(("rewards",), b"\x00" * 12), "malformed"),
+    "rewards_a_million": (_set(("rewards",), bytes(8 << 20)), "malformed"),
+    "has_a_million": (_set(("has",), bytes(1 << 20)), "malformed"),
+    "finish_code_unknown": (_set(("finish",), bytes([0, 3])), "finish"),
+    "finish_str": (_set(("finish",), "stop"), "malformed"),
+    "meta_one_short": (_set(("meta",), [{}]), "malformed"),
+    "meta_nested": (_set(("meta", 1), {"a": {"b": 1}}), "malformed"),
+    "logprobs_short": (_set(("logprobs",), b"\x00" * 36), "length_mismatch"),
+    "versions_list": (_set(("versions",), [3] * 10), "malformed"),
+    "has_mask_without_mask": (_set(("has",), bytes([1, 0])), "malformed"),
+    "has_one_short": (_set(("has",), bytes([0])), "malformed"),
+    "mask_short": (
+        lambda w: w.update(has=bytes([0, 1]), loss_mask=bytes(4)),
+        "length_mismatch",
+    ),
+    "routed_without_rows": (
+        lambda w: w.update(has=bytes([4, 0]), routed_experts=b"", routed_shape=[1, 1]),
+        "routing_shape",
+    ),
+}
+
+
+@pytest.mark.parametrize(("edit", "reason"), list(WRONG_BULK.values()), ids=list(WRONG_BULK))
+def test_broken_bulk_fields_are_rejected(
+    edit: Callable[[dict[str, Any]], None], reason: str
+) -> None:
+    assert reason_of(repack(make_group(), edit)) == reason
+
+
+def test_bulk_optional_arrays_round_trip_on_the_samples_that_have_them() -> None:
+    mask = np.array([1, 0, 1], np.uint8)
+    audit = -np.linspace(0.0, 1.0, 5, dtype=np.float32)
+    routed = np.arange(9 * 2 * 3, dtype=np.uint16).reshape(9, 2, 3) % 8  # 7 + 3 - 1 rows
+    samples = [
+        make_sample(n=3, loss_mask=mask, routed_experts=routed),
+        make_sample(audit_logprobs=audit),
+        make_sample(n=0, reward=0.0, finish="abort"),
+        make_sample(n=2, loss_mask=np.ones(2, np.uint8), audit_logprobs=np.zeros(2, np.float32)),
+    ]
+    wire = msgpack.unpackb(encode_group(make_group(samples)))
+    assert list(wire["has"]) == [1 + 4, 2, 0, 1 + 2]
+    assert wire["loss_mask"] == bytes([1, 0, 1, 1, 1]) and wire["routed_shape"] == [2, 3]
+    back = decode_group(encode_group(make_group(samples)), Limits(num_experts=8))
+    for a, b in zip(back.samples, samples, strict=True):
+        for name in ("response_ids", "logprobs", "versions"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        for name in ("loss_mask", "audit_logprobs", "routed_experts"):
+            got, want = getattr(a, name), getattr(b, name)
+            assert (got is None) == (want is None), name
+            if want is not None:
+                assert got.dtype == want.dtype and not got.flags.writeable
+                np.testing.assert_array_equal(got, want)
+        assert (a.reward, a.finish, a.meta) == (b.reward, b.finish, b.meta)
+
+
+def test_an_entry_an_old_worker_wrote_decodes() -> None:
+    """Schema 1 as any msgpack writer of before the bulk codec packed it (not our encoder)."""
+    sample = {
+        "response_ids": np.array([5, 6], "<i4").tobytes(),
+        "logprobs": np.array([-0.5, -1.5], "<f4").tobytes(),
+        "versions": np.array([2, 3], "<i4").tobytes(),
+        "reward": 1,
+        "finish": "length",
+        "meta": {"turns": 2},
+        "loss_mask": bytes([1, 0]),
+    }
+    old = {
+        "schema": 1,
+        "run": "r1",
+        "group_id": "1-0",
+        "prompt_id": "p",
+        "release_version": 2,
+        "worker": "w",
+        "created_at": 1.0,
+        "finished_at": 2.0,
+        "prompt_ids": np.array([1, 2], "<i4").tobytes(),
+        "samples": [sample, {**sample, "loss_mask": bytes([1, 1]), "finish": "stop"}],
+    }
+    g = decode_group(msgpack.packb(old), current_version=3)
+    assert (g.schema, g.min_version, [s.finish for s in g.samples]) == (1, 2, ["length", "stop"])
+    assert g.samples[0].loss_mask.tolist() == [1, 0] and g.samples[1].meta == {"turns": 2}
+    assert g.samples[1].versions.tolist() == [2, 3] and g.samples[0].reward == 1.0
+
+
+def test_a_new_reader_takes_old_entries_and_the_same_group_in_both_layouts() -> None:
+    """A rolling upgrade: workers of before the bulk codec still write schema 1 entries."""
+    g = make_group([make_sample(loss_mask=np.array([1, 1, 0, 0, 1], np.uint8)), make_sample()])
+    old, new = (decode_group(encode_group(dataclasses.replace(g, schema=s))) for s in (1, 2))
+    assert (old.schema, new.schema) == (1, 2)
+    for a, b in zip(old.samples, new.samples, strict=True):
+        for name in ("response_ids", "logprobs", "versions"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert (a.reward, a.finish, a.meta) == (b.reward, b.finish, b.meta)
+    np.testing.assert_array_equal(old.samples[0].loss_mask, new.samples[0].loss_mask)
+    assert old.samples[1].loss_mask is None and new.samples[1].loss_mask is None
 
 
 def test_schema_missing_or_not_int_is_schema() -> None:
+    assert reason_of(repack(make_group(), _set(("schema",), 3))) == "schema"
     assert reason_of(repack(make_group(), _delete("schema"))) == "schema"
     assert reason_of(repack(make_group(), _set(("schema",), "1"))) == "schema"
     assert reason_of(repack(make_group(), _set(("schema",), True))) == "schema"
@@ -418,7 +556,7 @@ def _malformed(name: str) -> bytes:
     if name == "trailing_data":
         return good + b"\x00"
     if name == "timestamp_in_meta":
-        return repack(make_group(), _set(("samples", 0, "meta", "t"), msgpack.Timestamp(0)))
+        return repack(make_group(), _set(("meta", 0, "t"), msgpack.Timestamp(0)))
     data = MALFORMED_BYTES[name]
     assert data is not None
     return data
@@ -523,4 +661,6 @@ def test_bad_group_checked_sample_by_sample_is_rejected_alike(
 ) -> None:
     # Long groups are checked on each sample's own arrays; every group here takes that path.
     monkeypatch.setattr(validate, "_CONCAT_MAX_TOKENS", 0)
+    if group.schema != 3:  # the bulk layout is checked joined, whatever the length
+        group = dataclasses.replace(group, schema=1)
     assert reason_of(encode_group(group), **kwargs) == reason

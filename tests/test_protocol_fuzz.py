@@ -1,6 +1,7 @@
 """Whatever bytes arrive on a stream, decoding yields a valid object or a ValidationError."""
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -46,7 +47,8 @@ def _valid_group() -> TrajectoryGroup:
     return group_of(samples, [1, 2], release_version=1, created_at=1.0, finished_at=2.0)
 
 
-VALID = encode_group(_valid_group())
+VALID = encode_group(_valid_group())  # the bulk layout, schema 2
+VALID_1 = encode_group(dataclasses.replace(_valid_group(), schema=1))  # as older workers wrote
 VALID_PROMPT = encode_prompt(
     PromptGroup(
         run="r",
@@ -103,9 +105,9 @@ def _mutate(base: bytes, edits: list[tuple[str, int, int]]) -> bytes:
 
 
 @FUZZ
-@given(st.lists(_edit, min_size=1, max_size=4))
-def test_mutated_valid_group(edits: list[tuple[str, int, int]]) -> None:
-    decodes_or_rejects(_mutate(VALID, edits))
+@given(st.sampled_from([VALID, VALID_1]), st.lists(_edit, min_size=1, max_size=4))
+def test_mutated_valid_group(valid: bytes, edits: list[tuple[str, int, int]]) -> None:
+    decodes_or_rejects(_mutate(valid, edits))
 
 
 @FUZZ
@@ -138,6 +140,7 @@ def test_random_msgpack_objects(obj: Any) -> None:
     decodes_or_rejects(msgpack.packb(obj))
 
 
+# Paths into schema 1's layout, then into the bulk layout's.
 _GROUP_PATHS = [
     ("run",),
     ("release_version",),
@@ -154,6 +157,21 @@ _GROUP_PATHS = [
     ("samples", 0, "meta"),
     ("samples", 0, "meta", "k"),
 ]
+_BULK_PATHS = [
+    ("lengths",),
+    ("response_ids",),
+    ("logprobs",),
+    ("versions",),
+    ("rewards",),
+    ("finish",),
+    ("meta",),
+    ("meta", 1),
+    ("meta", 0, "k"),
+    ("has",),
+    ("loss_mask",),
+    ("routed_experts",),
+    ("routed_shape",),
+]
 
 
 @FUZZ
@@ -164,12 +182,30 @@ _GROUP_PATHS = [
 )
 def test_one_field_of_a_valid_group_replaced(path: tuple[Any, ...], value: Any) -> None:
     # Random objects alone rarely get past the schema check; this reaches the field checks.
-    wire = msgpack.unpackb(VALID)
+    decodes_or_rejects(_replaced(VALID_1, path, value))
+
+
+def _replaced(valid: bytes, path: tuple[Any, ...], value: Any) -> bytes:
+    wire = msgpack.unpackb(valid)
     target = wire
     for key in path[:-1]:
         target = target[key]
     target[path[-1]] = value
-    decodes_or_rejects(msgpack.packb(wire))
+    return msgpack.packb(wire)
+
+
+@FUZZ
+@given(
+    st.sampled_from([*_BULK_PATHS, ("run",), ("prompt_ids",)]),
+    # Raw bytes, whole 4- or 8-byte values, or a few small ints (lengths, codes, flags).
+    st.binary(max_size=48)
+    | st.binary(max_size=48).map(lambda b: b[: len(b) // 4 * 4])
+    | st.binary(max_size=48).map(lambda b: b[: len(b) // 8 * 8])
+    | st.lists(st.integers(0, 7), max_size=3).map(bytes)
+    | _objects,
+)
+def test_one_field_of_a_valid_bulk_group_replaced(path: tuple[Any, ...], value: Any) -> None:
+    decodes_or_rejects(_replaced(VALID, path, value))
 
 
 @pytest.mark.parametrize("unpackb", [msgpack.unpackb, msgpack.fallback.unpackb])
@@ -202,12 +238,20 @@ VOCAB_16 = Limits(vocab_size=16)
 
 @FUZZ
 @given(
-    st.sampled_from([("prompt_ids",), ("samples", 1, "response_ids")]),
+    st.sampled_from(
+        [(VALID_1, ("prompt_ids",)), (VALID_1, ("samples", 1, "response_ids")), (VALID, ("ids",))]
+    ),
     # Three ids: as many as the sample's log-probs, so only the ids themselves can be wrong.
     st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(-2, 18), min_size=3, max_size=3),
 )
-def test_token_ids_decode_only_inside_the_vocabulary(path: tuple[Any, ...], ids: list[int]) -> None:
-    wire = msgpack.unpackb(VALID)
+def test_token_ids_decode_only_inside_the_vocabulary(
+    where: tuple[bytes, tuple[Any, ...]], ids: list[int]
+) -> None:
+    valid, path = where
+    wire = msgpack.unpackb(valid)
+    if path == ("ids",):  # the bulk layout: the second sample's three ids, after the first's
+        path = ("response_ids",)
+        ids = np.frombuffer(wire["response_ids"], "<i4")[:3].tolist() + ids
     target = wire
     for key in path[:-1]:
         target = target[key]
@@ -280,6 +324,12 @@ def test_token_rules_match_their_plain_reading_on_both_paths(
     group = _valid_group()
     group.samples = samples
     expected = _first_broken_rule(samples, 16, current)
+    try:  # the bulk layout, checked on the wire's arrays
+        decode_group(encode_group(group), VOCAB_16, current_version=current)
+        got = None
+    except ValidationError as exc:
+        got = exc.reason
+    assert got == expected, ("bulk", got, expected)
     saved = validate._CONCAT_MAX_TOKENS
     try:
         for split in (False, True):  # concatenated, and sample by sample as long groups are

@@ -53,7 +53,7 @@ def two_rank_results(
         assert p.returncode == 0, log[-3000:]
     return {
         name: [torch.load(out / f"{name}-rank{r}.pt", weights_only=True) for r in range(2)]
-        for name in proc.CASES
+        for name in [*proc.CASES, "adamw"]
     }
 
 
@@ -100,6 +100,29 @@ def test_two_ranks_equal_one_rank(name: str, two_rank_results: dict[str, list[di
     counts = micro_batches_per_rank(micro_batch_tokens)
     if micro_batch_tokens < 100:
         assert counts[0] > counts[1], f"ranks should run different micro-batch counts: {counts}"
+
+
+def test_the_trainers_fused_adamw_gives_the_for_loop_weights(
+    two_rank_results: dict[str, list[dict]],
+) -> None:
+    """The trainer's AdamW kernel (fused on CPU: no temporaries the size of a parameter) takes
+    the weights where torch's for-loop one does, over three steps on two ranks, replicated or
+    FSDP2-sharded (DTensor parameters), to float32 rounding."""
+    initial = proc.new_tiny_model(seed=0).state_dict()
+    compared = 0
+    for rank in two_rank_results["adamw"]:
+        assert rank["trainer_flags"] == {"fused": True}
+        assert rank["for_loop_flags"] == {"foreach": False}
+        loop, fused = rank["for_loop"], rank["trainer"]
+        assert loop.keys() == fused.keys()
+        if not loop:
+            continue  # an FSDP rank other than 0 holds shards only
+        moved = max(float((loop[k] - initial[k]).abs().max()) for k in loop)
+        assert moved > 1e-3, "AdamW did not move the weights: the comparison would be vacuous"
+        for key, value in fused.items():
+            torch.testing.assert_close(value, loop[key], rtol=0, atol=1e-6, msg=key)
+        compared += 1
+    assert compared
 
 
 SMALL_MB_CASES = [n for n in proc.CASES if n.endswith("-small-mb")]

@@ -6,7 +6,8 @@ Joins a gloo group through a FileStore, trains every case of `CASES` from the sa
 weights on this rank's share of `make_groups()` (split by groups, as the trainer splits them),
 the model replicated (PARALLEL=ddp) or FSDP2-sharded (fsdp), and writes
 `OUT_DIR/{case}-rank{RANK}.pt`: the updated parameters (full tensors; with fsdp on rank 0 only,
-gathered as checkpoints gather them) and the step's figures.
+gathered as checkpoints gather them) and the step's figures; then `OUT_DIR/adamw-rank{RANK}.pt`
+(`adamw_case`).
 `tests/test_trainer_step.py` imports this module for the batch and the cases.
 """
 
@@ -24,6 +25,7 @@ from asyncrl.engines.config import SamplingParams
 from asyncrl.protocol import Sample, TrajectoryGroup
 from asyncrl.tiny_model import new_tiny_model
 from asyncrl.trainer.batch import Row, group_rows
+from asyncrl.trainer.builder import adamw_kernel
 from asyncrl.trainer.parallel import full_state, shard
 from asyncrl.trainer.step import StepStats, train_step
 
@@ -153,6 +155,32 @@ def run_case(
     }
 
 
+def adamw_case(
+    groups: list[TrajectoryGroup], world: torch.distributed.ProcessGroup, parallel: str
+) -> dict[str, Any]:
+    """Three AdamW steps from the seed-0 tiny model, with torch's for-loop kernel and with the
+    kernel the trainer builds (`adamw_kernel`): the weights of each, and the trainer's flags."""
+    out: dict[str, Any] = {}
+    for kernel in ("for_loop", "trainer"):
+        torch.manual_seed(0)
+        model = new_tiny_model(seed=0)
+        if parallel == "fsdp":
+            shard(model, torch.device("cpu"), world.size())
+        params = list(model.parameters())
+        flags = {"foreach": False} if kernel == "for_loop" else adamw_kernel(params)
+        optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags)
+        rows = group_rows(groups, AlgoConfig(), SAMPLING.max_new_tokens)
+        for _ in range(3):
+            step(model, optimizer, rows, AlgoConfig(), world=world)
+        out[kernel] = (
+            full_state(model, optimizer)[0]
+            if parallel == "fsdp"
+            else {k: v.detach().clone() for k, v in model.state_dict().items()}
+        )
+        out[f"{kernel}_flags"] = flags
+    return out
+
+
 def main(rank: int, world_size: int, store_file: str, out_dir: Path, parallel: str) -> None:
     import torch.distributed as dist
 
@@ -166,6 +194,8 @@ def main(rank: int, world_size: int, store_file: str, out_dir: Path, parallel: s
         for name in CASES:
             result = run_case(name, mine, dist.group.WORLD, parallel)
             torch.save(result, out_dir / f"{name}-rank{rank}.pt")
+        adamw = adamw_case(mine, dist.group.WORLD, parallel)
+        torch.save(adamw, out_dir / f"adamw-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 

@@ -1,12 +1,14 @@
 """Queue throughput: asyncrl's Producer/Consumer against bare redis-py, with the codec beside it.
 
     python tools/bench_queue.py [--groups 256] [--rounds 5] [--batch 16] [--samples 16]
-                                [--tokens 1024]
+                                [--tokens 1024] [--codec]
 
 One round pushes `groups` trajectory groups (asyncrl.protocol.stream_fields of a realistic group)
 through the stream and out again: add each group, then read `batch` at a time and ack each batch.
 - asyncrl: `Producer.add`, `Consumer.read`, `Consumer.ack` (with a `groups_trained` counter, as
-  the trainer does: ownership check, XACK and HINCRBY in one transaction).
+  the trainer does: ownership check, XACK and HINCRBY in one transaction). With `--codec`, each
+  entry is encoded from the group when added and decoded (validated) when read, as rollout
+  workers and trainers do; without it the same encoded fields go in as they are.
 - raw: `XADD`, `XREADGROUP`, `XACK` through plain redis-py calls, no checks, no counters.
 Figures are medians over `rounds`. The redis-server is started here with AOF off: this measures
 the queue and the client, not the disk. The last line is one JSON object.
@@ -99,17 +101,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--codec", action="store_true", help="encode and decode in asyncrl's path")
     args = parser.parse_args()
+    group = make_group(args.samples, args.tokens)
 
     codec = bench_codec(args.samples, args.tokens, repeats=300)
-    fields = stream_fields(make_group(args.samples, args.tokens))
+    fields = stream_fields(group)
     size = sum(len(v) for v in fields.values())
     print(f"codec: {json.dumps(codec)}")
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(data_dir=Path(tmp), appendonly=False).start()
         try:
             client = redis.Redis.from_url(server.url, socket_timeout=10)
-            rates: dict[Round, list[float]] = {asyncrl_round: [], raw_round: []}
+
+            def codec_round(client: redis.Redis, stream: str, f: Fields, n: int, b: int) -> None:
+                asyncrl_round(client, stream, f, n, b, group)
+
+            ours: Round = codec_round if args.codec else asyncrl_round
+            rates: dict[Round, list[float]] = {ours: [], raw_round: []}
             # One warm-up round each, then alternate so that drift in load hits both alike.
             for r in range(args.rounds + 1):
                 for run, got in rates.items():
@@ -119,10 +128,11 @@ def main() -> None:
             client.close()
         finally:
             server.stop()
-    asyncrl_s, raw_s = (statistics.median(rates[run]) for run in (asyncrl_round, raw_round))
+    asyncrl_s, raw_s = (statistics.median(rates[run]) for run in (ours, raw_round))
     print(
         f"{args.groups} groups of {size / 1e6:.2f} MB ({args.samples}×{args.tokens} tokens), "
-        f"batch {args.batch}, median of {args.rounds}: asyncrl {asyncrl_s:.0f} groups/s "
+        f"batch {args.batch}, median of {args.rounds}{', codec in asyncrl path' * args.codec}: "
+        f"asyncrl {asyncrl_s:.0f} groups/s "
         f"({asyncrl_s * size / 1e6:.0f} MB/s), raw redis-py {raw_s:.0f} groups/s"
     )
     print(

@@ -30,8 +30,11 @@ and the figures are medians.
   `load_state_dict` of both.
 - train: `trainer.step.train_step` (the decoupled objective, truncated IS, clip, AdamW) on
   rows of random tokens against a bare loop on the same model, optimizer and batch (forward,
-  log-softmax gather, policy-gradient loss, backward, clip, step). MFU = 6 × parameters ×
-  tokens/s over the peak FLOP/s of an fp32 matmul measured here.
+  log-softmax gather, policy-gradient loss, backward, clip, step), AdamW on the trainer's
+  kernel (`trainer.builder.adamw_kernel`). MFU = 6 × parameters × tokens/s over the peak FLOP/s
+  of an fp32 matmul measured here. Trainer RSS: the peak of the first step (which allocates the
+  Adam state) and the steady one, of the later steps (with the Adam state already there), with
+  glibc set up as the trainer sets it (`device.return_freed_memory`).
 - delta: (not run by default) delta sync against full sync over broadcast, side by side, at
   each of `--lrs` (`tools/bench_delta.py` says how); rows under "delta".
 - queue: (size-independent) trajectory groups of 8 samples at each response length through
@@ -87,6 +90,11 @@ def rss_mb(field: str = "VmHWM") -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Start this process' peak (VmHWM) over from its current resident memory."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def build_model(size: str, dtype: str = "float32") -> Any:
@@ -460,19 +468,25 @@ def part_train(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from asyncrl.algo.config import AlgoConfig
+    from asyncrl.device import return_freed_memory
     from asyncrl.engines.config import SamplingParams
+    from asyncrl.trainer.builder import adamw_kernel
     from asyncrl.trainer.step import train_step
 
     base = baseline_mb()
+    return_freed_memory()  # as the trainer does
     model = build_model(args.size)
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-6, **adamw_kernel(params))  # the trainer's kernel
     rows = _rows(model.config.vocab_size, args.train_tokens, seed=0)
     tokens = sum(r.length for r in rows)
     flops = args.peak_flops
     asyncrl_t, bare_t = [], []
-    trainer_hwm = 0.0
+    trainer_hwm = steady_hwm = 0.0
     for step in range(args.rounds + 1):
+        if step:
+            reset_peak()  # from here the peak of a step with the Adam state already allocated
         start = time.perf_counter()
         train_step(
             model,
@@ -488,6 +502,8 @@ def part_train(args: argparse.Namespace) -> dict[str, Any]:
         a = time.perf_counter() - start
         if step == 0:
             trainer_hwm = rss_mb()  # before the bare loop ran
+        else:
+            steady_hwm = max(steady_hwm, rss_mb())
         start = time.perf_counter()
         _bare_step(model, optimizer, rows)
         b = time.perf_counter() - start
@@ -508,6 +524,8 @@ def part_train(args: argparse.Namespace) -> dict[str, Any]:
         "trainer_rss_mb": round(trainer_hwm - base, 1),
         "params_grads_adam_mb": round(pgo_mb, 1),
         "rss_over_pgo": round((trainer_hwm - base) / pgo_mb, 3),
+        "steady_rss_mb": round(steady_hwm - base, 1),
+        "steady_rss_over_pgo": round((steady_hwm - base) / pgo_mb, 3),
         "base_mb": round(base, 1),
     }
 

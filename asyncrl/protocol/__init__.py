@@ -1,4 +1,5 @@
-"""Wire format of the `prompts` and `trajectories` streams (msgpack, schema version 1).
+"""Wire format of the `prompts` and `trajectories` streams (msgpack; trajectory groups in schema
+2, the bulk layout, with schema 1 still read; prompts in schema 1).
 
 Every message is a msgpack map with string keys, so any msgpack library in any language can read
 it. Arrays travel as msgpack `bin` holding raw little-endian values (int32, float32 or uint8) and
@@ -9,7 +10,7 @@ on big-endian ones).
 Reading is the trust boundary: `decode_group` and `decode_prompt` reject anything oversize,
 malformed or semantically wrong with a `ValidationError` (and nothing else), so one bad stream entry
 is dead-lettered instead of taking down a worker. A decoded object has always passed validation.
-Keys that schema 1 does not know are ignored, so optional fields can be added without a new schema.
+Keys that a schema does not know are ignored, so optional fields can be added without a new one.
 
 The modules: `records` (the messages, `Limits`, `ValidationError`), `validate` (the checks) and
 `wire` (encode and decode). The package imports only numpy and msgpack: rollout workers, the queue
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 from asyncrl.protocol.records import (
     DEFAULT_LIMITS,
+    FINISH_CODES,
     FINISH_REASONS,
+    PROMPT_SCHEMA,
     SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
     Finish,
     Limits,
     MetaValue,
@@ -43,8 +47,11 @@ from asyncrl.protocol.wire import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "FINISH_CODES",
     "FINISH_REASONS",
+    "PROMPT_SCHEMA",
     "SCHEMA_VERSION",
+    "SCHEMA_VERSIONS",
     "Finish",
     "Limits",
     "MetaValue",

@@ -9,10 +9,17 @@ from typing import Any, Literal
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+# Trajectory groups: schema 2 (the bulk codec: each array over all samples in one binary field)
+# is written, schemas 1 (one map per sample) and 2 are read, so entries that workers of before
+# the change wrote still train. Prompt groups did not change: schema 1 both ways.
+SCHEMA_VERSION = 2
+SCHEMA_VERSIONS: frozenset[int] = frozenset({1, 2})
+PROMPT_SCHEMA = 1
 
 Finish = Literal["stop", "length", "abort"]
-FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
+# In this order they are the codes 0, 1, 2 of schema 2's `finish` field.
+FINISH_CODES: tuple[Finish, ...] = ("stop", "length", "abort")
+FINISH_REASONS: frozenset[str] = frozenset(FINISH_CODES)
 
 # Reasons are short and stable: they become the `reason` label of the dropped/dead-letter metrics
 # and the reason field of `dlq` entries.
@@ -153,7 +160,7 @@ class TrajectoryGroup:
     prompt_ids: np.ndarray
     # The n responses, in generation order; at least one (a group of none trains nothing).
     samples: list[Sample]
-    # Wire schema version; readers reject any other.
+    # Wire schema version: the format `encode_group` writes (1 or 2); readers reject any other.
     schema: int = SCHEMA_VERSION
 
     @property
@@ -203,7 +210,7 @@ class PromptGroup:
     # Small flat map of scalars the verifier or environment may need.
     meta: dict[str, MetaValue] = field(default_factory=dict)
     # Wire schema version; readers reject any other.
-    schema: int = SCHEMA_VERSION
+    schema: int = PROMPT_SCHEMA
 
 
 # --8<-- [end:prompt]

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from asyncrl.protocol.records import (
     DEFAULT_LIMITS,
+    FINISH_CODES,
     FINISH_REASONS,
+    PROMPT_SCHEMA,
     SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
     Limits,
     PromptGroup,
     TrajectoryGroup,
@@ -26,7 +30,7 @@ _META_TYPES = frozenset({type(None), bool, int, float, str})
 _CONCAT_MAX_TOKENS = 32768
 
 
-def _check_meta(meta: Any, limits: Limits, where: str) -> None:
+def check_meta(meta: Any, limits: Limits, where: str) -> None:
     if type(meta) is not dict:
         raise ValidationError("malformed", f"{where}meta: expected a map")
     if len(meta) > limits.max_meta_keys:
@@ -79,6 +83,23 @@ def _check_ids(
     raise ValidationError("token_out_of_range", f"{where} has token id {token} {why}")
 
 
+def check_header(g: TrajectoryGroup, n_samples: int, limits: Limits) -> None:
+    """The checks on a group's own fields, before its samples'."""
+    if g.schema not in SCHEMA_VERSIONS:
+        raise ValidationError("schema", f"unknown schema {g.schema!r}, expected {SCHEMA_VERSION}")
+    if n_samples > limits.max_samples:
+        raise ValidationError("too_large", f"{n_samples} samples exceeds {limits.max_samples}")
+    if not n_samples:
+        raise ValidationError("malformed", "group has no samples")
+    if len(g.prompt_ids) > limits.max_prompt_tokens:
+        raise ValidationError(
+            "too_large", f"{len(g.prompt_ids)} prompt tokens exceeds {limits.max_prompt_tokens}"
+        )
+    if g.release_version < 0:
+        raise ValidationError("version_negative", f"release_version {g.release_version} < 0")
+    _check_ids(g.prompt_ids, limits, "prompt_ids")
+
+
 def validate_group(
     g: TrajectoryGroup, *, current_version: int | None = None, limits: Limits | None = None
 ) -> None:
@@ -94,20 +115,7 @@ def validate_group(
     samples in Python.
     """
     limits = limits or DEFAULT_LIMITS
-    if g.schema != SCHEMA_VERSION:
-        raise ValidationError("schema", f"unknown schema {g.schema!r}, expected {SCHEMA_VERSION}")
-    if len(g.samples) > limits.max_samples:
-        raise ValidationError("too_large", f"{len(g.samples)} samples exceeds {limits.max_samples}")
-    if not g.samples:
-        raise ValidationError("malformed", "group has no samples")
-    if len(g.prompt_ids) > limits.max_prompt_tokens:
-        raise ValidationError(
-            "too_large", f"{len(g.prompt_ids)} prompt tokens exceeds {limits.max_prompt_tokens}"
-        )
-    if g.release_version < 0:
-        raise ValidationError("version_negative", f"release_version {g.release_version} < 0")
-    _check_ids(g.prompt_ids, limits, "prompt_ids")
-
+    check_header(g, len(g.samples), limits)
     lengths = []
     for i, s in enumerate(g.samples):
         where = f"samples[{i}]."
@@ -141,39 +149,123 @@ def validate_group(
             raise ValidationError(
                 "finish", f"{where}finish {s.finish!r} not in {sorted(FINISH_REASONS)}"
             )
-        _check_meta(s.meta, limits, where)
+        check_meta(s.meta, limits, where)
         lengths.append(n)
-    _check_routing(g, limits)
-    total = sum(lengths)
-    if not total:
+    check_routing(g, limits)
+    if not sum(lengths):
         return
+    used = [s for s in g.samples if len(s.response_ids)]
+    versions = [s.versions for s in used]
     # A short group's arrays are checked concatenated, one numpy call per check; a long group's
     # sample by sample on the decoded views, where a concatenation would copy (and fault in)
-    # megabytes. Where a check fails, the concatenation names the sample.
-    split = total > _CONCAT_MAX_TOKENS
+    # megabytes.
+    columns = Columns(
+        lengths=np.array(lengths),
+        ids=[s.response_ids for s in used],
+        logprobs=[s.logprobs for s in used],
+        versions=versions,
+        firsts=np.array([v[0] for v in versions]),
+        lasts=np.array([v[-1] for v in versions]),
+        audit_logprobs=[s.audit_logprobs for s in g.samples if s.audit_logprobs is not None],
+        loss_masks=[s.loss_mask for s in g.samples if s.loss_mask is not None],
+    )
+    if sum(lengths) <= _CONCAT_MAX_TOKENS:
+        columns = columns.joined()
+    check_tokens(columns, limits, current_version)
 
-    def runs(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return arrays if split else [np.concatenate(arrays)]
+
+def check_bulk_samples(
+    lengths: list[int],
+    rewards: list[float],
+    finish: list[int],
+    metas: list[Any],
+    n_prompt: int,
+    limits: Limits,
+) -> None:
+    """The per-sample checks of `validate_group` but the token rules, on a bulk group's fields
+    (an element per sample; `finish` as codes into `FINISH_CODES`)."""
+    longest = max(lengths)
+    if min(lengths) < 0:
+        raise ValidationError("malformed", f"a sample has {min(lengths)} response tokens")
+    if longest > limits.max_response_tokens:
+        raise ValidationError(
+            "too_large",
+            f"samples[{lengths.index(longest)}].response_ids: {longest} tokens exceeds "
+            f"{limits.max_response_tokens}",
+        )
+    if limits.max_positions is not None and n_prompt + longest > limits.max_positions:
+        raise ValidationError(
+            "too_large",
+            f"samples[{lengths.index(longest)}].response_ids: {n_prompt} + {longest} tokens pass "
+            f"{limits.max_positions} positions",
+        )
+    if not all(map(math.isfinite, rewards)):
+        i = next(i for i, r in enumerate(rewards) if not math.isfinite(r))
+        raise ValidationError("reward_not_finite", f"samples[{i}].reward is {rewards[i]}")
+    if max(finish) >= len(FINISH_CODES):
+        i = next(i for i, code in enumerate(finish) if code >= len(FINISH_CODES))
+        raise ValidationError(
+            "finish", f"samples[{i}].finish code {finish[i]} is not one of {list(FINISH_CODES)}"
+        )
+    for i, meta in enumerate(metas):
+        check_meta(meta, limits, f"samples[{i}].")
+
+
+@dataclass(slots=True)
+class Columns:
+    """A group's token arrays for `check_tokens`, as runs: either each one array over all
+    samples (`joined`: the bulk wire format's, or concatenated), or one per sample."""
+
+    # Response tokens of each sample, empty ones included.
+    lengths: np.ndarray
+    # Runs over the samples that have tokens.
+    ids: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    versions: list[np.ndarray]
+    # First and last version of each sample that has tokens.
+    firsts: np.ndarray
+    lasts: np.ndarray
+    # Runs over the samples that carry them.
+    audit_logprobs: list[np.ndarray]
+    loss_masks: list[np.ndarray]
+    is_joined: bool = False
+
+    def joined(self) -> Columns:
+        def one(runs: list[np.ndarray]) -> list[np.ndarray]:
+            return [np.concatenate(runs)] if runs else runs
+
+        return Columns(
+            self.lengths,
+            one(self.ids),
+            one(self.logprobs),
+            one(self.versions),
+            self.firsts,
+            self.lasts,
+            one(self.audit_logprobs),
+            one(self.loss_masks),
+            is_joined=True,
+        )
+
+
+def check_tokens(c: Columns, limits: Limits, current_version: int | None) -> None:
+    """The token rules of `validate_group`, one numpy pass per run and rule; a failing rule
+    names its sample."""
 
     def sample_of(flat_index: int) -> int:
         """The sample of a token of the concatenation, for an error message."""
-        return int(np.searchsorted(np.cumsum(lengths), flat_index, side="right"))
+        return int(np.searchsorted(np.cumsum(c.lengths), flat_index, side="right"))
 
-    used = [s for s in g.samples if len(s.response_ids)]
-    ids = [s.response_ids for s in used]
-    if not all(_within(r, limits.vocab_size) for r in runs(ids)):
-        _check_ids(np.concatenate(ids), limits, "response_ids", sample_of)
+    if not all(_within(r, limits.vocab_size) for r in c.ids):
+        _check_ids(np.concatenate(c.ids), limits, "response_ids", sample_of)
 
     # Audited log-probs run the same checks as the behaviour ones, under the same reason codes.
-    audited = [s.audit_logprobs for s in g.samples if s.audit_logprobs is not None]
-    for a in audited:
+    for a in c.audit_logprobs:
         if len(a) and not _logprobs_ok(a):
             if not np.isfinite(a).all():
                 raise ValidationError("logprob_not_finite", "audit_logprobs has NaN or inf")
             raise ValidationError("logprob_positive", "audit_logprobs has a value > 0")
-    logprobs = [s.logprobs for s in used]
-    if not all(_logprobs_ok(r) for r in runs(logprobs)):
-        flat = np.concatenate(logprobs)
+    if not all(_logprobs_ok(r) for r in c.logprobs):
+        flat = np.concatenate(c.logprobs)
         finite = np.isfinite(flat)
         if not finite.all():
             i = sample_of(int(np.argmin(finite)))
@@ -184,30 +276,30 @@ def validate_group(
     # In a concatenation a decrease from one sample's end to the next one's start is none within
     # a sample: counting those from the samples' ends tells whether the one pass over the tokens
     # found any other. A non-decreasing sample has its extremes at its ends.
-    versions = [s.versions for s in used]
-    firsts, lasts = [int(v[0]) for v in versions], [int(v[-1]) for v in versions]
-    between = 0 if split else sum(b < a for a, b in zip(lasts, firsts[1:], strict=False))
-    decreasing = sum(int(np.count_nonzero(v[1:] < v[:-1])) for v in runs(versions)) != between
-    joined = np.concatenate(versions) if decreasing or min(firsts) < 0 else None
+    between = int(np.count_nonzero(c.firsts[1:] < c.lasts[:-1])) if c.is_joined else 0
+    decreasing = sum(int(np.count_nonzero(v[1:] < v[:-1])) for v in c.versions) != between
+    joined = np.concatenate(c.versions) if decreasing or c.firsts.min() < 0 else None
     if joined is not None and joined.min() < 0:
         i = sample_of(int(np.argmin(joined)))
         raise ValidationError("version_negative", f"samples[{i}].versions has a value < 0")
-    high = max(lasts) if joined is None else int(joined.max())
+    high = int(c.lasts.max()) if joined is None else int(joined.max())
     if current_version is not None and high > current_version:
-        i = sample_of(int(np.argmax(np.concatenate(versions))))
+        i = sample_of(int(np.argmax(np.concatenate(c.versions))))
         raise ValidationError(
             "version_ahead", f"samples[{i}].versions has {high} > current {current_version}"
         )
-    if decreasing:
-        i = next(i for i, s in enumerate(g.samples) if (s.versions[1:] < s.versions[:-1]).any())
+    if joined is not None and decreasing:
+        # The first drop that does not fall on a sample's first token.
+        drops = np.flatnonzero(joined[1:] < joined[:-1]) + 1
+        starts = np.cumsum(c.lengths) - c.lengths
+        i = sample_of(int(drops[~np.isin(drops, starts)][0]))
         raise ValidationError("versions_decreasing", f"samples[{i}].versions decrease")
 
-    masks = [s.loss_mask for s in g.samples if s.loss_mask is not None and len(s.loss_mask)]
-    if masks and np.concatenate(masks).max() > 1:
+    if any(len(m) and m.max() > 1 for m in c.loss_masks):
         raise ValidationError("loss_mask", "loss_mask values must be 0 or 1")
 
 
-def _check_routing(g: TrajectoryGroup, limits: Limits) -> None:
+def check_routing(g: TrajectoryGroup, limits: Limits) -> None:
     """Routed experts: one row per fed token (prompt + response − 1), the same [layers, top-k]
     in every sample and as `limits` say, ids below `limits.num_experts`."""
     shapes = set()
@@ -238,8 +330,8 @@ def _check_routing(g: TrajectoryGroup, limits: Limits) -> None:
 def validate_prompt(p: PromptGroup, *, limits: Limits | None = None) -> None:
     """Raise `ValidationError` unless the prompt group can be worked on."""
     limits = limits or DEFAULT_LIMITS
-    if p.schema != SCHEMA_VERSION:
-        raise ValidationError("schema", f"unknown schema {p.schema!r}, expected {SCHEMA_VERSION}")
+    if p.schema != PROMPT_SCHEMA:
+        raise ValidationError("schema", f"unknown schema {p.schema!r}, expected {PROMPT_SCHEMA}")
     if p.n < 1:
         raise ValidationError("malformed", f"n={p.n}, must be >= 1")
     if p.n > limits.max_samples:
@@ -253,4 +345,4 @@ def validate_prompt(p: PromptGroup, *, limits: Limits | None = None) -> None:
     _check_ids(p.prompt_ids, limits, "prompt_ids")
     if p.release_version < 0:
         raise ValidationError("version_negative", f"release_version {p.release_version} < 0")
-    _check_meta(p.meta, limits, "")
+    check_meta(p.meta, limits, "")

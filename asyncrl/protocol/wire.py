@@ -1,11 +1,28 @@
 """Encoding and decoding: the records as msgpack maps and back. Decoding validates (`validate`):
-a decoded object has always passed."""
+a decoded object has always passed.
+
+A trajectory group travels in one of two layouts, told apart by `schema`. Schema 1 holds a map
+per sample; schema 2, the bulk layout written now, holds each array once for the whole group
+(the samples' arrays end to end, `lengths` saying where each ends) and the per-sample scalars
+as arrays, so neither writing, reading nor checking a group costs Python work per token array:
+
+    schema: 2, run, group_id, prompt_id, release_version, worker, created_at, finished_at,
+    prompt_ids: bin[int32]
+    lengths: bin[int32] (response tokens of each sample)
+    response_ids: bin[int32], logprobs: bin[float32], versions: bin[int32] (all samples' tokens)
+    rewards: bin[float64], finish: bin[uint8] (0 stop, 1 length, 2 abort), meta: [map, ...]
+    optional: has: bin[uint8] (per sample, bit 1 loss_mask, 2 audit_logprobs, 4 routed_experts),
+      loss_mask: bin[uint8], audit_logprobs: bin[float32] (the tokens of the samples that have
+      them), routed_experts: bin[uint16] (their fed tokens' rows), routed_shape: [layers, k]
+"""
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from dataclasses import fields, replace
+from itertools import accumulate
 from typing import Any
 
 import msgpack
@@ -13,7 +30,9 @@ import numpy as np
 
 from asyncrl.protocol.records import (
     DEFAULT_LIMITS,
-    SCHEMA_VERSION,
+    FINISH_CODES,
+    PROMPT_SCHEMA,
+    SCHEMA_VERSIONS,
     Limits,
     PromptGroup,
     Reason,
@@ -21,10 +40,19 @@ from asyncrl.protocol.records import (
     TrajectoryGroup,
     ValidationError,
 )
-from asyncrl.protocol.validate import validate_group, validate_prompt
+from asyncrl.protocol.validate import (
+    Columns,
+    check_bulk_samples,
+    check_header,
+    check_routing,
+    check_tokens,
+    validate_group,
+    validate_prompt,
+)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+_F64 = np.dtype("<f8")
 _U8 = np.dtype("u1")
 _U16 = np.dtype("<u2")
 
@@ -62,14 +90,18 @@ def _pack(
     message: TrajectoryGroup | PromptGroup,
     casts: dict[str, Callable[[Any], Any]],
     extra: dict[str, Any] | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> bytes:
     """A message as its wire map: `schema` first (readers check it before anything else), then
     the fields in the order the dataclass declares them — that order is the wire's, and
     `asyncrl.provenance` finds `group_id` near the top — each through its cast if it has one,
-    then `extra` wire-only fields."""
+    then `extra` wire-only fields. `names` replaces the dataclass' fields."""
     return msgpack.packb(
         {
-            **{n: casts.get(n, _same)(getattr(message, n)) for n in _WIRE_NAMES[type(message)]},
+            **{
+                n: casts.get(n, _same)(getattr(message, n))
+                for n in names or _WIRE_NAMES[type(message)]
+            },
             **(extra or {}),
         }
     )
@@ -80,6 +112,8 @@ _WIRE_NAMES = {
     cls: ("schema", *(f.name for f in fields(cls) if f.name != "schema"))
     for cls in (TrajectoryGroup, PromptGroup)
 }
+# The bulk layout writes the samples as fields of the group (`_encode_bulk`).
+_BULK_NAMES = tuple(n for n in _WIRE_NAMES[TrajectoryGroup] if n != "samples")
 
 
 def _same(value: Any) -> Any:
@@ -106,18 +140,77 @@ _PROMPT_CASTS: dict[str, Callable[[Any], Any]] = {
 
 
 def encode_group(g: TrajectoryGroup) -> bytes:
-    """Pack a group, casting arrays to their wire dtypes. Does not validate: see validate_group."""
-    return _pack(g, _GROUP_CASTS)
+    """Pack a group in the layout of its `schema` (1: a map per sample, else the bulk layout),
+    casting arrays to their wire dtypes. Does not validate: see validate_group."""
+    return _encode(g)[0]
+
+
+def _encode(g: TrajectoryGroup) -> tuple[bytes, int]:
+    """The packed group and its `min_version`, which the bulk layout has for one pass."""
+    if g.schema == 1:
+        return _pack(g, _GROUP_CASTS), g.min_version
+    samples = _encode_bulk(g.samples)
+    versions = np.frombuffer(samples["versions"], _I32)
+    low = int(np.minimum.reduce(versions)) if len(versions) else g.release_version
+    return _pack(g, _GROUP_CASTS, samples, _BULK_NAMES), low
+
+
+# Flags of the bulk layout's `has`: which optional arrays a sample carries.
+_HAS_MASK, _HAS_AUDIT, _HAS_ROUTED = 1, 2, 4
+_FINISH_CODE = {name: code for code, name in enumerate(FINISH_CODES)}
+
+
+def _joined(arrays: list[Any], dtype: np.dtype) -> memoryview:
+    return _bin(np.concatenate(arrays, dtype=dtype, casting="unsafe") if arrays else (), dtype)
+
+
+def _encode_bulk(samples: list[Sample]) -> dict[str, Any]:
+    """The bulk layout's sample fields: each array of all samples end to end."""
+    n = len(samples)
+    # struct packs a few scalars faster than numpy builds an array of them; "<" is the wire's
+    # byte order on any host.
+    out: dict[str, Any] = {
+        "lengths": struct.pack(f"<{n}i", *[len(s.response_ids) for s in samples]),
+        "response_ids": _joined([s.response_ids for s in samples], _I32),
+        "logprobs": _joined([s.logprobs for s in samples], _F32),
+        "versions": _joined([s.versions for s in samples], _I32),
+        "rewards": struct.pack(f"<{n}d", *[s.reward for s in samples]),
+        # An unknown finish goes as a code no reader knows, to be refused there.
+        "finish": bytes([_FINISH_CODE.get(s.finish, 255) for s in samples]),
+        "meta": [s.meta for s in samples],
+    }
+    masks = [s.loss_mask for s in samples if s.loss_mask is not None]
+    audits = [s.audit_logprobs for s in samples if s.audit_logprobs is not None]
+    routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not (masks or audits or routed):
+        return out
+    out["has"] = bytes(
+        [
+            _HAS_MASK * (s.loss_mask is not None)
+            + _HAS_AUDIT * (s.audit_logprobs is not None)
+            + _HAS_ROUTED * (s.routed_experts is not None)
+            for s in samples
+        ]
+    )
+    if masks:
+        out["loss_mask"] = _joined(masks, _U8)
+    if audits:
+        out["audit_logprobs"] = _joined(audits, _F32)
+    if routed:
+        # Samples whose rows differ in layers × top-k cannot share one array: the reader
+        # refuses the group, as it would refuse them in schema 1.
+        shapes = {r.shape[1:] for r in routed}
+        shape = shapes.pop() if len(shapes) == 1 else (0, 0)
+        out["routed_experts"] = _joined([np.reshape(r, -1) for r in routed], _U16)
+        out["routed_shape"] = [int(d) for d in shape]
+    return out
 
 
 def stream_fields(g: TrajectoryGroup) -> dict[bytes | str, bytes]:
     """Fields of the `trajectories` stream entry: the message in `data`, plus `schema` and
     `min_version` as ASCII so a reader can route or drop stale groups without decoding."""
-    return {
-        "data": encode_group(g),
-        "schema": str(g.schema).encode(),
-        "min_version": str(g.min_version).encode(),
-    }
+    data, min_version = _encode(g)
+    return {"data": data, "schema": str(g.schema).encode(), "min_version": b"%d" % min_version}
 
 
 def plain_value_problem(value: Any) -> str | None:
@@ -145,8 +238,11 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValidationError("malformed", f"msgpack ext type {code} is not allowed")
 
 
-def _unpack(data: bytes | bytearray | memoryview, limits: Limits) -> dict[str, Any]:
-    """Unpack a top-level map whose `schema` is known, rejecting oversize input before unpacking."""
+def _unpack(
+    data: bytes | bytearray | memoryview, limits: Limits, schemas: frozenset[int]
+) -> dict[str, Any]:
+    """Unpack a top-level map whose `schema` is one of `schemas`, rejecting oversize input before
+    unpacking."""
     try:
         size = memoryview(data).nbytes
     except TypeError:
@@ -180,8 +276,8 @@ def _unpack(data: bytes | bytearray | memoryview, limits: Limits) -> dict[str, A
     if type(obj) is not dict:
         raise ValidationError("malformed", f"top level is {type(obj).__name__}, expected a map")
     schema = obj.get("schema")
-    if type(schema) is not int or schema != SCHEMA_VERSION:
-        raise ValidationError("schema", f"unknown schema {schema!r}, expected {SCHEMA_VERSION}")
+    if type(schema) is not int or schema not in schemas:
+        raise ValidationError("schema", f"unknown schema {schema!r}, expected {max(schemas)}")
     return obj
 
 
@@ -263,13 +359,13 @@ def decode_group(
     *,
     current_version: int | None = None,
 ) -> TrajectoryGroup:
-    """Unpack and fully validate a group (see `validate_group`; `current_version` is passed on).
+    """Unpack and fully validate a group of either layout (see `validate_group`;
+    `current_version` is passed on).
 
     Raises `ValidationError`, and only that, for any input that is not a valid group.
     """
     limits = limits or DEFAULT_LIMITS
-    d = _unpack(data, limits)
-    samples = _take(d, "samples", (list,), "")
+    d = _unpack(data, limits, SCHEMA_VERSIONS)
     g = TrajectoryGroup(
         run=_take(d, "run", (str,), ""),
         group_id=_take(d, "group_id", (str,), ""),
@@ -279,11 +375,138 @@ def decode_group(
         created_at=_float(d, "created_at", ""),
         finished_at=_float(d, "finished_at", ""),
         prompt_ids=_array(d, "prompt_ids", _I32, ""),
-        samples=[_decode_sample(s, f"samples[{i}].") for i, s in enumerate(samples)],
+        samples=[],
         schema=d["schema"],
     )
-    validate_group(g, current_version=current_version, limits=limits)
+    if g.schema == 1:
+        samples = _take(d, "samples", (list,), "")
+        g.samples = [_decode_sample(s, f"samples[{i}].") for i, s in enumerate(samples)]
+        validate_group(g, current_version=current_version, limits=limits)
+    else:
+        _decode_bulk(d, g, limits, current_version)
     return g
+
+
+def _decode_bulk(
+    d: dict[str, Any], g: TrajectoryGroup, limits: Limits, current_version: int | None
+) -> None:
+    """The samples of a bulk-layout group into `g.samples`, validated as `validate_group` would:
+    the per-sample scalars as lists, the tokens as one run each (`check_tokens`)."""
+    lengths_array = _array(d, "lengths", _I32, "")
+    check_header(g, len(lengths_array), limits)
+    lengths: list[int] = lengths_array.tolist()
+    n = len(lengths)
+    rewards_array = _array(d, "rewards", _F64, "")
+    finish_bytes = _take(d, "finish", (bytes,), "")
+    metas = _take(d, "meta", (list,), "") if "meta" in d else [{}] * n
+    has_bytes = _take(d, "has", (bytes,), "") if "has" in d else bytes(n)
+    # Counted before they become lists: a field as long as the message allows must cost nothing.
+    counts = [len(rewards_array), len(finish_bytes), len(metas), len(has_bytes)]
+    if counts != [n] * 4:
+        raise ValidationError(
+            "malformed",
+            f"{n} lengths but {counts} rewards, finish, meta, has: one each per sample",
+        )
+    rewards, finish, has = rewards_array.tolist(), list(finish_bytes), list(has_bytes)
+    check_bulk_samples(lengths, rewards, finish, metas, len(g.prompt_ids), limits)
+
+    ends = list(accumulate(lengths))
+    bounds = [(end - size, end) for end, size in zip(ends, lengths, strict=True)]
+    ids = _joined_array(d, "response_ids", _I32, ends[-1])
+    logprobs = _joined_array(d, "logprobs", _F32, ends[-1])
+    versions = _joined_array(d, "versions", _I32, ends[-1])
+    masks_of, masks = _optional(d, "loss_mask", _U8, has, _HAS_MASK, bounds)
+    audits_of, audits = _optional(d, "audit_logprobs", _F32, has, _HAS_AUDIT, bounds)
+    used = [i for i, size in enumerate(lengths) if size]
+    if used:  # no tokens, nothing for the token rules
+        check_tokens(
+            Columns(
+                lengths=lengths_array,
+                ids=[ids],
+                logprobs=[logprobs],
+                versions=[versions],
+                firsts=versions[[bounds[i][0] for i in used]],
+                lasts=versions[[bounds[i][1] - 1 for i in used]],
+                audit_logprobs=audits,
+                loss_masks=masks,
+                is_joined=True,
+            ),
+            limits,
+            current_version,
+        )
+    routed_of = _bulk_routing(d, has, lengths, len(g.prompt_ids))
+    g.samples = [
+        Sample(ids[a:b], logprobs[a:b], versions[a:b], *more)
+        for (a, b), *more in zip(
+            bounds,
+            rewards,
+            [FINISH_CODES[code] for code in finish],
+            metas,
+            masks_of,
+            audits_of,
+            routed_of,
+            strict=True,
+        )
+    ]
+    check_routing(g, limits)
+
+
+def _joined_array(d: dict[str, Any], key: str, dtype: np.dtype, total: int) -> np.ndarray:
+    """A field of all samples' tokens end to end, which must hold `total`."""
+    array = _array(d, key, dtype, "")
+    if len(array) != total:
+        raise ValidationError(
+            "length_mismatch", f"{key}: {len(array)} values where the samples have {total} tokens"
+        )
+    return array
+
+
+def _optional(
+    d: dict[str, Any], key: str, dtype: np.dtype, has: list[int], flag: int, bounds: list[Any]
+) -> tuple[list[np.ndarray | None], list[np.ndarray]]:
+    """An optional per-token field of the bulk layout: each sample's piece (None where its `has`
+    lacks `flag`), and the field as one run, or none where no sample has it."""
+    if not any(has) or not any(h & flag for h in has):  # any(has): C speed, the common case
+        return [None] * len(has), []
+    sizes = [b - a if h & flag else None for h, (a, b) in zip(has, bounds, strict=True)]
+    array = _array(d, key, dtype, "")
+    return _cut(array, sizes, key), [array]
+
+
+def _cut(
+    array: np.ndarray, sizes: list[int | None], key: str, reason: Reason = "length_mismatch"
+) -> list[np.ndarray | None]:
+    """`array` (all samples' values of `key` end to end) in pieces: `sizes` rows from where the
+    one before ended, or None where the size is None."""
+    total = sum(size for size in sizes if size is not None)
+    if len(array) != total:
+        raise ValidationError(reason, f"{key}: {len(array)} rows where the samples have {total}")
+    pieces: list[np.ndarray | None] = []
+    at = 0
+    for size in sizes:
+        if size is None:
+            pieces.append(None)
+        else:
+            pieces.append(array[at : at + size])
+            at += size
+    return pieces
+
+
+def _bulk_routing(
+    d: dict[str, Any], has: list[int], lengths: list[int], n_prompt: int
+) -> list[np.ndarray | None]:
+    """Each sample's routed experts, [fed tokens, layers, k], or None where it has none."""
+    if not any(has):
+        return [None] * len(has)
+    fed = [
+        n_prompt + size - 1 if h & _HAS_ROUTED else None
+        for h, size in zip(has, lengths, strict=True)
+    ]
+    if all(rows is None for rows in fed):
+        return fed  # type: ignore[return-value]  # all None
+    if any(rows is not None and rows < 0 for rows in fed):
+        raise ValidationError("routing_shape", "routed_experts of a sample with no fed token")
+    return _cut(_routed(d, ""), fed, "routed_experts", "routing_shape")
 
 
 def decode_prompt(
@@ -291,7 +514,7 @@ def decode_prompt(
 ) -> PromptGroup:
     """Unpack and validate a prompt group; raises `ValidationError` and only that."""
     limits = limits or DEFAULT_LIMITS
-    d = _unpack(data, limits)
+    d = _unpack(data, limits, frozenset({PROMPT_SCHEMA}))
     p = PromptGroup(
         run=_take(d, "run", (str,), ""),
         prompt_id=_take(d, "prompt_id", (str,), ""),
