@@ -3,6 +3,8 @@
 Writes, into `--out` (default `RUN_DIR/plots`):
 - `reward.png`: reward_mean and eval_accuracy vs step and vs wall_seconds;
 - `staleness.png`: staleness mean and max vs step;
+- `length_bias.png`: the length-bias KS statistic, and the episode tokens and seconds of the
+  groups generated against those trained, vs step;
 - `correction.png`: behaviour_weight_mean and clip_fraction vs step;
 - `throughput.png`: trainer tokens/s vs step.
 
@@ -93,6 +95,25 @@ def _figures(steps: list[StepRecord], evals: list[EvalRecord]) -> dict[str, list
                 "step",
                 "staleness (versions)",
             )
+        ],
+        "length_bias": [
+            ([_series("length_bias_ks", steps, "step", "length_bias_ks")], "step", "KS statistic"),
+            (
+                [
+                    _series("generated", steps, "step", "episode_tokens_generated"),
+                    _series("trained", steps, "step", "episode_tokens_trained"),
+                ],
+                "step",
+                "episode tokens (mean)",
+            ),
+            (
+                [
+                    _series("generated", steps, "step", "episode_seconds_generated"),
+                    _series("trained", steps, "step", "episode_seconds_trained"),
+                ],
+                "step",
+                "episode seconds (mean)",
+            ),
         ],
         "correction": [
             (
