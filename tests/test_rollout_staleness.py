@@ -272,7 +272,7 @@ def test_under_the_default_policy_an_episode_goes_on_with_new_weights(
         wait_until(
             lambda: redis_client.xlen(keys.trajectories) == PROMPTS, 60, "the groups", [worker]
         )
-        counters, in_flight = read_accounting(redis_client, keys)
+        counters, _ = read_accounting(redis_client, keys)
         assert counters.groups_dropped_stale == 0 and counters.groups_published == PROMPTS
         assert redis_client.xlen(keys.dlq) == 0
         assert worker.stop() == 0, worker.tail()

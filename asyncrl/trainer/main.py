@@ -21,7 +21,7 @@ import logging
 import signal
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.algo.mismatch import audit_table
 from asyncrl.lease import LeaseLost
@@ -320,7 +320,7 @@ class Trainer:
         stats: StepStats,
         lr: float,
         timing: tuple[float, float, float],
-        lengths: dict[str, float | None],
+        lengths: dict[str, Any],
     ) -> StepRecord:
         """The loop's figures of the step, and those `train_step` measured (`StepStats.figures`);
         `timing`: the step's seconds, the seconds spent collecting its groups (idle time when the
