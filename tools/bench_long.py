@@ -11,7 +11,8 @@ Redis (`bench_async.run_mode`; each seed runs every arm before the next seed):
 
 - `sync`: `run.mode=sync` (η = 0; every step waits for its slowest group);
 - `drop`: async, `algo.stale_policy=drop` (groups staler than η dropped by trainer and workers);
-- `train`: async, `algo.stale_policy=train` (nothing dropped for staleness; old tokens masked).
+- `train`: async, `algo.stale_policy=train` (nothing dropped for staleness; old tokens masked);
+  `train@L` sets `algo.max_token_lag=L` (the default is 2η), to compare lag limits.
 
 Every run checkpoints each `trainer.checkpoint_every` steps and keeps them all; afterwards each
 checkpoint's policy is scored on the held-out episodes (`bench_async.final_reward`: `rollout.n`
@@ -25,8 +26,12 @@ trainer's `wall_seconds` stored in it. Per arm, over seeds (mean ± standard err
   checkpoint at or before T, T = the shortest final wall time among the async arms' runs of
   that seed (the drop-vs-train comparison at equal wall time);
 - `final_reward`, `final_reward_hard`, `wall_s`;
-- `length_bias_ks`: the last step's figure (generated vs trained episode lengths), and
-  `groups_dropped_stale`.
+- `length_bias_ks`: the last step's figure (generated vs trained episode lengths),
+  `groups_dropped_stale`, and `tokens_lag_masked_fraction` (mean over steps).
+
+For the async arms it also prints the trained tokens' mean |Δ log p| (trainer − behaviour) by
+lag bucket of their response, from the run's `mismatch.jsonl`: how far off-policy a token is at
+each staleness, the figure a lag limit trades against the tokens it masks.
 
 The last line is JSON with them, and `speedup_to_target` = sync / train time to the target.
 """
@@ -37,7 +42,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,8 @@ from bench_async import final_reward, run_mode
 
 from asyncrl.config import load_config
 from asyncrl.launch.redis_server import RedisServer
+from asyncrl.metrics.jsonl import read_jsonl
+from asyncrl.metrics.record import MISMATCH_LOG
 from asyncrl.model import ensure_model
 from asyncrl.runstate import Counter
 from asyncrl.trainer.checkpoint import list_checkpoints, read_state
@@ -56,6 +62,25 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "drop": ("async", ["algo.stale_policy=drop"]),
     "train": ("async", ["algo.stale_policy=train"]),
 }
+
+
+def arm_settings(arm: str) -> tuple[str, list[str]]:
+    """(run.mode, overrides) of an arm name: a key of `ARMS`, or `train@L`."""
+    name, _, lag = arm.partition("@")
+    mode, extra = ARMS[name]
+    return mode, [*extra, f"algo.max_token_lag={int(lag)}"] if lag else extra
+
+
+def lag_gap(run_dir: Path) -> dict[str, tuple[int, float]]:
+    """Lag bucket → (trained tokens, mean |Δ log p|) over the run's `mismatch.jsonl`."""
+    sums: dict[str, list[float]] = {}
+    for line in read_jsonl(run_dir / MISMATCH_LOG):
+        for lag, table in (line.get("trained") or {}).items():
+            for cell in table["by_prob"].values():
+                acc = sums.setdefault(lag, [0.0, 0.0])
+                acc[0] += cell["tokens"]
+                acc[1] += cell["tokens"] * (cell["abs_diff"] or 0.0)
+    return {lag: (int(n), d / n) for lag, (n, d) in sums.items() if n}
 
 
 def _hard(task: Any, item: Any) -> bool:
@@ -94,7 +119,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.8, help="held-out reward to reach")
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of sync,drop,train")
+    ap.add_argument(
+        "--arms", default=",".join(ARMS), help="comma-separated: sync, drop, train, train@L"
+    )
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
     args = ap.parse_args()
     arms = args.arms.split(",")
@@ -107,17 +134,26 @@ def main() -> None:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
                 per_seed[seed] = {}
                 for arm in arms:
-                    mode, extra = ARMS[arm]
-                    overrides = [*args.overrides, *extra]
-                    run = run_mode(
-                        client, server.url, args.config, mode, overrides, Path(tmp), seed, label=arm
-                    )
-                    run["curve"] = curve(args.config, overrides, run["run_dir"])
-                    per_seed[seed][arm] = run
-                    print(f"{arm} seed {seed}: curve (s, all, hard) {_rounded(run['curve'])}")
+                    per_seed[seed][arm] = run_arm(client, server.url, args, arm, seed, Path(tmp))
         finally:
             server.stop()
     report(per_seed, arms, args.target)
+
+
+def run_arm(
+    client: redis.Redis, url: str, args: argparse.Namespace, arm: str, seed: int, tmp: Path
+) -> dict[str, Any]:
+    """One run of `arm`, with the held-out curve of its checkpoints (and, async, its lag gap)."""
+    mode, extra = arm_settings(arm)
+    overrides = [*args.overrides, *extra]
+    label = arm.replace("@", "-lag")
+    run = run_mode(client, url, args.config, mode, overrides, tmp, seed, label=label)
+    run["curve"] = curve(args.config, overrides, run["run_dir"])
+    print(f"{arm} seed {seed}: curve (s, all, hard) {_rounded(run['curve'])}")
+    if mode == "async":
+        gaps = {k: (n, round(d, 4)) for k, (n, d) in lag_gap(run["run_dir"]).items()}
+        print(f"{arm} seed {seed}: lag → (tokens, mean |Δ log p|) {gaps}")
+    return run
 
 
 def _rounded(points: list[tuple[float, float, float]]) -> list[list[float]]:
@@ -127,7 +163,7 @@ def _rounded(points: list[tuple[float, float, float]]) -> list[list[float]]:
 def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], target: float) -> None:
     figures: dict[str, dict[str, Any]] = {arm: {} for arm in arms}
     samples: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}
-    asyncs = [a for a in arms if a != "sync"]
+    asyncs = [a for a in arms if arm_settings(a)[0] == "async"]
     for runs in per_seed.values():
         equal_t = min((runs[a]["curve"][-1][0] for a in asyncs), default=math.inf)
         for arm in arms:
@@ -143,6 +179,9 @@ def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], targ
                 "wall_s": last.wall_seconds,
                 "length_bias_ks": last.length_bias_ks,
                 "groups_dropped_stale": run["counters"].get(Counter.GROUPS_DROPPED_STALE, 0),
+                "tokens_lag_masked_fraction": statistics.fmean(
+                    r.tokens_lag_masked_fraction or 0.0 for r in run["steps"]
+                ),
             }
             for name, value in values.items():
                 if value is None:
@@ -153,8 +192,8 @@ def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], targ
                     samples[arm].setdefault(name, []).append(float(value))
     result: dict[str, Any] = {"target": target, "seeds": len(per_seed)}
     for arm in arms:
-        for name, values in samples[arm].items():
-            mean, se = mean_se(values)
+        for name, seen in samples[arm].items():
+            mean, se = mean_se(seen)
             figures[arm][name] = mean
             if se is not None:
                 figures[arm][f"{name}_se"] = se
@@ -172,4 +211,4 @@ def _round(d: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
