@@ -10,6 +10,7 @@ import pytest
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.staleness import episode_turns, ks_statistic, token_lag_keep
 from asyncrl.protocol import Sample
+from asyncrl.trainer import length_bias
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.length_bias import LengthBias, group_length, lag_masked_fraction
 
@@ -114,3 +115,13 @@ def test_length_bias_is_zero_when_every_group_is_trained_and_not_when_long_ones_
     # Generated {2, 3, 20, 2, 3}, trained {2, 3, 2, 3}: at 3 tokens F = 4/5 against 1.
     again = dropped.step(short, [])  # type: ignore[arg-type]
     assert again["length_bias_ks"] == pytest.approx(1 / 5)
+
+
+def test_length_bias_looks_back_a_window_of_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(length_bias, "WINDOW_STEPS", 2)
+    bias = LengthBias()
+    short, long = [timed(2, 1.0)], [timed(20, 30.0)]
+    assert bias.step(short, long)["length_bias_ks"] == pytest.approx(1 / 2)  # type: ignore[arg-type]
+    assert bias.step(short, [])["length_bias_ks"] == pytest.approx(1 / 3)  # type: ignore[arg-type]
+    # The dropping step has left the window.
+    assert bias.step(short, [])["length_bias_ks"] == 0.0  # type: ignore[arg-type]

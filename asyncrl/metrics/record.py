@@ -60,9 +60,9 @@ class StepRecord:
     episode_seconds_trained: float | None = field(default=None, metadata=_OMIT_NONE)
     """The same over the groups the step trained; None: not recorded."""
     length_bias_ks: float | None = field(default=None, metadata=_OMIT_NONE)
-    """Length bias since the trainer started: the largest two-sample KS statistic, over turns,
-    tokens and seconds, between rank 0's groups generated and trained (0: no bias; dropping the
-    slow groups raises it); None: not recorded."""
+    """Length bias over the run (the trainer's last 1,000 steps since it started): the largest
+    two-sample KS statistic, over turns, tokens and seconds, between rank 0's groups generated
+    and trained (0: no bias; dropping the slow groups raises it); None: not recorded."""
     tokens_lag_masked_fraction: float | None = field(default=None, metadata=_OMIT_NONE)
     """Fraction of rank 0's trained tokens left out of the loss for being older than
     `algo.max_token_lag`; None: not recorded."""

@@ -10,6 +10,7 @@ up in flight under `drop` never reach the trainer (their count is
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,14 @@ if TYPE_CHECKING:
     from asyncrl.protocol import TrajectoryGroup
 
 MEASURES = ("turns", "tokens", "seconds")
+WINDOW_STEPS = 1000
+"""Steps the run-level statistic looks back over: its sort stays a few milliseconds per step in
+a run of any length."""
+
+Length = tuple[int, int, float]
 
 
-def group_length(group: TrajectoryGroup) -> tuple[int, int, float]:
+def group_length(group: TrajectoryGroup) -> Length:
     """(turns, tokens, seconds) of a group: its longest episode's turns and response tokens
     (observations included) and the group's wall time from its episodes' start to publishing —
     a group waits for its slowest episode."""
@@ -34,21 +40,25 @@ def group_length(group: TrajectoryGroup) -> tuple[int, int, float]:
 
 @dataclass
 class LengthBias:
-    """The lengths of every group generated and trained since the trainer started."""
+    """The lengths of the groups generated and trained in each of the trainer's last
+    `WINDOW_STEPS` steps (since it started)."""
 
-    generated: list[tuple[int, int, float]] = field(default_factory=list)
-    trained: list[tuple[int, int, float]] = field(default_factory=list)
+    steps: deque[tuple[list[Length], list[Length]]] = field(
+        default_factory=lambda: deque(maxlen=WINDOW_STEPS)
+    )
+    """(generated, trained) of each step."""
 
     def step(
         self, trained: list[TrajectoryGroup], dropped: list[TrajectoryGroup]
     ) -> dict[str, float | None]:
         """The step record's figures: mean lengths of the step's groups generated (trained and
         dropped) and trained, and `length_bias_ks`, the largest of the three measures' KS
-        statistics over the run so far."""
+        statistics over the run so far (its last `WINDOW_STEPS` steps)."""
         took = [group_length(g) for g in trained]
         made = took + [group_length(g) for g in dropped]
-        self.trained += took
-        self.generated += made
+        self.steps.append((made, took))
+        generated = [r for m, _ in self.steps for r in m]
+        trained_all = [r for _, t in self.steps for r in t]
         figures: dict[str, float | None] = {}
         for i, name in enumerate(MEASURES):
             for side, rows in (("generated", made), ("trained", took)):
@@ -56,7 +66,7 @@ class LengthBias:
                     float(np.mean([r[i] for r in rows])) if rows else None
                 )
         figures["length_bias_ks"] = max(
-            ks_statistic([r[i] for r in self.generated], [r[i] for r in self.trained])
+            ks_statistic([r[i] for r in generated], [r[i] for r in trained_all])
             for i in range(len(MEASURES))
         )
         return figures
