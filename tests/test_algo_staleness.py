@@ -1,6 +1,6 @@
 """The staleness math of `asyncrl.algo.staleness` and the trainer's length-bias figures, on
 hand-worked values. The KS values are those scipy's `ks_2samp(a, b).statistic` gives (scipy
-1.16, computed once; scipy is not a dependency)."""
+1.17.1, computed once; scipy is not a dependency)."""
 
 from __future__ import annotations
 
