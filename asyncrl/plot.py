@@ -98,21 +98,13 @@ def _figures(steps: list[StepRecord], evals: list[EvalRecord]) -> dict[str, list
         ],
         "length_bias": [
             ([_series("length_bias_ks", steps, "step", "length_bias_ks")], "step", "KS statistic"),
-            (
-                [
-                    _series("generated", steps, "step", "episode_tokens_generated"),
-                    _series("trained", steps, "step", "episode_tokens_trained"),
-                ],
-                "step",
-                "episode tokens (mean)",
-            ),
-            (
-                [
-                    _series("generated", steps, "step", "episode_seconds_generated"),
-                    _series("trained", steps, "step", "episode_seconds_trained"),
-                ],
-                "step",
-                "episode seconds (mean)",
+            *(
+                (
+                    [_series(side, steps, "step", f"episode_{m}_{side}") for side in _SIDES],
+                    "step",
+                    f"episode {m} (mean)",
+                )
+                for m in ("tokens", "seconds")
             ),
         ],
         "correction": [
@@ -125,6 +117,9 @@ def _figures(steps: list[StepRecord], evals: list[EvalRecord]) -> dict[str, list
         ],
         "throughput": [([_series("tokens/s", steps, "step", _throughput)], "step", "tokens / s")],
     }
+
+
+_SIDES = ("generated", "trained")
 
 
 def _throughput(record: StepRecord) -> float | None:

@@ -16,7 +16,7 @@ import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.protocol import decode_group
+from asyncrl.protocol import Sample, decode_group
 from asyncrl.runstate import PROMPTS_GROUP, Keys, read_accounting
 from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
@@ -103,6 +103,11 @@ def _taken(client: redis.Redis, keys: Keys) -> int:
     return sum(int(g["pending"]) for g in info if g["name"].decode() == PROMPTS_GROUP)
 
 
+def _published_samples(client: redis.Redis, keys: Keys) -> list[Sample]:
+    groups = [decode_group(fields[b"data"]) for _, fields in client.xrange(keys.trajectories)]
+    return [s for g in groups for s in g.samples]
+
+
 def _xreadgroup_calls(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
 
@@ -154,9 +159,8 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
         stop_all([worker])
         publisher.close()
 
-    for _, fields in redis_client.xrange(keys.trajectories):
-        for sample in decode_group(fields[b"data"]).samples:
-            assert sample.versions.min() >= RELEASED_AT - ETA, sample.versions
+    for sample in _published_samples(redis_client, keys):
+        assert sample.versions.min() >= RELEASED_AT - ETA, sample.versions
 
 
 def _first_turns_at_version_0(
@@ -279,6 +283,5 @@ def test_under_the_default_policy_an_episode_goes_on_with_new_weights(
     finally:
         stop_all([worker])
         publisher.close()
-    for _, fields in redis_client.xrange(keys.trajectories):
-        for sample in decode_group(fields[b"data"]).samples:
-            assert sample.versions.min() == 0 and sample.versions.max() == ETA + 1, sample.versions
+    for sample in _published_samples(redis_client, keys):
+        assert sample.versions.min() == 0 and sample.versions.max() == ETA + 1, sample.versions
