@@ -363,8 +363,8 @@ METRICS: tuple[Metric, ...] = (
         "length_bias_ks",
         "asyncrl_length_bias_ks",
         "gauge",
-        "Length bias since the trainer started: the largest two-sample KS statistic (turns, "
-        "tokens, seconds) between groups generated and groups trained (0: none dropped).",
+        "Length bias over the trainer's last 1,000 steps: the largest two-sample KS statistic "
+        "(turns, tokens, seconds) between groups generated and groups trained (0: none dropped).",
         "trainer r0",
         step_field="length_bias_ks",
     ),
