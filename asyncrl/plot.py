@@ -3,6 +3,8 @@
 Writes, into `--out` (default `RUN_DIR/plots`):
 - `reward.png`: reward_mean and eval_accuracy vs step and vs wall_seconds;
 - `staleness.png`: staleness mean and max vs step;
+- `length_bias.png`: the length-bias KS statistic, and the episode tokens and seconds of the
+  groups generated against those trained, vs step;
 - `correction.png`: behaviour_weight_mean and clip_fraction vs step;
 - `throughput.png`: trainer tokens/s vs step.
 
@@ -94,6 +96,17 @@ def _figures(steps: list[StepRecord], evals: list[EvalRecord]) -> dict[str, list
                 "staleness (versions)",
             )
         ],
+        "length_bias": [
+            ([_series("length_bias_ks", steps, "step", "length_bias_ks")], "step", "KS statistic"),
+            *(
+                (
+                    [_series(side, steps, "step", f"episode_{m}_{side}") for side in _SIDES],
+                    "step",
+                    f"episode {m} (mean)",
+                )
+                for m in ("tokens", "seconds")
+            ),
+        ],
         "correction": [
             (
                 [_series("behaviour_weight_mean", steps, "step", "behaviour_weight_mean")],
@@ -104,6 +117,9 @@ def _figures(steps: list[StepRecord], evals: list[EvalRecord]) -> dict[str, list
         ],
         "throughput": [([_series("tokens/s", steps, "step", _throughput)], "step", "tokens / s")],
     }
+
+
+_SIDES = ("generated", "trained")
 
 
 def _throughput(record: StepRecord) -> float | None:

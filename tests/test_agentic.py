@@ -3,6 +3,7 @@ across a weight swap, rewards), many episodes in flight behind a slow tool, and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -55,6 +56,36 @@ def test_agentic_items_split_and_first_turn_score() -> None:
     assert isinstance(built, AgenticTask)
     with pytest.raises(ValueError, match=r"task\.eval_size"):
         AgenticTask(AgenticTaskConfig(turns=8, eval_size=1100), tok)
+
+
+def test_hard_episodes_wait_longer_on_their_tool() -> None:
+    """`hard_tool_factor`: an episode whose first sum has more digits than its operands (a
+    carry out, "56+78=134") is hard, and its tool calls take that many times the median."""
+    cfg = AgenticTaskConfig(
+        turns=2, eval_size=10, train_size=50, tool_latency_median_s=0.001, tool_latency_sigma=0.0
+    )
+    task = AgenticTask(cfg.model_copy(update={"hard_tool_factor": 5.0}), build_tokenizer())
+    items = list(task.train_items(0, 0))
+    hard = [it for it in items if task.is_hard(it)]
+    easy = [it for it in items if not task.is_hard(it)]
+    assert hard and easy
+    for it in hard:
+        assert int(it.answer.split(";")[0].partition("=")[2]) >= 100
+    for it in easy:
+        assert int(it.answer.split(";")[0].partition("=")[2]) < 100
+
+    def waited(item: PromptItem) -> float:
+        env = task.environment(item, "e")
+
+        async def one_turn() -> float:
+            await env.reset(item)
+            await env.step("0")
+            return env.waited_s
+
+        return asyncio.run(one_turn())
+
+    assert waited(hard[0]) == pytest.approx(0.005)
+    assert waited(easy[0]) == pytest.approx(0.001)
 
 
 def test_lognormal_latency_median_spread_and_seed() -> None:

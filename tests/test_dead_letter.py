@@ -23,12 +23,16 @@ from asyncrl.config import load_config
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.protocol import encode_group, stream_fields
 from asyncrl.runstate import TRAJECTORIES_GROUP, Counter, read_counters
+from asyncrl.trainer.length_bias import LengthBias
 from asyncrl.trainer.main import Trainer
 
 from sample_groups import VERSION, make_group
 
 ETA = 2
 MAX_MESSAGE_BYTES = 16384
+LONG = np.array([4, 5, 6, 7, 8, 2], np.int32)
+"""A response twice as long as `make_group`'s."""
+LOGP = np.full(6, -0.5, np.float32)
 
 
 def entry(**change: Any) -> dict[bytes | str, bytes]:
@@ -232,14 +236,17 @@ def test_bad_entry_is_dead_lettered(
     assert ids[1] not in pending_ids(client, trainer.keys.trajectories)  # acked
 
 
-def test_stale_group_is_dropped_and_counted(trainer: Trainer, client: redis.Redis) -> None:
+def test_stale_group_is_dropped_and_counted(
+    trainer: Trainer, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trainer.cfg.algo, "stale_policy", "drop")
     at_bound = np.array([VERSION - ETA] * 3, I32)
-    beyond = np.array([VERSION - ETA - 1, VERSION, VERSION], I32)
+    beyond = np.array([VERSION - ETA - 1] + [VERSION] * 5, I32)
     groups, staleness, got_ids, ids, grown, new_dlq = collect(
         trainer,
         client,
         [
-            stream_fields(make_group("stale", versions=beyond)),
+            stream_fields(make_group("stale", versions=beyond, response_ids=LONG, logprobs=LOGP)),
             stream_fields(make_group("at-bound", versions=at_bound)),
             stream_fields(make_group("fresh")),
         ],
@@ -254,3 +261,32 @@ def test_stale_group_is_dropped_and_counted(trainer: Trainer, client: redis.Redi
     assert ids[0] not in pending_ids(client, trainer.keys.trajectories)  # acked, not trained
     # The stale group ended with its ack.
     assert client.hmget(trainer.keys.released, ["stale", "at-bound", "fresh"]) == [None] * 3
+    # The length bias sees it: the dropped group was the long one (6 tokens, the others 3:
+    # generated {6, 3, 3}, trained {3, 3}).
+    dropped, trainer.dropped = trainer.dropped, []
+    assert [g.group_id for g in dropped] == ["stale"]
+    assert LengthBias().step(groups, dropped)["length_bias_ks"] == pytest.approx(1 / 3)
+
+
+def test_under_the_default_policy_a_stale_group_is_trained(
+    trainer: Trainer, client: redis.Redis
+) -> None:
+    """`algo.stale_policy: train`: the group staler than η is collected with its staleness,
+    nothing dropped, and the length bias of the step is 0."""
+    assert trainer.cfg.algo.stale_policy == "train"
+    beyond = np.array([VERSION - ETA - 3] * 6, I32)
+    groups, staleness, got_ids, ids, grown, new_dlq = collect(
+        trainer,
+        client,
+        [
+            stream_fields(make_group("old", versions=beyond, response_ids=LONG, logprobs=LOGP)),
+            stream_fields(make_group("new")),
+        ],
+        ["old", "new"],
+    )
+    assert [g.group_id for g in groups] == ["old", "new"]
+    assert staleness == [ETA + 3, 1]
+    assert got_ids == ids
+    assert grown.get(Counter.GROUPS_DROPPED_STALE, 0) == 0
+    assert new_dlq == [] and trainer.dropped == []
+    assert LengthBias().step(groups, trainer.dropped)["length_bias_ks"] == 0.0

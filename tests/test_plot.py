@@ -33,6 +33,11 @@ def write_run(run_dir: Path, steps: int = 30) -> None:
                 "clip_fraction": 0.01 * (step % 5),
                 "loss": 0.1,
                 "step_seconds": 1.5,
+                "length_bias_ks": 0.3 / step,
+                "episode_tokens_generated": 20.0 + step % 4,
+                "episode_tokens_trained": 18.0 + step % 3,
+                "episode_seconds_generated": 3.0,
+                "episode_seconds_trained": 2.5,
             }
             if step == 7:
                 del line["staleness_mean"], line["clip_fraction"]  # older trainers lacked them
@@ -46,7 +51,7 @@ def write_run(run_dir: Path, steps: int = 30) -> None:
 def test_plot_writes_valid_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_run(tmp_path)
     assert main(tmp_path, None) == 0
-    names = ["reward", "staleness", "correction", "throughput"]
+    names = ["reward", "staleness", "length_bias", "correction", "throughput"]
     files = [tmp_path / "plots" / f"{name}.png" for name in names]
     printed = capsys.readouterr().out.split()
     assert printed == [str(f) for f in files]

@@ -1,8 +1,9 @@
-"""The generation side of the staleness bound (DESIGN §5): a group generated with weights older
-than its prompt's `release_version − η` would surely be dropped by the trainer, so a rollout
-worker holds such a prompt until newer weights arrive instead of wasting its generation; and a
-group in flight whose oldest token falls more than η versions behind the worker's weights is
-given up at once, counted dropped stale as the trainer would count it."""
+"""The generation side of the staleness bound (DESIGN §5): a group started with weights older
+than its prompt's `release_version − η` would start out staler than η, so a rollout worker holds
+such a prompt until newer weights arrive. Under `algo.stale_policy: train` (the default) an
+episode in flight goes on with new weights, its later tokens carrying the new version; under
+`drop` a group in flight whose oldest token falls more than η versions behind the worker's
+weights is given up at once, counted dropped stale as the trainer would count it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.protocol import decode_group
+from asyncrl.protocol import Sample, decode_group
 from asyncrl.runstate import PROMPTS_GROUP, Keys, read_accounting
 from asyncrl.tasks.build import build_task
 from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
@@ -32,6 +34,7 @@ PROMPTS = 2
 
 SLOW_ENV = """
 import asyncio
+import os
 from asyncrl.environments import StepResult
 
 class Slow:
@@ -46,6 +49,27 @@ class Slow:
             f.write("step\\n")
         await asyncio.sleep(30)
         return StepResult(None, done=True, reward=0.0)
+
+    async def close(self):
+        pass
+
+
+class Gated:
+    # Turn 1 waits until the file `gate` exists, then asks for a second turn.
+
+    def __init__(self, log, gate):
+        self.log, self.gate, self.turns = log, gate, 0
+
+    async def reset(self, item):
+        return None
+
+    async def step(self, response):
+        self.turns += 1
+        with open(self.log, "a") as f:
+            f.write("step\\n")
+        while self.turns == 1 and not os.path.exists(self.gate):
+            await asyncio.sleep(0.02)
+        return StepResult(" then", done=self.turns > 1, reward=0.0)
 
     async def close(self):
         pass
@@ -77,6 +101,11 @@ def _admission_and_publisher(
 def _taken(client: redis.Redis, keys: Keys) -> int:
     info = client.xinfo_groups(keys.prompts)
     return sum(int(g["pending"]) for g in info if g["name"].decode() == PROMPTS_GROUP)
+
+
+def _published_samples(client: redis.Redis, keys: Keys) -> list[Sample]:
+    groups = [decode_group(fields[b"data"]) for _, fields in client.xrange(keys.trajectories)]
+    return [s for g in groups for s in g.samples]
 
 
 def _xreadgroup_calls(client: redis.Redis) -> int:
@@ -130,29 +159,32 @@ def test_a_worker_holds_prompts_its_weights_are_too_old_for(
         stop_all([worker])
         publisher.close()
 
-    for _, fields in redis_client.xrange(keys.trajectories):
-        for sample in decode_group(fields[b"data"]).samples:
-            assert sample.versions.min() >= RELEASED_AT - ETA, sample.versions
+    for sample in _published_samples(redis_client, keys):
+        assert sample.versions.min() >= RELEASED_AT - ETA, sample.versions
 
 
-@pytest.mark.slow
-def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_stale(
-    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
-) -> None:
-    """Episodes whose first turn is generated at version 0, then wait on a tool that takes
-    30 s, while the worker gets version ETA + 1. The trainer would drop them, so the worker
-    gives them up then, without waiting out the tool: no trajectory, no dead letter, the prompts
-    acked, the groups ended and counted `groups_dropped_stale`, the accounts balanced."""
-    keys = Keys("genbound-mid")
+def _first_turns_at_version_0(
+    redis_client: redis.Redis,
+    random_model: Path,
+    tmp_path: Path,
+    role_config: RoleConfig,
+    policy: str,
+    env: str,
+) -> tuple[Keys, WeightPublisher, dict[str, Any], Role]:
+    """A worker (η = ETA, stale policy `policy`) whose episodes run `slow_env:{env}`, started,
+    given PROMPTS prompts released at version 0, and waited for until every episode has its
+    first turn (at version 0) and is inside its environment's step."""
+    keys = Keys(f"genbound-mid-{policy}")
     store_dir = tmp_path / "weights"
     steps = tmp_path / "steps.log"
     (tmp_path / "slow_env.py").write_text(SLOW_ENV)
     task = ArithmeticTaskConfig()
+    kwargs = {"log": str(steps)} | ({"gate": str(tmp_path / "gate")} if env == "Gated" else {})
     environment = {
         "type": "python",
-        "path": "slow_env:Slow",
+        "path": f"slow_env:{env}",
         "python_path": [str(tmp_path)],
-        "kwargs": {"log": str(steps)},
+        "kwargs": kwargs,
     }
     config = role_config(
         keys.run_id,
@@ -161,6 +193,7 @@ def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_sta
             "rollout.n": 2,
             "rollout.sampling.max_new_tokens": 4,
             "algo.max_staleness": ETA,
+            "algo.stale_policy": policy,
             "weights.type": "store",
             "weights.store_dir": str(store_dir),
         },
@@ -174,7 +207,6 @@ def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_sta
             lambda: bool(redis_client.exists(keys.worker("rollout", "w"))), 180, "start", [worker]
         )
         assert admission.release(step=0, version=0) == PROMPTS
-        # Every episode has its first turn (at version 0) and waits on its tool.
         episodes = PROMPTS * 2
         wait_until(
             lambda: steps.exists() and len(steps.read_text().split()) == episodes,
@@ -182,6 +214,26 @@ def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_sta
             "the first turns",
             [worker],
         )
+    except BaseException:
+        stop_all([worker])
+        publisher.close()
+        raise
+    return keys, publisher, params, worker
+
+
+@pytest.mark.slow
+def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_under_drop(
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
+) -> None:
+    """`stale_policy: drop`. Episodes whose first turn is generated at version 0, then wait on
+    a tool that takes 30 s, while the worker gets version ETA + 1. The trainer would drop them,
+    so the worker gives them up then, without waiting out the tool: no trajectory, no dead
+    letter, the prompts acked, the groups ended and counted `groups_dropped_stale`, the
+    accounts balanced."""
+    keys, publisher, params, worker = _first_turns_at_version_0(
+        redis_client, random_model, tmp_path, role_config, "drop", "Slow"
+    )
+    try:
         publisher.publish(params.items(), ETA + 1)
         wait_until(
             lambda: read_accounting(redis_client, keys)[0].groups_dropped_stale == PROMPTS,
@@ -198,3 +250,38 @@ def test_a_group_fallen_behind_the_bound_mid_episode_is_given_up_and_counted_sta
     finally:
         stop_all([worker])
         publisher.close()
+
+
+@pytest.mark.slow
+def test_under_the_default_policy_an_episode_goes_on_with_new_weights(
+    redis_client: redis.Redis, random_model: Path, tmp_path: Path, role_config: RoleConfig
+) -> None:
+    """`stale_policy: train`. The same first turns at version 0; the worker takes version
+    ETA + 1 while the tool runs, then the tool answers: nothing is given up, the second turns
+    are generated with the new weights and every group is published, its samples' versions
+    stepping from 0 to ETA + 1 — a group staler than η, for the trainer to train."""
+    keys, publisher, params, worker = _first_turns_at_version_0(
+        redis_client, random_model, tmp_path, role_config, "train", "Gated"
+    )
+    try:
+        publisher.publish(params.items(), ETA + 1)
+        beat = keys.worker("rollout", "w")
+        wait_until(
+            lambda: msgpack.unpackb(redis_client.get(beat) or b"\x80").get("version") == ETA + 1,
+            60,
+            "the new weights in the engine",
+            [worker],
+        )
+        (tmp_path / "gate").touch()
+        wait_until(
+            lambda: redis_client.xlen(keys.trajectories) == PROMPTS, 60, "the groups", [worker]
+        )
+        counters, _ = read_accounting(redis_client, keys)
+        assert counters.groups_dropped_stale == 0 and counters.groups_published == PROMPTS
+        assert redis_client.xlen(keys.dlq) == 0
+        assert worker.stop() == 0, worker.tail()
+    finally:
+        stop_all([worker])
+        publisher.close()
+    for sample in _published_samples(redis_client, keys):
+        assert sample.versions.min() == 0 and sample.versions.max() == ETA + 1, sample.versions

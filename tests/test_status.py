@@ -191,6 +191,20 @@ def test_cli_status_without_redis_shows_the_run_dir(
     assert "pa55-S3cret" not in out + err
 
 
+def test_cli_status_shows_the_length_bias(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    step = {"step": 5, "length_bias_ks": 0.25, "episode_tokens_generated": 30.0}
+    with JsonlWriter(run_dir / "metrics.jsonl") as w:
+        w.write(step | {"episode_tokens_trained": 21.5})
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: the run dir's line
+
+    cli_main(["status", f"redis.url={url}", "run.id=gone", f"run.dir={run_dir}"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if "length bias" in line)
+    assert "KS 0.25" in row and "tokens 30 → 21.5" in row and "turns - → -" in row
+
+
 @pytest.mark.parametrize("as_json", [True, False])
 def test_cli_status_of_a_run_not_in_redis_says_there_is_none(
     redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool

@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ from asyncrl.config import Config, load_config
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.environments.server import spawn
 from asyncrl.evaluate import held_out_reward
+from asyncrl.items import PromptItem
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics.record import StepRecord
 from asyncrl.model import ensure_model
@@ -141,11 +143,12 @@ def run_mode(
     tmp: Path,
     seed: int = 0,
     served: bool = False,
+    label: str | None = None,
 ) -> dict[str, Any]:
     """One run; its seed, step lines, the (created, finished) interval of every published group,
     the run's counters and its final policy's held-out reward. `served`: the tool behind an
-    env-server."""
-    keys = Keys(f"bench-async-{mode}-{seed}{'-served' if served else ''}")
+    env-server; `label`: the run's name in its id (default: `mode`)."""
+    keys = Keys(f"bench-async-{label or mode}-{seed}{'-served' if served else ''}")
     client.xgroup_create(keys.trajectories, PROBE, id="0", mkstream=True)
     run_dir = tmp / keys.run_id
     overrides = [*overrides, f"run.seed={seed}"]
@@ -185,12 +188,16 @@ def run_mode(
         "intervals": [(g.created_at, g.finished_at) for g in groups],
         "counters": counters,
         "eval_reward": final_reward(cfg, list_checkpoints(run_dir / "checkpoints")[-1]),
+        "run_dir": run_dir,
     }
 
 
-def final_reward(cfg: Config, checkpoint: Path) -> float:
+def final_reward(
+    cfg: Config, checkpoint: Path, select: Callable[[Any, PromptItem], bool] | None = None
+) -> float:
     """Mean reward of `checkpoint`'s policy over the task's held-out episodes, `rollout.n`
-    samples each, with the training sampling; the tools answer at once."""
+    samples each, with the training sampling; the tools answer at once. `select(task, item)`:
+    only the held-out episodes it keeps."""
     cfg = cfg.model_copy(
         update={"task": cfg.task.model_copy(update={"tool_latency_median_s": 0.0})}
     )
@@ -198,9 +205,8 @@ def final_reward(cfg: Config, checkpoint: Path) -> float:
     task = build_task(cfg.task, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], seed=cfg.run.seed + 1)
-    reward = held_out_reward(
-        engine, task, tokenizer, task.eval_items(), cfg.rollout.sampling, cfg.rollout.n
-    )
+    items = [it for it in task.eval_items() if select is None or select(task, it)]
+    reward = held_out_reward(engine, task, tokenizer, items, cfg.rollout.sampling, cfg.rollout.n)
     if reward is None:
         raise RuntimeError(f"no held-out episode of {checkpoint} could be scored")
     return reward

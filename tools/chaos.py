@@ -4,13 +4,16 @@ that nothing was lost or trained twice (DESIGN §9; figures in docs/reliability.
     python tools/chaos.py --seconds 120 --workers 3 [--trainer-ranks 1] --seed 0
     python tools/chaos.py --seconds 120 --workers 1   # a lone worker: the shape that deadlocked
     python tools/chaos.py --faults 120 --task agentic  # multi-turn episodes behind a tool
+    python tools/chaos.py --faults 60 --task agentic --stale-policy drop  # the drop policy
 
 It runs a local cluster of real processes — its own redis-server (AOF with `appendfsync always`),
 one trainer (under torchrun for several ranks) and `--workers` rollout workers on an untrained
 tiny model — with settings that make every recovery path fast: heartbeat TTL 2 s, `claim_idle_s`
 1 s, a checkpoint every 2 steps, reconnect backoff capped at 1 s. `--task agentic` runs 3-turn
-episodes behind a tool (`TASKS`) instead of single-turn ones: episodes span several versions, so
-workers give groups up mid-episode as sure to be stale. It injects one fault at a time, dealt
+episodes behind a tool (`TASKS`) instead of single-turn ones: episodes span several versions and
+workers are killed mid-episode; under `--stale-policy train` (the default, as in a run) episodes
+go on with new weights and are trained, under `drop` workers give groups up mid-episode as sure
+to be stale. It injects one fault at a time, dealt
 from shuffled decks (`--deck`, default `DECK`), so kinds always mix:
 
 - `worker`: SIGKILL a rollout worker that is generating; restart it at once, half the time under
@@ -47,7 +50,10 @@ checks, with every role stopped:
   where entries leave no trace (`account`). Without such a loss `groups_published` equals the
   trajectory entries. Streams are not trimmed in this run, so the whole history can be read back
   (trimming has its tests in tests/test_queue.py), segment by segment where Redis restarted
-  empty. The summary's `ended` splits the groups by how they ended;
+  empty. The summary's `ended` splits the released groups by every way a group ends — trained,
+  dropped stale by the trainer, given up stale by a worker, dead-lettered, lost with Redis's
+  data, or still in flight (prompts not started when the workers drained) — and `ended` must
+  sum to the groups released;
 - `hostile`: every entry the tool added as an outsider is dead-lettered with a reason its kind
   allows (or was still queued when Redis lost its data), never trained, and counted
   `entries_rejected`, not as a dead-lettered group;
@@ -59,7 +65,8 @@ checks, with every role stopped:
   group trained again after its checkpoint was durable all break the equality. The summary's
   `killed_before_ack` lists the checkpoints the trainer was killed after but before acking
   their groups: the window in which the last of these can happen;
-- `staleness`: no step line shows `staleness_max` above η;
+- `staleness`: under `drop`, no step line shows `staleness_max` above η; under `train`, no group
+  was dropped stale at all (by the trainer or a worker) — staler groups are trained;
 - `admission`: at every poll, released − trained − dropped − dead-lettered (one atomic read of
   the counters) ≤ (η + 1 + checkpoint_every) × G: η + 1 steps of admission, plus the steps
   trained but not yet acked;
@@ -136,9 +143,9 @@ HEARTBEAT_TTL_S = 2.0
 CLAIM_IDLE_S = 1.0
 TASKS: dict[str, dict[str, Any]] = {
     "arithmetic": {"task.type": "arithmetic"},
-    # Three turns behind a short tool: an episode spans several trainer versions, so workers give
-    # groups up as sure to be stale mid-episode (`Consumer.drop`), and a frozen worker holds
-    # episodes between turns.
+    # Three turns behind a short tool: an episode spans several trainer versions (under the drop
+    # policy workers give groups up as sure to be stale mid-episode, `Consumer.drop`), and a
+    # frozen worker holds episodes between turns.
     "agentic": {
         "task.type": "agentic",
         "task.turns": 3,
@@ -161,11 +168,18 @@ _REFUSED = "not applied: taken over by another consumer"
 
 
 def settings(
-    run_dir: Path, url: str, model: Path, groups_per_step: int, weights: str, task: str
+    run_dir: Path,
+    url: str,
+    model: Path,
+    groups_per_step: int,
+    weights: str,
+    task: str,
+    stale_policy: str = "train",
 ) -> dict[str, Any]:
     """The run's config as dotted keys."""
     return {
         **TASKS[task],
+        "algo.stale_policy": stale_policy,
         "run.id": RUN_ID,
         "run.dir": str(run_dir),
         "redis.url": url,
@@ -482,10 +496,11 @@ class Ledger:
     violations: list[tuple[str, str]] = field(default_factory=list)
     """(check, message)."""
 
-    def ended(self, final: Counters) -> dict[str, Any]:
+    def ended(self, final: Counters, in_flight: int = 0) -> dict[str, Any]:
         """Every way a released group ended, by the final counters: trained, dropped stale by
         the trainer or by a worker (after a loss of Redis's data, with any dead letter a full
-        Redis refused to record), dead-lettered, lost with Redis's data."""
+        Redis refused to record), dead-lettered, lost with Redis's data — or not yet: still in
+        flight (`in_flight`, the `released` hash). The values sum to the groups released."""
         by_workers = self.untraced - self.unrecorded_dead_letters
         return {
             "trained": final.groups_trained,
@@ -493,6 +508,7 @@ class Ledger:
             "dropped_stale_by_workers": by_workers,
             "dead_lettered": final.groups_dead_lettered,
             "lost_with_redis": final.groups_lost,
+            "in_flight": in_flight,
         }
 
 
@@ -592,6 +608,7 @@ class Chaos:
     weights: str
     deck_makeup: dict[str, int]
     task: str
+    stale_policy: str
     violations: list[dict[str, str]] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     exits: list[Exit] = field(default_factory=list)
@@ -644,7 +661,15 @@ class Chaos:
         self.redis.start()
         self.config = write_config(
             self.workdir / "config.yaml",
-            settings(self.run_dir, self.redis.url, self.model, self.G, self.weights, self.task),
+            settings(
+                self.run_dir,
+                self.redis.url,
+                self.model,
+                self.G,
+                self.weights,
+                self.task,
+                self.stale_policy,
+            ),
         )
         self.client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
         trainer = Child("trainer", self._argv("trainer"), self.logs / "trainer.log")
@@ -918,6 +943,9 @@ class Chaos:
         ledger = account(segments, self.injected, self.keys)
         for check, message in ledger.violations:
             self.violate(check, message)
+        ended = ledger.ended(counters, final.in_flight)
+        if sum(ended.values()) != counters.prompts_released:
+            self.violate("balanced", f"released {counters.prompts_released}, ended {ended}")
         queued_at_end = set().union(*(seg.queued for seg in segments))
         for entry, (kind, allowed) in self.injected.items():
             reason = ledger.rejected.get(entry)
@@ -962,8 +990,10 @@ class Chaos:
         if last_line != final_step:
             self.violate("drain", f"last step line {last_line}, final checkpoint {final_step}")
         max_staleness = max((int(s.get("staleness_max") or 0) for s in self.steps), default=0)
-        if max_staleness > MAX_STALENESS:
+        if self.stale_policy == "drop" and max_staleness > MAX_STALENESS:
             self.violate("staleness", f"staleness {max_staleness} trained, η={MAX_STALENESS}")
+        if self.stale_policy == "train" and counters.groups_dropped_stale:
+            self.violate("staleness", f"{ended} under stale_policy train: a group dropped stale")
         if self.max_queued > self.queued_bound:
             self.violate("admission", f"{self.max_queued} queued, bound {self.queued_bound}")
 
@@ -981,7 +1011,8 @@ class Chaos:
             "redis_lost_data": len(self.segments),
             "hostile_entries": dict(Counter(kind for kind, _ in self.injected.values())),
             "dead_letter_reasons": dict(ledger.reasons),
-            "ended": ledger.ended(counters),
+            "ended": ended,
+            "stale_policy": self.stale_policy,
             "balanced": balanced,
             "lost": ledger.lost,
             "double_trained": bool(twice) or not trained_ok,
@@ -1015,12 +1046,14 @@ def run_chaos(
     deck: dict[str, int] | None = None,
     weights: str = "broadcast",
     task: str = "arithmetic",
+    stale_policy: str = "train",
     progress_timeout_s: float = 120.0,
     say: Callable[[str], object] = print,
 ) -> dict[str, Any]:
     """Run the soak and return its summary (see `Chaos.check`), also written to
     `workdir/summary.json`. Faults stop after `seconds`, or after `max_faults` if that comes
-    first. `deck`: fault kinds per shuffled deck (default `DECK`); `task`: a key of `TASKS`.
+    first. `deck`: fault kinds per shuffled deck (default `DECK`); `task`: a key of `TASKS`;
+    `stale_policy`: the run's `algo.stale_policy`.
     `model`: an untrained tiny
     model directory, made in `workdir` if not given."""
     if workdir is None:
@@ -1045,6 +1078,7 @@ def run_chaos(
         weights,
         dict(deck or DECK),
         task,
+        stale_policy,
     ).run()
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -1083,6 +1117,7 @@ def main() -> int:
     parser.add_argument(
         "--task", choices=list(TASKS), default="arithmetic", help="agentic: 3-turn episodes"
     )
+    parser.add_argument("--stale-policy", choices=["train", "drop"], default="train")
     parser.add_argument("--progress-timeout-s", type=float, default=120.0)
     parser.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     args = parser.parse_args()
@@ -1090,7 +1125,7 @@ def main() -> int:
     for key in (
         *("seconds", "faults", "slowest_recovery_s", "step_lines", "final_step", "counters"),
         *("streams", "in_flight", "redis_lost_data", "hostile_entries", "dead_letter_reasons"),
-        "ended",
+        *("stale_policy", "ended"),
         *("balanced", "lost", "double_trained", "versions_reused", "killed_before_ack"),
         "late_results_refused",
         *("max_queued", "queued_bound", "max_staleness", "max_staleness_bound"),

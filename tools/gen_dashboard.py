@@ -205,6 +205,22 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "Length bias",
+                "KS statistic between the episode lengths of groups generated and trained "
+                "(0 under stale_policy train; dropping stale groups drops the long ones), and "
+                "the share of trained tokens masked for their age.",
+                [
+                    ("max(asyncrl_length_bias_ks)", "KS generated vs trained"),
+                    ("max(asyncrl_tokens_lag_masked_fraction)", "tokens masked for lag"),
+                ],
+            ),
+            _one(
+                "Episode tokens",
+                "max by (set) (asyncrl_episode_tokens)",
+                "{{set}}",
+                "Mean response tokens of the longest episode per group, generated and trained.",
+            ),
+            Panel(
                 "Behaviour weights",
                 "Truncated importance weights π_prox / π_behaviour over response tokens.",
                 [

@@ -15,8 +15,21 @@ class AlgoConfig(Section):
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """Group advantage: `grpo` (std-normalised), `drgrpo` (mean-centred only), `rloo`."""
     max_staleness: int = Field(default=4, ge=0)
-    """η: a group is trained only if current version − min(token versions) ≤ η; admission keeps
-    at most (η + 1) × groups_per_step prompt groups released but not yet trained."""
+    """η, the bound where work starts: admission keeps at most (η + 1) × groups_per_step prompt
+    groups released but not yet trained, and a rollout worker starts a prompt only with weights
+    at most η versions older than the trainer's when it released it. Under `stale_policy: drop`
+    it also bounds a group's staleness (trainer version − its oldest token's) at train time."""
+    stale_policy: Literal["train", "drop"] = "train"
+    """What happens to a group that ends up staler than η: `train` it (episodes in flight go on
+    with new weights, every token is corrected by its behaviour log-prob, tokens older than
+    `max_token_lag` leave the loss; nothing is dropped for staleness, so long episodes are
+    trained), or `drop` it (the trainer drops finished groups staler than η and rollout workers
+    give up groups in flight that fell behind: cheaper per group, biased toward short episodes,
+    as `length_bias_ks` shows)."""
+    max_token_lag: int | None = Field(default=None, ge=0)
+    """Tokens more than this many versions older than the trainer's weights leave the loss
+    (the group stays: its rewards still set its siblings' advantages, its newer turns are
+    trained); null: 2 × η (0 in sync mode, where every token is current)."""
     clip_low: float = Field(default=0.2, ge=0)
     """Lower clip ε of the ratio (1 − clip_low). GSPO wants ~3e-4."""
     clip_high: float = Field(default=0.2, ge=0)
@@ -78,6 +91,10 @@ class AlgoConfig(Section):
     every token the rollout recorded (`rollout.capture_routing`) to the engine's experts, with
     gate weights recomputed from its own router logits over them. Off: the trainer routes
     itself (the agreement figures then measure how often it differs)."""
+
+    def token_lag_limit(self, eta: int) -> int:
+        """The `max_token_lag` in force under the staleness bound `eta` (0 in sync mode)."""
+        return 2 * eta if self.max_token_lag is None else self.max_token_lag
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:

@@ -135,6 +135,7 @@ class Progress:
             ("reward", _num(step.reward_mean)),
             ("eval", f"{_num(ev and ev.eval_accuracy)} @ step {_int(ev and ev.step)}"),
             ("staleness", f"{_num(step.staleness_mean)} mean, {_num(step.staleness_max)} max"),
+            ("length bias", f"KS {_num(step.length_bias_ks)}"),
         ]
         if self._streams is not None:
             for name in ("prompts", "trajectories"):

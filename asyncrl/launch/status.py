@@ -177,9 +177,22 @@ def _rows(status: dict[str, Any], redis_line: str) -> list[tuple[str, str]]:
             live = status["workers"][role]
             beats = [f"{w['id']} v{_fmt(w['version'])} {_age(w['age_s'])}" for w in live]
             rows.append((role, " | ".join([f"{len(live)} live", *beats])))
-    if status["last_step"] is not None:
-        rows.append(("last step", _joined(status["last_step"])))
+    step = status["last_step"]
+    if step is not None:
+        rows.append(("last step", _joined(step)))
+        if step.get("length_bias_ks") is not None:
+            rows.append(("length bias", _length_bias(step)))
     return rows
+
+
+def _length_bias(step: dict[str, Any]) -> str:
+    """The run's length-bias figure and the step's generated → trained episode lengths."""
+    sides = [
+        f"{name} {_fmt(step.get(f'episode_{name}_generated'))} → "
+        f"{_fmt(step.get(f'episode_{name}_trained'))}"
+        for name in ("turns", "tokens", "seconds")
+    ]
+    return " · ".join([f"KS {_fmt(step['length_bias_ks'])}", *sides]) + " (generated → trained)"
 
 
 def _print(rows: list[tuple[str, str]]) -> None:

@@ -44,6 +44,28 @@ class StepRecord:
     recorded."""
     staleness_max: int | None = None
     """Largest staleness of rank 0's groups; None: not recorded."""
+    episode_turns_generated: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Mean turns of the longest episode of rank 0's groups generated for the step (trained or
+    dropped stale); None: not recorded."""
+    episode_turns_trained: float | None = field(default=None, metadata=_OMIT_NONE)
+    """The same over the groups the step trained; None: not recorded."""
+    episode_tokens_generated: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Mean response tokens (observations included) of the longest episode of rank 0's groups
+    generated for the step; None: not recorded."""
+    episode_tokens_trained: float | None = field(default=None, metadata=_OMIT_NONE)
+    """The same over the groups the step trained; None: not recorded."""
+    episode_seconds_generated: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Mean wall seconds from a group's start to its publishing, groups generated for the step;
+    None: not recorded."""
+    episode_seconds_trained: float | None = field(default=None, metadata=_OMIT_NONE)
+    """The same over the groups the step trained; None: not recorded."""
+    length_bias_ks: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Length bias over the run (the trainer's last 1,000 steps since it started): the largest
+    two-sample KS statistic, over turns, tokens and seconds, between rank 0's groups generated
+    and trained (0: no bias; dropping the slow groups raises it); None: not recorded."""
+    tokens_lag_masked_fraction: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Fraction of rank 0's trained tokens left out of the loss for being older than
+    `algo.max_token_lag`; None: not recorded."""
     behaviour_weight_mean: float | None = None
     """Mean truncated behaviour weight over response tokens; None: not recorded."""
     behaviour_weight_capped_fraction: float | None = None

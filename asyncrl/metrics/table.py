@@ -35,6 +35,7 @@ POOLS = ROLES
 PROMPT_SOURCES = ("prefilled", "cached")
 MISMATCH_SCOPES = ("trained", "audit", "audit_low_prob", "audit_high_prob")
 ROUTING_SCOPES = ("used", "router", "worst_layer")
+LENGTH_SETS = ("generated", "trained")
 OUTCOMES = tuple(c.outcome for c in RunCounter)
 """`asyncrl_run_groups` mirrors the run-accounting hash in Redis: field `prompts_released` →
 outcome `released`, `groups_trained` → `trained`, ..., `entries_rejected` → `rejected`."""
@@ -365,6 +366,41 @@ METRICS: tuple[Metric, ...] = (
         "Staleness bound in force (algo.max_staleness; 0 in sync mode), for the at-the-bound "
         "alert.",
         "trainer r0",
+    ),
+    Metric(
+        "length_bias_ks",
+        "asyncrl_length_bias_ks",
+        "gauge",
+        "Length bias over the trainer's last 1,000 steps: the largest two-sample KS statistic "
+        "(turns, tokens, seconds) between groups generated and groups trained (0: none dropped).",
+        "trainer r0",
+        step_field="length_bias_ks",
+    ),
+    *(
+        Metric(
+            f"episode_{measure}",
+            f"asyncrl_episode_{measure}",
+            "gauge",
+            f"Mean {what} of the longest episode of the step's groups, generated (trained or "
+            "dropped stale) and trained.",
+            "trainer r0",
+            label=("set", LENGTH_SETS),
+            step_fields=tuple((side, f"episode_{measure}_{side}") for side in LENGTH_SETS),
+        )
+        for measure, what in (
+            ("turns", "turns"),
+            ("tokens", "response tokens"),
+            ("seconds", "wall seconds, start to publishing,"),
+        )
+    ),
+    Metric(
+        "tokens_lag_masked_fraction",
+        "asyncrl_tokens_lag_masked_fraction",
+        "gauge",
+        "Fraction of the step's trained tokens left out of the loss for being older than "
+        "algo.max_token_lag versions.",
+        "trainer r0",
+        step_field="tokens_lag_masked_fraction",
     ),
     Metric(
         "logprob_mismatch",

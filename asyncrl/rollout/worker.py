@@ -73,6 +73,9 @@ class RolloutWorker:
         """When each waiting delivery was read (monotonic)."""
         # Generation-side staleness bound: see `_admit`.
         self.max_lag = rt.max_staleness
+        self.give_up_stale = cfg.algo.stale_policy == "drop"
+        """Give up groups in flight that fell more than η behind (`stale_policy: drop` only:
+        under `train` an episode goes on with new weights and is trained)."""
         self.max_hold_s = 2 * cfg.weights.sync_timeout_s
         self.audit_rng = random.Random(self.id)
         """Picks the samples `rollout.audit_fraction` rescores."""
@@ -110,7 +113,7 @@ class RolloutWorker:
                 # With room for more groups, come back soon to read them; else only a returning
                 # environment step (or SIGTERM, checked every second) has anything to do.
                 room = self._room() >= self.cfg.rollout.n
-                if self.engine.version != dropped_at:
+                if self.give_up_stale and self.engine.version != dropped_at:
                     dropped_at = self.engine.version
                     self.episodes.drop_older_than(dropped_at - self.max_lag)
                 finished, failed = self.episodes.advance(0.05 if room else 1.0)
@@ -163,12 +166,14 @@ class RolloutWorker:
         """Read prompts while there is room (without waiting when episodes are in flight), and
         start those whose weights are fresh enough.
 
-        A group is trained at its release version or later, so one generated with weights older
-        than `release_version − η` is dropped as stale for sure: such a prompt waits for newer
-        weights instead (the generation side of the staleness bound; sync mode is η = 0). A
+        A group is trained at its release version or later, so one started with weights older
+        than `release_version − η` would start out staler than η (under `stale_policy: drop`,
+        dropped for sure): such a prompt waits for newer weights instead (the generation side
+        of the staleness bound, where work starts; sync mode is η = 0). A
         worker whose weight sync is stuck must not hold its prompts, and with them admission's
         budget, forever: after twice `weights.sync_timeout_s` it generates anyway, and the
-        trainer drops what turns out stale, which frees the budget."""
+        trainer trains it corrected (or, under `stale_policy: drop`, drops it, which frees the
+        budget)."""
         self.parts.check_model()
         busy = bool(self.episodes.inflight or self.waiting)
         count = min(self.cfg.rollout.prompts_per_batch, self._room() // self.cfg.rollout.n)

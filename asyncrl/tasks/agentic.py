@@ -107,10 +107,16 @@ class AgenticTask:
         which generates one turn, measures."""
         return self._reward(response_text, item.answer.split(_SEP)[0].partition("=")[2])
 
+    def is_hard(self, item: PromptItem) -> bool:
+        """Whether the episode's first sum has more digits than its operands ("56+78=134")."""
+        first = str(item.answer).split(_SEP)[0]
+        return len(first.partition("=")[2]) > self._cfg.digits
+
     def environment(self, item: PromptItem, episode_id: str) -> ArithmeticToolEnvironment:
         rng = np.random.default_rng([self._cfg.latency_seed, zlib.crc32(episode_id.encode())])
+        factor = self._cfg.hard_tool_factor if self.is_hard(item) else 1.0
         return ArithmeticToolEnvironment(
-            self._cfg.tool_latency_median_s,
+            self._cfg.tool_latency_median_s * factor,
             self._cfg.tool_latency_sigma,
             observation_prefix=self._prefix,
             reward=self._reward,

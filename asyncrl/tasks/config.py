@@ -203,6 +203,12 @@ class AgenticTaskConfig(Section):
     latency_seed: int = 0
     """Seed of the latency draws; an episode draws from (latency_seed, its episode id)."""
 
+    hard_tool_factor: float = Field(default=1.0, ge=1.0)
+    """Tool calls of hard episodes take this many times as long (1: no difference). An episode
+    is hard when its first sum has more digits than its operands (a carry out of the top digit,
+    one more answer token): long because hard, the class a staleness policy that drops slow
+    groups starves (`tools/bench_long.py`)."""
+
     reward: RewardConfig = Field(default_factory=ExactRewardConfig)
     """How each answer is scored against its sum; the episode's reward is the mean over turns."""
 

@@ -20,6 +20,7 @@ from asyncrl.algo.advantages import (
     zero_variance_mask,
 )
 from asyncrl.algo.config import AlgoConfig
+from asyncrl.algo.staleness import token_lag_keep
 from asyncrl.protocol import TrajectoryGroup
 
 
@@ -43,12 +44,19 @@ class Row:
         return len(self.input_ids)
 
 
-def group_rows(groups: list[TrajectoryGroup], algo: AlgoConfig, max_new_tokens: int) -> list[Row]:
+def group_rows(
+    groups: list[TrajectoryGroup],
+    algo: AlgoConfig,
+    max_new_tokens: int,
+    *,
+    token_lag: tuple[int, int] | None = None,
+) -> list[Row]:
     """Rows of every sample, advantages computed within each group.
 
     Rewards are shaped first (DAPO overlong penalty), then turned into advantages; groups whose
     rewards are all equal get their loss mask zeroed when `filter_zero_variance` is on, so they
-    also leave the loss normalisers.
+    also leave the loss normalisers. `token_lag` = (trainer version, limit): tokens older than
+    the limit leave the loss mask, and so its normalisers, too (`algo.staleness`).
     """
     samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples]
     if not samples:
@@ -77,6 +85,8 @@ def group_rows(groups: list[TrajectoryGroup], algo: AlgoConfig, max_new_tokens: 
             if s.loss_mask is None
             else s.loss_mask.astype(np.float32)
         )
+        if token_lag is not None:
+            mask = mask * token_lag_keep(s.versions, *token_lag)
         rows.append(
             Row(
                 input_ids=np.concatenate([prompt, s.response_ids]).astype(np.int64),

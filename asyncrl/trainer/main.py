@@ -21,7 +21,7 @@ import logging
 import signal
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.algo.mismatch import audit_table
 from asyncrl.lease import LeaseLost
@@ -33,6 +33,7 @@ from asyncrl.runstate import Counter
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.builder import RankZero, build
 from asyncrl.trainer.checkpoint import TrainerState, record_version, save_checkpoint
+from asyncrl.trainer.length_bias import LengthBias, lag_masked_fraction
 from asyncrl.trainer.parallel import full_parameters, full_state
 from asyncrl.trainer.prefetch import Prefetcher
 from asyncrl.trainer.step import StepStats, train_step, weights_finite
@@ -65,6 +66,9 @@ class Trainer:
             self.parts.consumer, before_read=self._release, settle=self.ledger.settle
         )
         self.evaluator: Evaluator | None = None
+        self.length_bias = LengthBias()
+        self.dropped: list[TrajectoryGroup] = []
+        """Groups dropped stale while the next step collected (`stale_policy: drop`)."""
         self.t0 = time.monotonic()
         self._copy_wait = 0.0
         if self.rank0 is not None:
@@ -217,8 +221,9 @@ class Trainer:
                 for d in deliveries:
                     g: TrajectoryGroup = d.value
                     lag = self.version - g.min_version
-                    if lag > self.parts.runtime.max_staleness:
+                    if self.dropping and lag > self.parts.runtime.max_staleness:
                         stale.append(d.id)
+                        self.dropped.append(g)
                         continue
                     groups.append(g)
                     staleness.append(lag)
@@ -247,6 +252,12 @@ class Trainer:
             if not short:
                 return groups, staleness, ids
 
+    @property
+    def dropping(self) -> bool:
+        """Whether groups staler than η are dropped (`algo.stale_policy: drop`) rather than
+        trained with their old tokens corrected or masked."""
+        return self.cfg.algo.stale_policy == "drop"
+
     # -- stepping, publishing, checkpointing ---------------------------------------------------
 
     def _train(
@@ -255,7 +266,8 @@ class Trainer:
         t_start = time.monotonic()
         parts = self.parts
         sampling = self.cfg.rollout.sampling
-        rows = group_rows(groups, self.cfg.algo, sampling.max_new_tokens)
+        token_lag = (self.version, self.cfg.algo.token_lag_limit(self.parts.runtime.max_staleness))
+        rows = group_rows(groups, self.cfg.algo, sampling.max_new_tokens, token_lag=token_lag)
         lr = self.cfg.trainer.lr_at(self.step)
         for group in parts.optimizer.param_groups:
             group["lr"] = lr
@@ -291,10 +303,14 @@ class Trainer:
         self.state.version += 1
         blocking = self._publish()
         step_seconds = time.monotonic() - t_start
+        dropped, self.dropped = self.dropped, []
         if self.rank0 is None:
             return
         timing = (step_seconds, wait_seconds, blocking)
-        record = self._step_record(groups, staleness, stats, lr, timing)
+        lengths = self.length_bias.step(groups, dropped) | {
+            "tokens_lag_masked_fraction": lag_masked_fraction(groups, *token_lag)
+        }
+        record = self._step_record(groups, staleness, stats, lr, timing, lengths)
         self.rank0.outputs.step(record, staleness, stats)
 
     def _step_record(
@@ -304,10 +320,12 @@ class Trainer:
         stats: StepStats,
         lr: float,
         timing: tuple[float, float, float],
+        lengths: dict[str, Any],
     ) -> StepRecord:
         """The loop's figures of the step, and those `train_step` measured (`StepStats.figures`);
         `timing`: the step's seconds, the seconds spent collecting its groups (idle time when the
-        rollouts are the bottleneck), and those its publish blocked."""
+        rollouts are the bottleneck), and those its publish blocked; `lengths`: the length bias
+        (`trainer/length_bias.py`)."""
         step_seconds, wait_seconds, blocking = timing
         rewards = [s.reward for g in groups for s in g.samples]
         peak = self.cfg.trainer.peak_flops
@@ -329,6 +347,7 @@ class Trainer:
             weight_publish_blocking_seconds=blocking,
             weight_sync_seconds=self.state.last_sync_seconds,
             mfu=mfu,
+            **lengths,
             **stats.figures(),
         )
 
