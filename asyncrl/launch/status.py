@@ -19,7 +19,8 @@ The JSON object is stable; scripts may rely on it:
         "rollout": [{"id": "host-123", "age_s": 0.4, "version": 13}],
         "trainer": [{"id": "trainer-0", "age_s": 0.2, "version": 13}]
       },
-      "last_step": {"step": 20, "version": 13, "reward_mean": 0.51, ...}
+      "last_step": {"step": 20, "version": 13, "reward_mean": 0.51, ...},
+      "doctor": {"bottleneck": "generation", "headline": "the trainer waited 62% ..."}
     }
 
 - `streams`: `length` is the stream's entry count (acked entries stay until trimmed), `lag` the
@@ -38,6 +39,10 @@ The JSON object is stable; scripts may rely on it:
   heartbeat, `version` the policy version it reported (null if it reported none).
 - `last_step`: the trainer's latest step figures: the `last_step` key, else the last step line of
   `{run.dir}/metrics.jsonl`, else null.
+- `doctor`: `asyncrl doctor`'s verdict on the latest time breakdowns (the last step's, and each
+  live rollout worker's last interval from its heartbeat `time`): `bottleneck` (an
+  `asyncrl.reasons.Bottleneck`, null when none passes a threshold) and `headline`; null when
+  neither role has reported one. `asyncrl doctor RUN_DIR` gives the whole reading.
 
 When no Redis is reachable (a finished local run, a wrong URL), or the Redis holds no key of the
 run (a mistyped `run.id`, a run not started yet, a Redis that lost its data), the object keeps its
@@ -120,6 +125,21 @@ def collect_status(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, 
     }
 
 
+def doctor_summary(status: dict[str, Any]) -> dict[str, Any] | None:
+    """The `doctor` entry of the status object (see the module)."""
+    from asyncrl.doctor import diagnose, latest_splits
+
+    trainer, rollout = latest_splits(status["last_step"], (status["workers"] or {}).get("rollout"))
+    if trainer is None and rollout is None:
+        return None
+    diagnosis = diagnose(trainer, rollout)
+    first = diagnosis.findings[0] if diagnosis.findings else None
+    return {
+        "bottleneck": diagnosis.bottleneck,
+        "headline": "no bottleneck past the thresholds" if first is None else first.headline,
+    }
+
+
 def offline_status(run_id: str, run_dir: Path) -> dict[str, Any]:
     """The status object when Redis cannot be reached: what the run directory holds."""
     return {
@@ -179,6 +199,8 @@ def _rows(status: dict[str, Any], redis_line: str) -> list[tuple[str, str]]:
             rows.append((role, " | ".join([f"{len(live)} live", *beats])))
     if status["last_step"] is not None:
         rows.append(("last step", _joined(status["last_step"])))
+    if status["doctor"] is not None:
+        rows.append(("doctor", status["doctor"]["headline"]))
     return rows
 
 
@@ -245,6 +267,7 @@ def main(cfg: Config, as_json: bool) -> int:
     if status is None:
         print(f"asyncrl status: {why}; showing what {run_dir} holds", file=sys.stderr)
         status = offline_status(cfg.run.id, run_dir)
+    status["doctor"] = doctor_summary(status)
     if as_json:
         print(json.dumps(status, indent=2))
     else:
