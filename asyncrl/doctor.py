@@ -11,6 +11,7 @@ sync over 5 % of the time, all-reduce over 10 %, and MFU against the usual range
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ CHECKPOINT = 0.10
 MFU_ASYNC_TRAINER = (0.40, 0.50)
 """Typical MFU of an asynchronous RL trainer (synchronous dense FSDP: 35–45 %)."""
 _WARMUP_STEPS = 2
+_WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,9 @@ class Diagnosis:
         for i, f in enumerate(self.findings):
             lines.append(f"{'Bottleneck' if i == 0 else 'Also'}: {f.kind.value} — {f.headline}")
             lines += [f"  - {c}" for c in f.changes]
-        return "\n".join([*lines, *self.notes])
+        lines += self.notes
+        wrapped = [textwrap.fill(line, _WIDTH, subsequent_indent="    ") for line in lines[1:]]
+        return "\n".join([title, *wrapped])
 
 
 def describe(split: TimeSplit | None, least: float = 0.01) -> str:
@@ -368,17 +372,17 @@ def trainer_input(steps: Iterable[StepRecord]) -> tuple[TimeSplit | None, Traine
 
 
 def rollout_input(records: Iterable[WorkerRecord]) -> TimeSplit | None:
-    """All workers' intervals as one split, each worker's first left out when it has more
-    (it holds the wait for the first weights)."""
+    """All workers' intervals as one split, but for each worker's start and end: the intervals
+    before its first published group (the trainer coming up, the first weights) and after its
+    last (the run ending) are not the run's pace."""
     by_worker: dict[str, list[WorkerRecord]] = {}
     for r in records:
         by_worker.setdefault(r.worker, []).append(r)
-    splits = [
-        split
-        for rs in by_worker.values()
-        for r in (rs[1:] if len(rs) > 1 else rs)
-        if (split := split_of(r, ROLLOUT_PHASES)) is not None
-    ]
+    splits = []
+    for rs in by_worker.values():
+        first = next((i for i, r in enumerate(rs) if r.groups), len(rs))
+        last = max((i for i, r in enumerate(rs) if r.groups), default=-1)
+        splits += [s for r in rs[first : last + 1] if (s := split_of(r, ROLLOUT_PHASES))]
     return mean_split(splits)
 
 
