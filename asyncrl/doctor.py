@@ -24,7 +24,13 @@ from asyncrl.metrics.breakdown import (
     mean_split,
     split_of,
 )
-from asyncrl.metrics.record import ROLLOUT_LOG, StepRecord, WorkerRecord, read_record
+from asyncrl.metrics.record import (
+    ROLLOUT_LOG,
+    StepRecord,
+    WorkerRecord,
+    read_record,
+    read_worker_log,
+)
 from asyncrl.reasons import Bottleneck
 
 if TYPE_CHECKING:
@@ -404,16 +410,12 @@ def latest_splits(
 
 def from_run_dir(run_dir: Path) -> tuple[Diagnosis, str]:
     """The diagnosis of a run directory, and the title line naming what it read."""
-    steps = [
-        r
-        for r in (read_record(v) for v in _lines(run_dir / "metrics.jsonl"))
-        if isinstance(r, StepRecord)
-    ]
-    workers = [
-        r
-        for r in (WorkerRecord.from_json(v) for v in _lines(run_dir / ROLLOUT_LOG))
-        if r is not None
-    ]
+    from asyncrl.metrics.jsonl import read_jsonl
+
+    log = run_dir / "metrics.jsonl"
+    lines = read_jsonl(log) if log.is_file() else []
+    steps = [r for r in map(read_record, lines) if isinstance(r, StepRecord)]
+    workers = read_worker_log(run_dir)
     trainer, figures = trainer_input(steps)
     facts = _facts(run_dir)
     span = f"steps {figures.steps[0]}–{figures.steps[1]}" if figures.steps else "no steps"
@@ -421,12 +423,6 @@ def from_run_dir(run_dir: Path) -> tuple[Diagnosis, str]:
         f"asyncrl doctor {run_dir}: {span}, {len({w.worker for w in workers})} rollout worker(s)"
     )
     return diagnose(trainer, rollout_input(workers), figures, facts), title
-
-
-def _lines(path: Path) -> list[dict[str, object]]:
-    from asyncrl.metrics.jsonl import read_jsonl
-
-    return read_jsonl(path) if path.is_file() else []
 
 
 def _facts(run_dir: Path) -> RunFacts | None:

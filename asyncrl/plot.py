@@ -28,7 +28,7 @@ from asyncrl.metrics.breakdown import (
     split_of,
 )
 from asyncrl.metrics.jsonl import read_jsonl
-from asyncrl.metrics.record import ROLLOUT_LOG, EvalRecord, StepRecord, WorkerRecord, read_record
+from asyncrl.metrics.record import EvalRecord, StepRecord, read_record, read_worker_log
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -122,10 +122,7 @@ def _throughput(record: StepRecord) -> float | None:
 def _rollout_splits(run_dir: Path) -> list[tuple[float, TimeSplit]]:
     """All workers' intervals, as one split per `metrics.breakdown_every_s`-long bin of wall time
     (workers report out of step with each other)."""
-    path = run_dir / ROLLOUT_LOG
-    if not path.is_file():
-        return []
-    records = [r for r in map(WorkerRecord.from_json, read_jsonl(path)) if r is not None]
+    records = read_worker_log(run_dir)
     if not records:
         return []
     width = sorted(r.breakdown_seconds for r in records)[len(records) // 2] or 1.0
@@ -148,7 +145,7 @@ def _stacked(
     ax.set_xlabel(x)
     ax.set_ylabel("share of wall time")
     ax.set_ylim(0, 1)
-    ax.legend(loc="upper left", fontsize="small", ncols=2)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     return True
 
 
@@ -156,7 +153,7 @@ def _time_figure(run_dir: Path, steps: list[StepRecord], out_dir: Path) -> None:
     from matplotlib.figure import Figure
 
     trainer = [(float(r.step), s) for r in steps if (s := split_of(r, TRAINER_PHASES)) is not None]
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    fig = Figure(figsize=(13, 4), layout="constrained")
     left, right = fig.subplots(1, 2, squeeze=False)[0]
     drawn = [
         _stacked(left, trainer, TRAINER_PHASES, "step"),

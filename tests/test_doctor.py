@@ -221,6 +221,7 @@ def test_status_shows_the_verdict_of_the_latest_figures() -> None:
         {"id": "w2", "time": {"env": "junk"}},  # a heartbeat of another version: not read
     ]
     trainer, rollout = latest_splits(last, beats)
+    assert trainer is not None and trainer.fractions["wait"] == pytest.approx(0.8)
     assert rollout is not None and rollout.fractions["env"] == pytest.approx(0.75)
     summary = doctor_summary({"last_step": last, "workers": {"rollout": beats, "trainer": []}})
     assert summary is not None and summary["bottleneck"] == "environment"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 MISMATCH_LOG = "mismatch.jsonl"
@@ -215,6 +216,17 @@ class WorkerRecord:
 
 ROLLOUT_LOG = "rollout.jsonl"
 """Beside `metrics.jsonl`: the rollout workers' `WorkerRecord` lines (all workers, one file)."""
+
+
+def read_worker_log(run_dir: Path) -> list[WorkerRecord]:
+    """The `WorkerRecord`s of a run directory, in the order written; none without the file."""
+    from asyncrl.metrics.jsonl import read_jsonl
+
+    path = run_dir / ROLLOUT_LOG
+    if not path.is_file():
+        return []
+    return [r for r in map(WorkerRecord.from_json, read_jsonl(path)) if r is not None]
+
 
 Record = StepRecord | EvalRecord
 
