@@ -4,7 +4,9 @@ A trace is Chrome trace-event JSON (`{run.dir}/profile/{role}-{worker}-step{N}.j
 Perfetto (ui.perfetto.dev), chrome://tracing or TensorBoard's profiler. Off by default; off, a
 step costs one set lookup (`StepProfiler.step` hands back a shared no-op), and torch.profiler
 is imported only when a chosen step comes. What a step is: the trainer's optimizer step
-(1 = the first of the run), a rollout worker's turn of its loop that generates (1 = its first).
+(1 = the first of the run), a rollout worker's turn of its loop over episodes in flight (one
+`EpisodeScheduler.advance`: returned environment steps taken back, one engine call over the
+ready episodes; 1 = its first).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class ProfileConfig(Section):
     """The role whose steps are traced (every process of it); `none`: no trace."""
     steps: list[int] = Field(default_factory=lambda: [3])
     """Steps to trace, one trace file each: the trainer's optimizer steps, or a rollout
-    worker's generating turns of its loop, counted from 1 (the first ones include warm-up)."""
+    worker's turns of its loop over episodes in flight, counted from 1 (the first ones
+    include warm-up)."""
     activities: list[Activity] = Field(default_factory=lambda: list(_EVERY))
     """What to record: host operators, and the CUDA or Ascend NPU kernels where such a
     device is present (an absent one is left out)."""

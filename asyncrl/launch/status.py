@@ -113,16 +113,22 @@ def collect_status(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, 
     version = read_version(client, keys)
     streams = stream_depths(client, keys)
     counters, flying = read_accounting(client, keys)
-    return {
-        "run_id": keys.run_id,
-        "version": version,
-        "streams": streams,
-        "counters": counters.as_dict(),
-        "in_flight": flying,
-        "balanced": counters.is_balanced(flying),
-        "workers": live_workers(client, keys),
-        "last_step": _last_step(client, keys, run_dir),
-    }
+    return _with_doctor(
+        {
+            "run_id": keys.run_id,
+            "version": version,
+            "streams": streams,
+            "counters": counters.as_dict(),
+            "in_flight": flying,
+            "balanced": counters.is_balanced(flying),
+            "workers": live_workers(client, keys),
+            "last_step": _last_step(client, keys, run_dir),
+        }
+    )
+
+
+def _with_doctor(status: dict[str, Any]) -> dict[str, Any]:
+    return {**status, "doctor": doctor_summary(status)}
 
 
 def doctor_summary(status: dict[str, Any]) -> dict[str, Any] | None:
@@ -142,16 +148,18 @@ def doctor_summary(status: dict[str, Any]) -> dict[str, Any] | None:
 
 def offline_status(run_id: str, run_dir: Path) -> dict[str, Any]:
     """The status object when Redis cannot be reached: what the run directory holds."""
-    return {
-        "run_id": run_id,
-        "version": None,
-        "streams": None,
-        "counters": None,
-        "in_flight": None,
-        "balanced": None,
-        "workers": None,
-        "last_step": last_step_in_log(run_dir),
-    }
+    return _with_doctor(
+        {
+            "run_id": run_id,
+            "version": None,
+            "streams": None,
+            "counters": None,
+            "in_flight": None,
+            "balanced": None,
+            "workers": None,
+            "last_step": last_step_in_log(run_dir),
+        }
+    )
 
 
 def local_redis_url(run_dir: Path) -> str | None:
@@ -267,7 +275,6 @@ def main(cfg: Config, as_json: bool) -> int:
     if status is None:
         print(f"asyncrl status: {why}; showing what {run_dir} holds", file=sys.stderr)
         status = offline_status(cfg.run.id, run_dir)
-    status["doctor"] = doctor_summary(status)
     if as_json:
         print(json.dumps(status, indent=2))
     else:
