@@ -311,7 +311,8 @@ def _weight_sync(
     worst = max(publish, swap)
     if worst < SYNC:
         return None
-    took = f" (a delivery took {figures.weight_sync_seconds:.2f} s)"
+    seconds = figures.weight_sync_seconds
+    took = "" if seconds is None else f" (a delivery took {seconds:.2f} s)"
     changes = [] if facts.lora else ["model.lora: only the adapter is published and swapped"]
     groups = facts.groups_per_step
     changes += [
@@ -328,7 +329,7 @@ def _weight_sync(
         worst / SYNC,
         f"publishing weights took {publish:.0%} of the trainer's time and swapping them "
         f"{swap:.0%} of the rollout workers' (over the {SYNC:.0%} rule of thumb)"
-        f"{took if figures.weight_sync_seconds is not None else ''}.",
+        f"{took}.",
         changes,
     )
 

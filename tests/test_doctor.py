@@ -116,6 +116,9 @@ def test_sync_heavy_large_model_frequent_publishes() -> None:
     first = d.findings[0]
     assert "30%" in first.headline and "25%" in first.headline and "0.80 s" in first.headline
     assert first.changes[0].startswith("model.lora")
+    # Without the trainer's figures (`asyncrl status` has only the splits) it says no duration.
+    alone = diagnose(d.trainer, d.rollout)
+    assert alone.bottleneck is Bottleneck.WEIGHT_SYNC and " s)" not in alone.findings[0].headline
     assert any(c.startswith("trainer.groups_per_step: 64 → 128") for c in first.changes)
 
 
