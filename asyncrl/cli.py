@@ -111,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="output folder (default RUN_DIR/plots)")
 
+    doctor = sub.add_parser(
+        "doctor",
+        help="name a run's bottleneck and the config change for it, from its time breakdown",
+    )
+    doctor.add_argument("run_dir")
+
     mismatch = sub.add_parser(
         "mismatch", help="print a run's train/inference mismatch table and plot it"
     )
@@ -178,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncrl.plot import main as plot_main
 
             return plot_main(args.run_dir, args.out)
+        if args.command == "doctor":
+            from asyncrl.doctor import main as doctor_main
+
+            return doctor_main(args.run_dir)
         if args.command == "mismatch":
             from asyncrl.mismatch_report import main as mismatch_main
 

@@ -17,6 +17,7 @@ from asyncrl.algo.config import AlgoConfig
 from asyncrl.configbase import Section, type_or
 from asyncrl.metrics.config import MetricsConfig
 from asyncrl.model_config import ModelConfig
+from asyncrl.profiling import ProfileConfig
 from asyncrl.queue import QueueConfig
 from asyncrl.redis_conn import RedisConfig, redact_url
 from asyncrl.rollout.config import RolloutConfig
@@ -76,6 +77,8 @@ class Config(Section):
     """How new weights reach the rollout engines."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Prometheus endpoint and the JSONL log."""
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    """On-demand torch.profiler traces of chosen steps (off by default)."""
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -6,7 +6,9 @@ Writes, into `--out` (default `RUN_DIR/plots`):
 - `length_bias.png`: the length-bias KS statistic, and the episode tokens and seconds of the
   groups generated against those trained, vs step;
 - `correction.png`: behaviour_weight_mean and clip_fraction vs step;
-- `throughput.png`: trainer tokens/s vs step.
+- `throughput.png`: trainer tokens/s vs step;
+- `time.png`: the time breakdown, stacked: the trainer's per step, the rollout workers' (all of
+  them, `rollout.jsonl`) per interval of wall time.
 
 Missing keys are tolerated; a figure with no data at all is skipped. Matplotlib is imported
 only here, and used through `Figure` (Agg), never pyplot: no display, no global state.
@@ -20,8 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from asyncrl.metrics.breakdown import (
+    ROLLOUT_PHASES,
+    TRAINER_PHASES,
+    TimeSplit,
+    mean_split,
+    split_of,
+)
 from asyncrl.metrics.jsonl import read_jsonl
-from asyncrl.metrics.record import EvalRecord, StepRecord, read_record
+from asyncrl.metrics.record import EvalRecord, StepRecord, read_record, read_worker_log
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -126,6 +135,57 @@ def _throughput(record: StepRecord) -> float | None:
     return record.throughput
 
 
+def _rollout_splits(run_dir: Path) -> list[tuple[float, TimeSplit]]:
+    """All workers' intervals, as one split per `metrics.breakdown_every_s`-long bin of wall time
+    (workers report out of step with each other)."""
+    records = read_worker_log(run_dir)
+    if not records:
+        return []
+    width = sorted(r.breakdown_seconds for r in records)[len(records) // 2] or 1.0
+    bins: dict[int, list[TimeSplit]] = {}
+    for r in records:
+        split = split_of(r, ROLLOUT_PHASES)
+        if split is not None:
+            bins.setdefault(round(r.wall_seconds / width), []).append(split)
+    merged = [(b * width, mean_split(splits)) for b, splits in sorted(bins.items())]
+    return [(x, split) for x, split in merged if split is not None]
+
+
+def _stacked(
+    ax: Axes, points: list[tuple[float, TimeSplit]], phases: tuple[str, ...], x: str
+) -> bool:
+    if not points:
+        return False
+    xs = [p[0] for p in points]
+    ax.stackplot(xs, *[[s.fractions[ph] for _, s in points] for ph in phases], labels=phases)
+    ax.set_xlabel(x)
+    ax.set_ylabel("share of wall time")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    return True
+
+
+def _time_figure(run_dir: Path, steps: list[StepRecord], out_dir: Path) -> None:
+    from matplotlib.figure import Figure
+
+    trainer = [(float(r.step), s) for r in steps if (s := split_of(r, TRAINER_PHASES)) is not None]
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    left, right = fig.subplots(1, 2, squeeze=False)[0]
+    drawn = [
+        _stacked(left, trainer, TRAINER_PHASES, "step"),
+        _stacked(right, _rollout_splits(run_dir), ROLLOUT_PHASES, "rollout wall seconds"),
+    ]
+    if not any(drawn):
+        print("skipped time.png: no data")
+        return
+    left.set_title("trainer")
+    right.set_title("rollout workers")
+    fig.suptitle(f"{run_dir.name}: where the time goes")
+    target = out_dir / "time.png"
+    fig.savefig(target, dpi=100)
+    print(target)
+
+
 def main(run_dir: str | Path, out: str | Path | None = None) -> int:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -154,4 +214,5 @@ def main(run_dir: str | Path, out: str | Path | None = None) -> int:
         target = out_dir / f"{name}.png"
         fig.savefig(target, dpi=100)
         print(target)
+    _time_figure(Path(run_dir), steps, out_dir)
     return 0

@@ -141,3 +141,22 @@ class BreakCause(StrEnum):
     """The template's rendering leaves no single place for the new turns after a reply."""
     CONCURRENT = "concurrent"
     """A call planned before the session's previous call was recorded (parallel calls)."""
+
+
+class Bottleneck(StrEnum):
+    """What limits a run, as `asyncrl doctor` names it (`asyncrl.doctor.Finding.kind`)."""
+
+    GENERATION = "generation"
+    """The trainer waits for trajectories while the rollout engines generate."""
+    ENVIRONMENT = "environment"
+    """The trainer waits while the rollout workers wait on environments, tools or rewards."""
+    STALENESS = "staleness"
+    """Both wait: the rollout workers hold prompts for weights (the staleness bound)."""
+    TRAINER = "trainer"
+    """The rollout workers wait for prompts while the trainer computes."""
+    WEIGHT_SYNC = "weight_sync"
+    """Publishing or swapping weights takes more than its share."""
+    ALL_REDUCE = "all_reduce"
+    """The trainer's gradient all-reduce takes more than its share."""
+    CHECKPOINT = "checkpoint"
+    """Writing checkpoints takes more than its share."""

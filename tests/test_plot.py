@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.metrics.breakdown import ROLLOUT_PHASES, TRAINER_PHASES, TimeSplit
 from asyncrl.metrics.jsonl import JsonlWriter
+from asyncrl.metrics.record import ROLLOUT_LOG, WorkerRecord
 from asyncrl.plot import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,6 +40,7 @@ def write_run(run_dir: Path, steps: int = 30) -> None:
                 "episode_tokens_trained": 18.0 + step % 3,
                 "episode_seconds_generated": 3.0,
                 "episode_seconds_trained": 2.5,
+                **TimeSplit(2.0, _split(TRAINER_PHASES, wait=0.3, forward_backward=0.6)).fields(),
             }
             if step == 7:
                 del line["staleness_mean"], line["clip_fraction"]  # older trainers lacked them
@@ -46,12 +49,22 @@ def write_run(run_dir: Path, steps: int = 30) -> None:
                 w.write({"step": step, "wall_seconds": 2.0 * step + 1, "eval_accuracy": step / 40})
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write('{"step": 31, "rew')  # the trainer was killed mid-write
+    with JsonlWriter(run_dir / ROLLOUT_LOG) as w:
+        for i in range(12):
+            split = TimeSplit(10.0, _split(ROLLOUT_PHASES, decode=0.5, hold=0.1 * (i % 3)))
+            w.write(
+                WorkerRecord(f"w{i % 2}", 10.0 * (i // 2 + 1), i, 50, 2, **split.fields()).to_json()
+            )
+
+
+def _split(phases: tuple[str, ...], **shares: float) -> dict[str, float]:
+    return {p: 0.0 for p in phases} | shares | {"other": 1.0 - sum(shares.values())}
 
 
 def test_plot_writes_valid_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_run(tmp_path)
     assert main(tmp_path, None) == 0
-    names = ["reward", "staleness", "length_bias", "correction", "throughput"]
+    names = ["reward", "staleness", "length_bias", "correction", "throughput", "time"]
     files = [tmp_path / "plots" / f"{name}.png" for name in names]
     printed = capsys.readouterr().out.split()
     assert printed == [str(f) for f in files]

@@ -18,6 +18,7 @@ from asyncrl.metrics.jsonl import JsonlWriter
 from asyncrl.runstate import PROMPTS_GROUP, TRAJECTORIES_GROUP, Counter, Keys
 
 STATUS_KEYS = {
+    "doctor",
     "run_id",
     "version",
     "streams",

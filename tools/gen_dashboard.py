@@ -69,6 +69,20 @@ def _phase_panel(role: str, whose: str, over: str) -> Panel:
     )
 
 
+def _breakdown_panel(role: str, whose: str) -> Panel:
+    """Each phase's seconds over all phases' seconds: the stack fills exactly 100 %."""
+    seconds = f'rate(asyncrl_breakdown_seconds_total{{role="{role}"}}{RATE})'
+    return _one(
+        f"{role.capitalize()} time breakdown",
+        f"sum by (phase) ({seconds}) / scalar(sum({seconds}))",
+        "{{phase}}",
+        f"Share of the {whose} wall time per phase of the time breakdown "
+        "(docs/bottlenecks.md); the phases sum to 1.",
+        unit="percentunit",
+        stacked=True,
+    )
+
+
 ROWS: list[tuple[str, list[Panel]]] = [
     (
         "Progress",
@@ -316,6 +330,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
             _phase_panel("trainer", "trainer's", "ranks"),
             _phase_panel("rollout", "rollout workers'", "workers"),
+        ],
+    ),
+    (
+        "Time breakdown (asyncrl doctor RUN_DIR reads it as advice)",
+        [
+            _breakdown_panel("trainer", "trainer's step"),
+            _breakdown_panel("rollout", "rollout workers' loop (all workers)"),
         ],
     ),
     (

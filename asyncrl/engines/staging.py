@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from asyncrl.lora import synced
+from asyncrl.metrics.breakdown import phase
 
 
 class StagedWeights:
@@ -82,7 +83,8 @@ class StagedWeights:
         if self._pending is None:
             return
         version, tensors = self._pending
-        with torch.no_grad():
+        # Charged on the generating thread only: a swap while idle is the subscriber's time.
+        with torch.no_grad(), phase("weight_swap"):
             for name, tensor in tensors.items():
                 self._targets[name].copy_(tensor)
         self._version = version

@@ -35,6 +35,7 @@ from asyncrl.engines.routing import Routing, moe_shape, routing_hooks
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs, sequence_logprobs
 from asyncrl.engines.staging import StagedWeights
 from asyncrl.lora import synced, wrap
+from asyncrl.metrics.breakdown import phase
 from asyncrl.model_config import LoraConfig
 
 
@@ -243,7 +244,10 @@ class TorchEngine:
             if c is None and n > fed
         ]
         if heads:
-            prefilled = self._prefill([prompts[r][: lengths_in[r] - fed] for r in heads], version)
+            with phase("prefill"):
+                prefilled = self._prefill(
+                    [prompts[r][: lengths_in[r] - fed] for r in heads], version
+                )
             for r, kv in zip(heads, prefilled, strict=True):
                 cached[r] = kv
         used = [
@@ -279,54 +283,57 @@ class TorchEngine:
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)
         active = torch.arange(rows, device=device)  # batch row -> original row
         for t in range(steps):
-            if t:
-                version = self._step_version(t)
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask[:, : width + t] if padded else None,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            if routing is not None:
-                seen = routing.stacked(len(active))  # [active rows, fed columns, layers, k]
-                if not t:
-                    routes = [seen[r, seen.shape[1] - len(p) :] for r, p in enumerate(prompts)]
-                    response_routes = seen.new_zeros(rows, steps, *seen.shape[2:])
-                else:
-                    assert response_routes is not None
-                    response_routes[active, t - 1] = seen[:, 0]
-            logits = out.logits[:, -1]
-            if t < min_new_tokens:
-                logits = logits.index_fill(-1, stop_ids, float("-inf"))
-            logp = sampling_logprobs(logits, params)
-            token = torch.multinomial(logp.exp(), 1, generator=self._generator)
-            tokens[active, t] = token[:, 0]
-            logprobs[active, t] = logp.gather(-1, token)[:, 0]
-            versions[active, t] = version
-            stop = torch.isin(token[:, 0], stop_ids)
-            lengths[active[stop]] = t + 1
-            stopped[active[stop]] = True
-            done = stop if t < steps - 1 else torch.ones_like(stop)
-            if done.any():
-                if self._prefixes is not None:
-                    self._keep_prefixes(cache, done, active, width, t, prompts, tokens, oldest)
-                keep = ~done
-                if not keep.any():
-                    break
-                # Finished rows leave the batch, cache included, so they cost nothing further.
-                kept = keep.nonzero()[:, 0]
-                cache.batch_select_indices(kept)
-                active, token, mask = active[kept], token[kept], mask[kept]
-                positions = positions[kept]
-            mask[:, width + t] = True
-            input_ids = token
-            positions = positions[:, -1:] + 1
+            # The first step feeds the prompts (prefill), the others one token each.
+            with phase("decode" if t else "prefill"):
+                if t:
+                    version = self._step_version(t)
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask[:, : width + t] if padded else None,
+                    position_ids=positions,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                if routing is not None:
+                    seen = routing.stacked(len(active))  # [active rows, fed columns, layers, k]
+                    if not t:
+                        routes = [seen[r, seen.shape[1] - len(p) :] for r, p in enumerate(prompts)]
+                        response_routes = seen.new_zeros(rows, steps, *seen.shape[2:])
+                    else:
+                        assert response_routes is not None
+                        response_routes[active, t - 1] = seen[:, 0]
+                logits = out.logits[:, -1]
+                if t < min_new_tokens:
+                    logits = logits.index_fill(-1, stop_ids, float("-inf"))
+                logp = sampling_logprobs(logits, params)
+                token = torch.multinomial(logp.exp(), 1, generator=self._generator)
+                tokens[active, t] = token[:, 0]
+                logprobs[active, t] = logp.gather(-1, token)[:, 0]
+                versions[active, t] = version
+                stop = torch.isin(token[:, 0], stop_ids)
+                lengths[active[stop]] = t + 1
+                stopped[active[stop]] = True
+                done = stop if t < steps - 1 else torch.ones_like(stop)
+                if done.any():
+                    if self._prefixes is not None:
+                        self._keep_prefixes(cache, done, active, width, t, prompts, tokens, oldest)
+                    keep = ~done
+                    if not keep.any():
+                        break
+                    # Finished rows leave the batch, cache included, so they cost nothing further.
+                    kept = keep.nonzero()[:, 0]
+                    cache.batch_select_indices(kept)
+                    active, token, mask = active[kept], token[kept], mask[kept]
+                    positions = positions[kept]
+                mask[:, width + t] = True
+                input_ids = token
+                positions = positions[:, -1:] + 1
 
-        tokens_np = tokens.cpu().numpy().astype(np.int32)
-        logprobs_np = logprobs.cpu().numpy()
-        versions_np = versions.cpu().numpy()
+        with phase("decode"):  # the device's last tokens are waited for here
+            tokens_np = tokens.cpu().numpy().astype(np.int32)
+            logprobs_np = logprobs.cpu().numpy()
+            versions_np = versions.cpu().numpy()
         return [
             Generation(
                 token_ids=tokens_np[r, :n].copy(),

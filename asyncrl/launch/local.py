@@ -39,7 +39,17 @@ if TYPE_CHECKING:
 # A rollout worker that exits is restarted at most this often.
 MAX_RESTARTS = 10
 # What local mode writes into a run directory; `--fresh` removes exactly these.
-RUN_STATE = ("checkpoints", "redis", "weights", "logs", "metrics.jsonl", "config.yaml", "plots")
+RUN_STATE = (
+    "checkpoints",
+    "redis",
+    "weights",
+    "logs",
+    "metrics.jsonl",
+    "rollout.jsonl",
+    "config.yaml",
+    "plots",
+    "profile",
+)
 
 
 def prepare_run_dir(

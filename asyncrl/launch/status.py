@@ -19,7 +19,8 @@ The JSON object is stable; scripts may rely on it:
         "rollout": [{"id": "host-123", "age_s": 0.4, "version": 13}],
         "trainer": [{"id": "trainer-0", "age_s": 0.2, "version": 13}]
       },
-      "last_step": {"step": 20, "version": 13, "reward_mean": 0.51, ...}
+      "last_step": {"step": 20, "version": 13, "reward_mean": 0.51, ...},
+      "doctor": {"bottleneck": "generation", "headline": "the trainer waited 62% ..."}
     }
 
 - `streams`: `length` is the stream's entry count (acked entries stay until trimmed), `lag` the
@@ -38,6 +39,10 @@ The JSON object is stable; scripts may rely on it:
   heartbeat, `version` the policy version it reported (null if it reported none).
 - `last_step`: the trainer's latest step figures: the `last_step` key, else the last step line of
   `{run.dir}/metrics.jsonl`, else null.
+- `doctor`: `asyncrl doctor`'s verdict on the latest time breakdowns (the last step's, and each
+  live rollout worker's last interval from its heartbeat `time`): `bottleneck` (an
+  `asyncrl.reasons.Bottleneck`, null when none passes a threshold) and `headline`; null when
+  neither role has reported one. `asyncrl doctor RUN_DIR` gives the whole reading.
 
 When no Redis is reachable (a finished local run, a wrong URL), or the Redis holds no key of the
 run (a mistyped `run.id`, a run not started yet, a Redis that lost its data), the object keeps its
@@ -108,30 +113,53 @@ def collect_status(client: redis.Redis, keys: Keys, run_dir: Path) -> dict[str, 
     version = read_version(client, keys)
     streams = stream_depths(client, keys)
     counters, flying = read_accounting(client, keys)
+    return _with_doctor(
+        {
+            "run_id": keys.run_id,
+            "version": version,
+            "streams": streams,
+            "counters": counters.as_dict(),
+            "in_flight": flying,
+            "balanced": counters.is_balanced(flying),
+            "workers": live_workers(client, keys),
+            "last_step": _last_step(client, keys, run_dir),
+        }
+    )
+
+
+def _with_doctor(status: dict[str, Any]) -> dict[str, Any]:
+    return {**status, "doctor": doctor_summary(status)}
+
+
+def doctor_summary(status: dict[str, Any]) -> dict[str, Any] | None:
+    """The `doctor` entry of the status object (see the module)."""
+    from asyncrl.doctor import diagnose, latest_splits
+
+    trainer, rollout = latest_splits(status["last_step"], (status["workers"] or {}).get("rollout"))
+    if trainer is None and rollout is None:
+        return None
+    diagnosis = diagnose(trainer, rollout)
+    first = diagnosis.findings[0] if diagnosis.findings else None
     return {
-        "run_id": keys.run_id,
-        "version": version,
-        "streams": streams,
-        "counters": counters.as_dict(),
-        "in_flight": flying,
-        "balanced": counters.is_balanced(flying),
-        "workers": live_workers(client, keys),
-        "last_step": _last_step(client, keys, run_dir),
+        "bottleneck": diagnosis.bottleneck,
+        "headline": "no bottleneck past the thresholds" if first is None else first.headline,
     }
 
 
 def offline_status(run_id: str, run_dir: Path) -> dict[str, Any]:
     """The status object when Redis cannot be reached: what the run directory holds."""
-    return {
-        "run_id": run_id,
-        "version": None,
-        "streams": None,
-        "counters": None,
-        "in_flight": None,
-        "balanced": None,
-        "workers": None,
-        "last_step": last_step_in_log(run_dir),
-    }
+    return _with_doctor(
+        {
+            "run_id": run_id,
+            "version": None,
+            "streams": None,
+            "counters": None,
+            "in_flight": None,
+            "balanced": None,
+            "workers": None,
+            "last_step": last_step_in_log(run_dir),
+        }
+    )
 
 
 def local_redis_url(run_dir: Path) -> str | None:
@@ -182,6 +210,8 @@ def _rows(status: dict[str, Any], redis_line: str) -> list[tuple[str, str]]:
         rows.append(("last step", _joined(step)))
         if step.get("length_bias_ks") is not None:
             rows.append(("length bias", _length_bias(step)))
+    if status["doctor"] is not None:
+        rows.append(("doctor", status["doctor"]["headline"]))
     return rows
 
 

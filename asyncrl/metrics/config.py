@@ -65,7 +65,10 @@ class MetricsConfig(Section):
     """Port of this process' /metrics; local mode gives child i the port + i. 0 disables. A
     port another process holds is a config error (exit 2) naming this key."""
     jsonl: bool = True
-    """Write {run.dir}/metrics.jsonl (trainer)."""
+    """Write {run.dir}/metrics.jsonl (trainer) and {run.dir}/rollout.jsonl (rollout workers)."""
+    breakdown_every_s: float = Field(default=10.0, gt=0)
+    """Seconds between a rollout worker's time-breakdown lines (rollout.jsonl, Prometheus,
+    its heartbeat); the trainer's breakdown is per step."""
     trackers: list[TrackerConfig] = Field(default_factory=list)
     """Experiment trackers trainer rank 0 feeds the same step and eval records as the JSONL
     log, e.g. `[{type: tensorboard}, {type: wandb, project: p}]`; a tracker that fails is

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 MISMATCH_LOG = "mismatch.jsonl"
@@ -132,6 +133,20 @@ class StepRecord:
     `routing_agreement` without replay); None (key absent): no such token."""
     routing_agreement_worst_layer: float | None = field(default=None, metadata=_OMIT_NONE)
     """The lowest per-layer `routing_agreement`; None (key absent): no such token."""
+    breakdown_seconds: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Trainer wall seconds since the previous step line (`metrics.breakdown`): the interval
+    the `time_*` fractions split; None (key absent): an older line."""
+    time_wait: float | None = field(default=None, metadata=_OMIT_NONE)
+    """Fraction of the interval spent waiting for trajectories (`breakdown.TRAINER_PHASES`
+    says what each phase holds); the nine `time_*` fractions sum to 1."""
+    time_collate: float | None = field(default=None, metadata=_OMIT_NONE)
+    time_proximal: float | None = field(default=None, metadata=_OMIT_NONE)
+    time_forward_backward: float | None = field(default=None, metadata=_OMIT_NONE)
+    time_all_reduce: float | None = field(default=None, metadata=_OMIT_NONE)
+    time_optimizer: float | None = field(default=None, metadata=_OMIT_NONE)
+    time_publish: float | None = field(default=None, metadata=_OMIT_NONE)
+    time_checkpoint: float | None = field(default=None, metadata=_OMIT_NONE)
+    time_other: float | None = field(default=None, metadata=_OMIT_NONE)
 
     @property
     def throughput(self) -> float | None:
@@ -182,6 +197,59 @@ class EvalRecord:
         return cls(**_typed(cls, value))
 
 
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One interval of one rollout worker: a line of `{run.dir}/rollout.jsonl` (`ROLLOUT_LOG`),
+    written every `metrics.breakdown_every_s` and when the worker stops."""
+
+    worker: str
+    """The worker id."""
+    wall_seconds: float
+    """Seconds since the worker started."""
+    version: int
+    """Policy version the engine held at the end of the interval."""
+    tokens: int
+    """Response tokens generated in the interval."""
+    groups: int
+    """Trajectory groups published in the interval."""
+    breakdown_seconds: float
+    """The interval's wall seconds, which the `time_*` fractions split
+    (`breakdown.ROLLOUT_PHASES`); they sum to 1."""
+    time_prefill: float
+    time_decode: float
+    time_generate: float
+    time_env: float
+    time_hold: float
+    time_weight_swap: float
+    time_publish: float
+    time_other: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> WorkerRecord | None:
+        """A line read back; None for one that lacks a figure (cut short, or not one)."""
+        typed = _typed(cls, value)
+        if len(typed) != len(dataclasses.fields(cls)):
+            return None
+        return cls(**typed)
+
+
+ROLLOUT_LOG = "rollout.jsonl"
+"""Beside `metrics.jsonl`: the rollout workers' `WorkerRecord` lines (all workers, one file)."""
+
+
+def read_worker_log(run_dir: Path) -> list[WorkerRecord]:
+    """The `WorkerRecord`s of a run directory, in the order written; none without the file."""
+    from asyncrl.metrics.jsonl import read_jsonl
+
+    path = run_dir / ROLLOUT_LOG
+    if not path.is_file():
+        return []
+    return [r for r in map(WorkerRecord.from_json, read_jsonl(path)) if r is not None]
+
+
 Record = StepRecord | EvalRecord
 
 
@@ -206,16 +274,23 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-_KINDS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,)}
+_KINDS: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+}
 
 
 def _typed(cls: type, value: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of `cls` found in `value` with a value of their type; `step` as an int."""
+    """The fields of `cls` found in `value` with a value of their type; `step` (the records
+    that have one) as an int."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         v = value.get(f.name)
         kind = str(f.type).split(" ")[0]
         if isinstance(v, _KINDS[kind]) and (kind == "bool" or not isinstance(v, bool)):
             out[f.name] = float(value[f.name]) if kind == "float" else v
-    out["step"] = int(value["step"])
+    if "step" in {f.name for f in dataclasses.fields(cls)}:
+        out["step"] = int(value["step"])
     return out

@@ -15,6 +15,7 @@ from typing import Any
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from asyncrl.metrics.breakdown import TimeSplit
 from asyncrl.metrics.record import StepRecord
 from asyncrl.metrics.table import BASE_LABELS, METRICS, Metric
 from asyncrl.runstate import Counter as RunCounter
@@ -70,6 +71,8 @@ class RoleMetrics:
     weight_sync_deltas: Counter
     weight_sync_rebuilds: Counter
     time_seconds: dict[str, Counter]
+    breakdown_seconds: dict[str, Counter]
+    time_fraction: dict[str, Gauge]
     redis_up: Gauge
     redis_reconnects: Counter
     workers_live: dict[str, Gauge]
@@ -142,6 +145,12 @@ class RoleMetrics:
                     child.inc(float(value))
         for value in staleness:
             self.staleness.observe(value)
+
+    def observe_split(self, split: TimeSplit) -> None:
+        """Exports one interval of the role's time breakdown."""
+        for name, fraction in split.fractions.items():
+            self.breakdown_seconds[name].inc(fraction * split.seconds)
+            self.time_fraction[name].set(fraction)
 
     def redis_outage(self, outage: bool) -> None:
         """The queue's outage hook: Redis went away (True) or came back (False)."""

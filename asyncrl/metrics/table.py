@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from asyncrl.metrics.breakdown import ALL_PHASES
 from asyncrl.reasons import BreakCause, DropReason, EnvReason, GroupReason, ToolCallOutcome
 from asyncrl.runstate import ROLES
 from asyncrl.runstate import Counter as RunCounter
@@ -326,6 +327,26 @@ METRICS: tuple[Metric, ...] = (
         "all",
         label=("phase", PHASES),
         roles=_BOTH,
+    ),
+    Metric(
+        "breakdown_seconds",
+        "asyncrl_breakdown_seconds_total",
+        "counter",
+        "Wall time of the role's thread per phase of its time breakdown, every second of it "
+        "in exactly one phase (trainer: wait, collate, proximal, forward_backward, all_reduce, "
+        "optimizer, publish, checkpoint, other; rollout: prefill, decode, generate, env, hold, "
+        "weight_swap, publish, other): rate over the sum of rates is the share.",
+        "trainer r0, rollout",
+        label=("phase", ALL_PHASES),
+    ),
+    Metric(
+        "time_fraction",
+        "asyncrl_time_fraction",
+        "gauge",
+        "Share of the last interval (trainer: step; rollout: metrics.breakdown_every_s) per "
+        "phase of the time breakdown; a role's phases sum to 1.",
+        "trainer r0, rollout",
+        label=("phase", ALL_PHASES),
     ),
     Metric(
         "redis_up",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.engines.base import InProcessWeights
 from asyncrl.protocol import PromptGroup, decode_prompt
 from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
+from asyncrl.rollout.timing import WorkerTiming
 from asyncrl.runstate import PROMPTS_GROUP
 from asyncrl.runtime import RoleRuntime, open_runtime
 
@@ -78,6 +79,7 @@ class RolloutParts:
     heartbeat: Heartbeat
     max_inflight: int
     """Episodes run at once: `rollout.max_inflight_episodes`, or a batch's worth."""
+    timing: WorkerTiming
 
 
 def weights_handler(
@@ -220,6 +222,7 @@ def build(cfg: Config, worker_id: str) -> RolloutParts:
     episodes = build_episodes(rt, engine, task, tokenizer, model_dir)
     limits = rt.limits(model_dir)
     rollout = cfg.rollout
+    timing = WorkerTiming(rt, lambda: engine.version, lambda: episodes.tokens)
     return RolloutParts(
         runtime=rt,
         check_model=check_model,
@@ -234,6 +237,9 @@ def build(cfg: Config, worker_id: str) -> RolloutParts:
             lambda data: decode_prompt(data, limits),
             prompt_groups(rt.keys),
         ),
-        heartbeat=rt.heartbeat(lambda: {"version": engine.version, "tokens": episodes.tokens}),
+        heartbeat=rt.heartbeat(
+            lambda: {"version": engine.version, "tokens": episodes.tokens, "time": timing.last}
+        ),
         max_inflight=rollout.max_inflight_episodes or rollout.prompts_per_batch * rollout.n,
+        timing=timing,
     )

@@ -49,6 +49,7 @@ from asyncrl.gateway.agents import (
     shared_prompt,
 )
 from asyncrl.items import PromptItem
+from asyncrl.metrics.breakdown import phase
 from asyncrl.protocol import Sample
 from asyncrl.reasons import GroupReason
 from asyncrl.rollout.env_loop import Call, EnvironmentLoop, Posted, describe
@@ -295,12 +296,13 @@ class EpisodeScheduler(Generic[T]):
         """Take back returned environment steps (waiting up to `wait_s` for one when no episode
         is ready for a turn), generate one turn for every ready episode, and return the groups
         that ended or failed since the last call."""
-        self._take_back(wait_s if not self._ready else 0.0)
-        # Every generate call pays its decode steps' fixed overhead once, so ready episodes wait
-        # a little for others coming back from their environments to share one.
-        deadline = self._ready_since + self._batch_wait_s
-        while self._ready and self._others() and (left := deadline - time.monotonic()) > 0:
-            self._take_back(left)
+        with phase("env"):
+            self._take_back(wait_s if not self._ready else 0.0)
+            # Every generate call pays its decode steps' fixed overhead once, so ready episodes
+            # wait a little for others coming back from their environments to share one.
+            deadline = self._ready_since + self._batch_wait_s
+            while self._ready and self._others() and (left := deadline - time.monotonic()) > 0:
+                self._take_back(left)
         if self._ready:
             self._generate()
         finished: list[FinishedGroup[T]] = []
@@ -424,9 +426,10 @@ class EpisodeScheduler(Generic[T]):
     def _generate_turn(self, batch: list[_Episode], params: SamplingParams) -> None:
         t0 = time.monotonic()
         try:
-            gens: list[Generation | None] = list(
-                self._engine.generate([ep.context for ep in batch], params)
-            )
+            with phase("generate"):
+                gens: list[Generation | None] = list(
+                    self._engine.generate([ep.context for ep in batch], params)
+                )
             if len(gens) != len(batch):
                 raise RuntimeError(f"{len(gens)} generations for {len(batch)} prompts")
         except EngineError as exc:
@@ -489,7 +492,8 @@ class EpisodeScheduler(Generic[T]):
     def _reward(self, ep: _Episode, reward: Callable[[], float]) -> float | None:
         """What the task's code computes; None when it raised (its group failed)."""
         try:
-            return reward()
+            with phase("env"):
+                return reward()
         except RewardFailure as exc:  # the user's reward, isolated: its own reason, no trace here
             log.warning("reward failed: %s", exc)
             self._fail(ep.group, exc.reason, exc.detail)

@@ -34,6 +34,8 @@ import numpy as np
 from asyncrl.config import Config
 from asyncrl.engines.base import Rescoring
 from asyncrl.items import PromptItem
+from asyncrl.metrics.breakdown import phase
+from asyncrl.profiling import StepProfiler
 from asyncrl.protocol import PromptGroup, TrajectoryGroup, stream_fields
 from asyncrl.redis_conn import Stopped
 from asyncrl.rollout.builder import build
@@ -79,11 +81,13 @@ class RolloutWorker:
         self.max_hold_s = 2 * cfg.weights.sync_timeout_s
         self.audit_rng = random.Random(self.id)
         """Picks the samples `rollout.audit_fraction` rescores."""
+        self.profiler = StepProfiler(cfg.profile, "rollout", self.id, cfg.run.path)
 
     def run(self) -> int:
         from redis import RedisError
 
         signal.signal(signal.SIGTERM, self.stop.on_sigterm)
+        self.parts.timing.start()
         self.parts.heartbeat.start()
         published = self.redis.call(
             lambda: self.client.get(self.keys.version), "read the published version"
@@ -92,22 +96,26 @@ class RolloutWorker:
         # A joining worker first holds the latest published weights, then generates. The model
         # directory is version 0, so a fresh run starts at once.
         if target > self.engine.version:
-            self.parts.subscriber.wait_for_version(
-                target, timeout_s=self.cfg.weights.sync_timeout_s * 10
-            )
-            self._wait_engine_version(target)
+            with phase("hold"):
+                self.parts.subscriber.wait_for_version(
+                    target, timeout_s=self.cfg.weights.sync_timeout_s * 10
+                )
+                self._wait_engine_version(target)
         log.info("rollout %s ready at version %d", self.id, self.engine.version)
         dropped_at = self.engine.version  # the version groups were last checked for staleness
         code = 0
+        turns = 0  # turns of the loop that advanced episodes: the steps `profile` counts
         try:
             while not self.stop.stopping or (self.episodes.inflight and not self.stop.abandoning):
+                self.parts.timing.tick()
                 if not self.stop.stopping:
                     self._admit()
                 if not self.episodes.inflight:
                     if self.waiting:
                         # Every prompt held waits for newer weights: wake when they come, and
                         # look for new prompts (maybe fresh enough) now and then, not in a spin.
-                        self.parts.weights_arrived.wait(_HOLD_POLL_S)
+                        with phase("hold"):
+                            self.parts.weights_arrived.wait(_HOLD_POLL_S)
                         self.parts.weights_arrived.clear()
                     continue
                 # With room for more groups, come back soon to read them; else only a returning
@@ -116,7 +124,9 @@ class RolloutWorker:
                 if self.give_up_stale and self.engine.version != dropped_at:
                     dropped_at = self.engine.version
                     self.episodes.drop_older_than(dropped_at - self.max_lag)
-                finished, failed = self.episodes.advance(0.05 if room else 1.0)
+                turns += 1
+                with self.profiler.step(turns):
+                    finished, failed = self.episodes.advance(0.05 if room else 1.0)
                 self._publish(finished, failed)
         except Stopped as exc:
             log.warning(
@@ -139,6 +149,7 @@ class RolloutWorker:
                     self.id,
                     self.episodes.inflight,
                 )
+            self.parts.timing.close()
             self.parts.heartbeat.stop()
             self.episodes.close()
             try:
@@ -178,7 +189,7 @@ class RolloutWorker:
         busy = bool(self.episodes.inflight or self.waiting)
         count = min(self.cfg.rollout.prompts_per_batch, self._room() // self.cfg.rollout.n)
         if count > 0 or not busy:
-            with self.metrics.time_phase("queue_wait"):
+            with self.metrics.time_phase("queue_wait"), phase("hold"):
                 self.waiting.extend(
                     self.consumer.read(max(count, 1), 0 if busy else self.cfg.redis.block_ms)
                 )
@@ -228,13 +239,14 @@ class RolloutWorker:
             )
             for f in finished
         ]
-        with self.metrics.time_phase("publish"):
+        with self.metrics.time_phase("publish"), phase("publish"):
             self.consumer.ack(
                 [f.tag.id for f in finished],
                 also_add=[(self.keys.trajectories, stream_fields(g)) for g in groups],
                 counters={Counter.GROUPS_PUBLISHED: len(groups)},
             )
         self.metrics.trajectories_produced.inc(len(groups))
+        self.parts.timing.published(len(groups))
 
     def _audit(self, finished: list[FinishedGroup[Prompt]], engine: Rescoring) -> None:
         """Rescore a sample of `finished` through the trainer's forward path with the weights

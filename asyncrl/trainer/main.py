@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.algo.mismatch import audit_table
 from asyncrl.lease import LeaseLost
 from asyncrl.lora import synced
+from asyncrl.metrics.breakdown import TRAINER_PHASES, Breakdown, phase
 from asyncrl.metrics.record import EvalRecord, StepRecord
+from asyncrl.profiling import StepProfiler
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.redis_conn import Stopped
 from asyncrl.runstate import Counter
@@ -71,6 +73,8 @@ class Trainer:
         """Groups dropped stale while the next step collected (`stale_policy: drop`)."""
         self.t0 = time.monotonic()
         self._copy_wait = 0.0
+        self.breakdown = Breakdown(TRAINER_PHASES)
+        self.profiler = StepProfiler(cfg.profile, "trainer", self.parts.consumer.name, cfg.run.path)
         if self.rank0 is not None:
             # Weights are published with a deferred copy: the optimizer changes them only once
             # the publisher has copied them (it does so while forward and backward run).
@@ -113,6 +117,7 @@ class Trainer:
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop.on_sigterm)
+        self.breakdown.activate()
         if self.rank0 is not None:
             self.ledger.ack_covered_at_restart()
         self.ranks.barrier()  # no rank reads its pending entries before those acks
@@ -134,11 +139,13 @@ class Trainer:
                 self.released_for = (self.step, self.version)
                 self._release()
                 self.prefetch.set_read_ahead(self._read_ahead())
-                collected = self._collect()
+                with phase("wait"):
+                    collected = self._collect()
                 if collected is None:
                     break
                 groups, staleness, ids = collected
-                self._train(groups, staleness, time.monotonic() - waited_from)
+                with self.profiler.step(self.step + 1):
+                    self._train(groups, staleness, time.monotonic() - waited_from)
                 self.ledger.record(ids)
                 if self.step % every == 0:
                     self._checkpoint()
@@ -267,7 +274,8 @@ class Trainer:
         parts = self.parts
         sampling = self.cfg.rollout.sampling
         token_lag = (self.version, self.cfg.algo.token_lag_limit(self.parts.runtime.max_staleness))
-        rows = group_rows(groups, self.cfg.algo, sampling.max_new_tokens, token_lag=token_lag)
+        with phase("collate"):
+            rows = group_rows(groups, self.cfg.algo, sampling.max_new_tokens, token_lag=token_lag)
         lr = self.cfg.trainer.lr_at(self.step)
         for group in parts.optimizer.param_groups:
             group["lr"] = lr
@@ -293,7 +301,9 @@ class Trainer:
             )
         if stats.skipped:
             log.warning("step %d: loss or grad norm not finite, update skipped", self.step + 1)
-        if not weights_finite(parts.model, self.ranks.world):
+        with phase("optimizer"):
+            finite = weights_finite(parts.model, self.ranks.world)
+        if not finite:
             # Rollout workers must never get them, and no later step can repair them.
             raise SystemExit(
                 f"step {self.step + 1} made the weights non-finite (lr {lr:g}): not publishing "
@@ -301,7 +311,8 @@ class Trainer:
             )
         self.state.step += 1
         self.state.version += 1
-        blocking = self._publish()
+        with phase("publish"):
+            blocking = self._publish()
         step_seconds = time.monotonic() - t_start
         dropped, self.dropped = self.dropped, []
         if self.rank0 is None:
@@ -349,11 +360,13 @@ class Trainer:
             mfu=mfu,
             **lengths,
             **stats.figures(),
+            **self.breakdown.take().fields(),
         )
 
     def _before_optimizer_step(self, *_: object) -> None:
         if self.rank0 is not None:
-            self._copy_wait += self.rank0.publisher.copied()
+            with phase("publish"):
+                self._copy_wait += self.rank0.publisher.copied()
 
     def _publish(self) -> float:
         """Hand the current weights to rank 0's publisher; returns the seconds it blocked. A
@@ -379,7 +392,7 @@ class Trainer:
     def _checkpoint(self) -> None:
         """Collective: every rank contributes its entry ids and (sharded) state; rank 0 writes."""
         parts = self.parts
-        with self.metrics.time_phase("checkpoint"):
+        with self.metrics.time_phase("checkpoint"), phase("checkpoint"):
             covered = self.ledger.covered()
             model_state, optimizer_state = full_state(parts.model, parts.optimizer)
             if self.rank0 is not None:

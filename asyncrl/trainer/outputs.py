@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from asyncrl.algo.mismatch import LOW_PROB, summarise
+from asyncrl.metrics.breakdown import TRAINER_PHASES, split_of
 from asyncrl.redis_conn import Stopped
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ class StepOutputs:
     def step(self, record: StepRecord, staleness: Iterable[int], stats: StepStats) -> None:
         rt = self.runtime
         rt.metrics.observe_step(record, staleness)
+        split = split_of(record, TRAINER_PHASES)
+        if split is not None:
+            rt.metrics.observe_split(split)
         line = record.to_json()
         if self.jsonl is not None:
             self.jsonl.write(line)

@@ -45,6 +45,7 @@ from asyncrl.algo.mismatch import (
 from asyncrl.engines.routing import moe_shape, routing_hooks
 from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
 from asyncrl.lora import adapter_disabled
+from asyncrl.metrics.breakdown import phase
 from asyncrl.metrics.record import StepRecord
 from asyncrl.trainer.batch import MicroBatch, Row, collate
 from asyncrl.trainer.packing import pack_microbatches
@@ -202,94 +203,101 @@ def train_step(
     moe = moe_shape(model)
     agreement = RoutingAgreement.empty(moe.layers) if moe is not None else None
     for i in range(n_bins):
-        idx = bins[i] if i < len(bins) else []
-        mb_rows = [rows[j] for j in idx] or [_DUMMY_ROW]
-        mb = collate(mb_rows, device)
-        if not idx:
-            mb.mask.zero_()
-        logp = token_logprobs(model, mb, sampling, replay=algo.routing_replay, agreement=agreement)
-        prox = logp.detach()
-        weights = _correction(prox, mb, algo)
-        # Masking rejects tokens: they leave the loss mask (verl's modified response_mask).
-        loss_mask = weights if masking and weights is not None else mb.mask
-        loss_weights = None if masking else weights
-        objective = (
-            gspo_loss
-            if algo.loss == "gspo"
-            else partial(
-                ppo_loss,
-                dual_clip=algo.dual_clip,
-                agg=algo.aggregation,
-                global_tokens=g_tokens,
-                horizon=horizon,
+        # Collation and the proximal weights are charged to their own phases, nested here.
+        with phase("forward_backward"):
+            with phase("collate"):
+                idx = bins[i] if i < len(bins) else []
+                mb = collate([rows[j] for j in idx] or [_DUMMY_ROW], device)
+                if not idx:
+                    mb.mask.zero_()
+            logp = token_logprobs(
+                model, mb, sampling, replay=algo.routing_replay, agreement=agreement
             )
-        )
-        loss, stats = objective(
-            logp,
-            prox,
-            mb.advantages,
-            loss_mask,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            weights=loss_weights,
-            global_seqs=g_seqs,
-        )
-        if ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
-            with torch.no_grad(), adapter_disabled(ref_model):
-                ref_logp = token_logprobs(ref_model, mb, sampling)
-            kl = kl_penalty(logp, ref_logp, algo.kl_kind)
-            loss = loss + algo.kl_coef * aggregate(
-                kl,
+            with phase("proximal"):
+                prox = logp.detach()
+                weights = _correction(prox, mb, algo)
+            # Masking rejects tokens: they leave the loss mask (verl's modified response_mask).
+            loss_mask = weights if masking and weights is not None else mb.mask
+            loss_weights = None if masking else weights
+            objective = (
+                gspo_loss
+                if algo.loss == "gspo"
+                else partial(
+                    ppo_loss,
+                    dual_clip=algo.dual_clip,
+                    agg=algo.aggregation,
+                    global_tokens=g_tokens,
+                    horizon=horizon,
+                )
+            )
+            loss, stats = objective(
+                logp,
+                prox,
+                mb.advantages,
                 loss_mask,
-                algo.aggregation,
-                global_tokens=g_tokens,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                weights=loss_weights,
                 global_seqs=g_seqs,
-                horizon=horizon,
             )
-        loss.backward()
-        n_kept = float(loss_mask.sum())
-        sums["kept"] += n_kept
-        sums["kept_seqs"] += float((loss_mask.sum(-1) > 0).sum())
-        w = weights if weights is not None else mb.mask
-        # Lag 0 is a property of a whole response: a token after an in-flight swap carries the
-        # current version but attended to keys the older weights computed.
-        on_response = torch.where(mb.versions >= 0, mb.versions, current_version)
-        row_lag0 = (on_response.min(-1, keepdim=True).values == current_version) & (
-            mb.versions.max(-1, keepdim=True).values == current_version
-        )
-        lag0 = row_lag0.float() * mb.mask
-        trained_weights.append(w[mb.mask > 0].detach().float())
-        sums["loss"] += float(loss.detach())
-        sums["clip"] += float(stats["clip_fraction"]) * n_kept
-        sums["w"] += float((w * mb.mask).sum())
-        sums["capped"] += float(((w >= algo.weight_cap) & (mb.mask > 0)).sum())
-        sums["diff"] += float(((prox - mb.behav_logp).abs() * lag0).sum())
-        sums["lag0"] += float(lag0.sum())
-        # A response's lag is its staleness (trainer version − its oldest token's), so lag 0
-        # holds exactly the responses of `logprob_abs_diff_lag0`: tokens after an in-flight swap
-        # attended to keys of older weights and are not pure engine mismatch.
-        oldest = on_response.min(-1, keepdim=True).values
-        lag = (current_version - oldest).expand_as(mb.versions)
-        positions = response_positions(mb.versions >= 0)
-        mismatch.add(mismatch_table(prox, mb.behav_logp, mb.mask, lag, positions))
+            if ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
+                with torch.no_grad(), adapter_disabled(ref_model):
+                    ref_logp = token_logprobs(ref_model, mb, sampling)
+                kl = kl_penalty(logp, ref_logp, algo.kl_kind)
+                loss = loss + algo.kl_coef * aggregate(
+                    kl,
+                    loss_mask,
+                    algo.aggregation,
+                    global_tokens=g_tokens,
+                    global_seqs=g_seqs,
+                    horizon=horizon,
+                )
+            loss.backward()
+            n_kept = float(loss_mask.sum())
+            sums["kept"] += n_kept
+            sums["kept_seqs"] += float((loss_mask.sum(-1) > 0).sum())
+            w = weights if weights is not None else mb.mask
+            # Lag 0 is a property of a whole response: a token after an in-flight swap carries the
+            # current version but attended to keys the older weights computed.
+            on_response = torch.where(mb.versions >= 0, mb.versions, current_version)
+            row_lag0 = (on_response.min(-1, keepdim=True).values == current_version) & (
+                mb.versions.max(-1, keepdim=True).values == current_version
+            )
+            lag0 = row_lag0.float() * mb.mask
+            trained_weights.append(w[mb.mask > 0].detach().float())
+            sums["loss"] += float(loss.detach())
+            sums["clip"] += float(stats["clip_fraction"]) * n_kept
+            sums["w"] += float((w * mb.mask).sum())
+            sums["capped"] += float(((w >= algo.weight_cap) & (mb.mask > 0)).sum())
+            sums["diff"] += float(((prox - mb.behav_logp).abs() * lag0).sum())
+            sums["lag0"] += float(lag0.sum())
+            # A response's lag is its staleness (trainer version − its oldest token's), so lag 0
+            # holds exactly the responses of `logprob_abs_diff_lag0`: tokens after an in-flight swap
+            # attended to keys of older weights and are not pure engine mismatch.
+            oldest = on_response.min(-1, keepdim=True).values
+            lag = (current_version - oldest).expand_as(mb.versions)
+            positions = response_positions(mb.versions >= 0)
+            mismatch.add(mismatch_table(prox, mb.behav_logp, mb.mask, lag, positions))
     sums["processed"] = float(sum(r.length for r in rows))
     keys = list(sums)
-    totals = dict(zip(keys, _all_reduce([sums[k] for k in keys], world), strict=True))
     params = [p for p in model.parameters() if p.requires_grad]
-    if world is not None and not is_sharded(model):
-        _all_reduce_grads(params, world)  # FSDP has reduce-scattered them in backward
+    with phase("all_reduce"):
+        totals = dict(zip(keys, _all_reduce([sums[k] for k in keys], world), strict=True))
+        if world is not None and not is_sharded(model):
+            _all_reduce_grads(params, world)  # FSDP has reduce-scattered them in backward
     if masking:
         scale = _rejection_rescale(algo, (g_tokens, g_seqs), (totals["kept"], totals["kept_seqs"]))
         totals["loss"] *= scale
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(scale)
-    # Over sharded gradients the norm is a DTensor: the global norm, the same on every rank.
-    grad_norm = global_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    skipped = not (math.isfinite(grad_norm) and math.isfinite(totals["loss"]))
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with phase("optimizer"):
+        # Over sharded gradients the norm is a DTensor: the global norm, the same on every rank.
+        grad_norm = global_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(totals["loss"]))
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     tokens = max(g_tokens, 1.0)
     return StepStats(
         loss=totals["loss"],
