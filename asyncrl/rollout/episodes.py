@@ -184,6 +184,15 @@ class _Episode:
         stopped = gen.finish == "stop" and len(gen.token_ids)
         self.ended_by = int(gen.token_ids[-1]) if stopped else None
 
+    def answer(self, gen: Generation) -> None:
+        """Hand `gen` to the agent's call waiting on it (task.agent)."""
+        call, self.call = self.call, None
+        assert call is not None
+        self.calls += 1
+        self.generated += len(gen.token_ids)
+        self.group.saw(gen.versions)
+        call.resolve(gen)
+
     def observe(self, ids: list[int]) -> None:
         self.context.extend(ids)
         if not self.turns:
@@ -459,7 +468,7 @@ class EpisodeScheduler(Generic[T]):
             )
         for ep, gen in done:
             if ep.call is not None and not ep.group.failed:
-                self._answer(ep, gen)
+                ep.answer(gen)
         done = [(ep, g) for ep, g in done if not ep.group.failed and ep.session is None]
         try:
             texts = self._tokenizer.batch_decode(
@@ -575,14 +584,6 @@ class EpisodeScheduler(Generic[T]):
         ep.context, ep.call = call.prompt_ids, call
         ep.params = self._sampling.model_copy(update={"max_new_tokens": room})
         self._make_ready(ep)
-
-    def _answer(self, ep: _Episode, gen: Generation) -> None:
-        call, ep.call = ep.call, None
-        assert call is not None
-        ep.calls += 1
-        ep.generated += len(gen.token_ids)
-        ep.group.saw(gen.versions)
-        call.resolve(gen)
 
     def _turn_fits(self, ep: _Episode, observed: int) -> bool:
         """Whether a turn after `observed` more tokens stays within `max_context`."""
