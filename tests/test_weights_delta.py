@@ -131,6 +131,9 @@ def test_malformed_gaps_raise_value_error() -> None:
         return Delta(1, 0, 0, torch.int16, d.table, payload)
 
     flat = old.clone().view(torch.uint8)
+    short = Delta(1, 0, 0, torch.int16, torch.tensor([[int(Encoding.GAPS), 2, 1]]), d.payload[:2])
+    with pytest.raises(ValueError, match="no head"):
+        apply(flat, short, 512)
     with pytest.raises(ValueError, match="not"):
         apply(flat, broken(0, 3), 512)  # three long gaps said: the size disagrees
     with pytest.raises(ValueError, match="escapes"):

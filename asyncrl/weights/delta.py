@@ -227,6 +227,8 @@ def _gaps(old: torch.Tensor, new: torch.Tensor, index: torch.Tensor) -> list[tor
 
 def _apply_gaps(words: torch.Tensor, part: torch.Tensor, n: int) -> None:
     """Apply a GAPS bucket of `n` changes to `words`, checked."""
+    if part.numel() < 8:
+        raise ValueError(f"gaps bucket of {part.numel()} bytes has no head")
     far_n, wide_n = part[:8].view(torch.int32).tolist()
     itemsize = words.element_size()
     if min(far_n, wide_n) < 0 or gaps_size(n, far_n, wide_n, itemsize) != part.numel():
