@@ -16,6 +16,7 @@ from asyncrl.weights.delta import (
     apply,
     encode,
     encoded_sizes,
+    gaps_size,
     word_dtype,
 )
 from asyncrl.weights.fields import DeltaFields
@@ -54,9 +55,9 @@ def test_each_bucket_picks_its_smallest_encoding() -> None:
     # Four buckets of 1024 bytes = 512 int16 words: one change, 40 changes, none, all.
     old = torch.zeros(2048, dtype=torch.int16)
     new = old.clone()
-    new[5] = 7  # pairs 8 + 8 + 8 = 24 < mask 64 + 8
-    new[512 : 512 + 40] = 1  # mask 64 + 80 = 144 < pairs 8 + 80 + 80
-    new[1536:] = 3  # raw 1024 < mask 64 + 1024
+    new[5] = 7  # pairs 8 + 8 + 8 = 24 < mask 64 + 8; = gaps 8 + 8 + 8: the first wins
+    new[512 : 512 + 40] = 1000  # mask 64 + 80 = 144 < pairs 8 + 80 + 80 = gaps 8 + 80 + 80
+    new[1536:] = 3  # raw 1024 < gaps 8 + 512 + 512 < mask 64 + 1024
     d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (4, 5), 1024)
     assert d is not None
     assert d.table.tolist() == [[1, 24, 1], [2, 144, 40], [0, 0, 0], [3, 1024, 512]]
@@ -75,7 +76,8 @@ def test_pairs_indices_cross_blocks_of_65536_words() -> None:
     old = torch.zeros(3 << 16, dtype=torch.int16)
     new = old.clone()
     at = [0, 65535, 65536, 131071, 196607]  # both ends of every block
-    new[at] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int16)
+    # Wide values: gaps would cost 8 + 8 + 16 (three long gaps) + 8 + 16 = 56 > 48.
+    new[at] = torch.tensor([1000, 2000, 3000, 4000, 5000], dtype=torch.int16)
     d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (0, 1), 6 << 16)
     assert d is not None
     assert d.table.tolist() == [[1, 16 + 16 + 16, 5]]
@@ -83,6 +85,63 @@ def test_pairs_indices_cross_blocks_of_65536_words() -> None:
     flat = old.clone().view(torch.uint8)
     apply(flat, d, 6 << 16)
     assert torch.equal(flat.view(torch.int16), new)
+
+
+def test_gaps_hand_worked() -> None:
+    # 512 words held as 3 * i; 41 changes: every other word of 0..78 by +1, except word 10
+    # by -127 (the widest step an int8 holds) and word 14 by +128 (wide: sent whole); then
+    # word 500, 421 words after word 78 (a long gap).
+    old = torch.arange(512, dtype=torch.int16) * 3
+    new = old.clone()
+    at = [*range(0, 80, 2), 500]
+    new[at] += 1
+    new[10] -= 128
+    new[14] += 127
+    gaps, pairs, mask = 8 + 48 + 8 + 48 + 8, 8 + 88 + 88, 64 + 88
+    assert gaps_size(41, 1, 1, 2) == gaps
+    assert encoded_sizes(512, 41, 2) == {
+        Encoding.PAIRS: pairs,
+        Encoding.MASK: mask,
+        Encoding.RAW: 1024,
+    }
+    d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (0, 1), 1024)
+    assert d is not None
+    assert d.table.tolist() == [[int(Encoding.GAPS), gaps, 41]]
+    p = d.payload
+    assert p[:8].view(torch.int32).tolist() == [1, 1]  # one long gap, one wide value
+    assert p[8:49].tolist() == [0] + [1] * 39 + [255]  # word 0, then one skipped each time
+    assert p[56:60].view(torch.int32).tolist() == [421]
+    assert p[64:105].view(torch.int8).tolist() == [1] * 5 + [-127, 1, -128] + [1] * 33
+    assert p[112:114].view(torch.int16).tolist() == [3 * 14 + 128]
+    flat = old.clone().view(torch.uint8)
+    apply(flat, d, 1024)
+    assert torch.equal(flat.view(torch.int16), new)
+
+
+def test_malformed_gaps_raise_value_error() -> None:
+    old = torch.zeros(256, dtype=torch.int16)
+    new = old.clone()
+    new[:40:2] = 1
+    d = encode(old.view(torch.uint8), new.view(torch.uint8), torch.int16, (0, 1), 512)
+    assert d is not None and d.table[0, 0] == Encoding.GAPS
+
+    def broken(at: int, byte: int) -> Delta:
+        payload = d.payload.clone()
+        payload[at] = byte
+        return Delta(1, 0, 0, torch.int16, d.table, payload)
+
+    flat = old.clone().view(torch.uint8)
+    short = Delta(1, 0, 0, torch.int16, torch.tensor([[int(Encoding.GAPS), 2, 1]]), d.payload[:2])
+    with pytest.raises(ValueError, match="no head"):
+        apply(flat, short, 512)
+    with pytest.raises(ValueError, match="not"):
+        apply(flat, broken(0, 3), 512)  # three long gaps said: the size disagrees
+    with pytest.raises(ValueError, match="escapes"):
+        apply(flat, broken(8, 255), 512)  # a long gap code with no long gap sent
+    with pytest.raises(ValueError, match="beyond"):
+        apply(flat, broken(9, 254), 512)  # word 255 + 36 of 256
+    with pytest.raises(ValueError, match="escapes"):
+        apply(flat, broken(32, 0x80), 512)  # a wide step code with no wide value sent
 
 
 def _model(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -121,7 +180,7 @@ def test_n_deltas_equal_a_full_sync_bit_for_bit(
     narrow = engine if engine != torch.float32 else None
     source = DeltaSource(DeltaFields(enabled=True, anchor_every=100, max_fraction=1.0))
     held = Held()
-    sent_full = 0
+    sent_full, kinds = 0, set()
     for version in range(8):
         buf = FlatBuffer(Layout.of(params.items(), narrow), torch.device(device))
         buf.pack(params.items())
@@ -131,12 +190,15 @@ def test_n_deltas_equal_a_full_sync_bit_for_bit(
             sent_full += 1
         else:
             assert delta.nbytes < buf.layout.total_bytes
+            kinds |= {Encoding(k) for k in delta.table[:, 0].tolist()}
             got = held.apply(delta, buf.layout)
             # What a full sync of this version would hand over, bit for bit.
             assert torch.equal(got, buf.flat)
         source.sent(buf.flat, buf.layout, version, delta)
         _step(params, lr, g)
     assert sent_full == 1
+    # Hundreds of small steps go as gaps (some wide at 1e-2), a handful as pairs or gaps.
+    assert Encoding.GAPS in kinds and kinds <= {Encoding.PAIRS, Encoding.GAPS}
 
 
 def test_the_delta_stops_paying_then_full() -> None:
