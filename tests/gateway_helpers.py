@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.gateway.agents import Agents
-from asyncrl.gateway.config import GatewayConfig, PythonAgentConfig
+from asyncrl.gateway.config import AgentConfig, GatewayConfig, PythonAgentConfig
 from asyncrl.gateway.server import Gateway
 from asyncrl.items import PromptItem
 from asyncrl.rollout.episodes import EpisodeScheduler
@@ -74,6 +74,21 @@ def agent_scheduler(
     **agent: Any,
 ) -> tuple[EpisodeScheduler[str], Gateway]:
     cfg = PythonAgentConfig(python_path=[str(folder)], path=path, **agent)
+    return config_scheduler(
+        engine, tokenizer, cfg, params=params, max_context=max_context, batch_wait_s=batch_wait_s
+    )
+
+
+def config_scheduler(
+    engine: Any,
+    tokenizer: Any,
+    cfg: AgentConfig,
+    *,
+    params: Any,
+    max_context: int | None = None,
+    batch_wait_s: float = 0.0,
+) -> tuple[EpisodeScheduler[str], Gateway]:
+    """An `EpisodeScheduler` running the agent of `cfg` over a real gateway."""
     gateway = Gateway(GatewayConfig(), tokenizer, len(tokenizer))
     sched: EpisodeScheduler[str] = EpisodeScheduler(
         engine,

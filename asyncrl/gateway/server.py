@@ -1,4 +1,5 @@
-"""The gateway's HTTP side: OpenAI's `/v1/chat/completions` and `/v1/models` for the live
+"""The gateway's HTTP side: OpenAI's `/v1/chat/completions`, `/v1/responses` (the Agents SDK's
+default; `asyncrl.serve.responses`) and `/v1/models` for the live
 sessions of one rollout worker (`asyncrl.gateway.sessions`), over the OpenAI layer `asyncrl
 serve` speaks too (`asyncrl.serve.openai_api`).
 
@@ -23,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,7 @@ from asyncrl.gateway.config import GatewayConfig
 from asyncrl.gateway.sessions import PendingCall, Session, SessionEnded, Sessions
 from asyncrl.gateway.transcript import CallRecord, ChatTemplate, Transcript
 from asyncrl.reasons import BreakCause
-from asyncrl.serve import native, openai_api
+from asyncrl.serve import native, openai_api, responses
 from asyncrl.serve.http import JsonHandler, Stream
 from asyncrl.serve.native import ApiError, Body
 
@@ -177,6 +179,8 @@ class _Handler(JsonHandler):
             return openai_api.models(MODEL_NAME)
         if path == "/v1/chat/completions" and self.command == "POST":
             return gateway.chat(session, body)
+        if path == "/v1/responses" and self.command == "POST":
+            return responses.respond(body, partial(gateway.chat, session))
         raise ApiError("Not Found", None, HTTPStatus.NOT_FOUND)
 
 
