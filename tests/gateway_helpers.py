@@ -5,6 +5,7 @@ and an `EpisodeScheduler` running `task.agent` agents over a real gateway."""
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,16 @@ def config_scheduler(
         agents=Agents(cfg, gateway),
     )
     return sched, gateway
+
+
+def dies(pid: int) -> bool:
+    """Whether `pid` is gone or a zombie within a few seconds (SIGKILL is not instant)."""
+    for _ in range(100):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,14 @@ from asyncrl.reasons import GroupReason
 from asyncrl.rollout.episodes import FailedGroup, FinishedGroup
 
 from episode_helpers import ScriptedEngine
-from gateway_helpers import CALL_TEXT, ExactTask, agent_scheduler, config_scheduler, tool_model
+from gateway_helpers import (
+    CALL_TEXT,
+    ExactTask,
+    agent_scheduler,
+    config_scheduler,
+    dies,
+    tool_model,
+)
 
 PARAMS = SamplingParams(max_new_tokens=64)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -163,17 +169,4 @@ def test_a_failing_command_fails_its_group_by_reason(
     assert finished == []
     assert failure.reason == GroupReason(reason) and detail in failure.detail, failure
     if reason == "agent_timeout":
-        assert _dies(int(pid_file.read_text())), "the agent's child outlived its group"
-
-
-def _dies(pid: int) -> bool:
-    """Whether `pid` is gone or a zombie within a few seconds (SIGKILL is not instant)."""
-    for _ in range(100):
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    return False
+        assert dies(int(pid_file.read_text())), "the agent's child outlived its group"

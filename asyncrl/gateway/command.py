@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from asyncrl.gateway.config import CommandAgentConfig
 
-_TAIL_CHARS = 2000
-"""Of an agent's stderr, the end that a failure's detail carries."""
+_TAIL_CHARS = 600
+"""Of an agent's stderr, the end that a failure's detail carries (whole within a dead
+letter's detail bound, with the exit before it)."""
 
 _PR_SET_PDEATHSIG = 1
 

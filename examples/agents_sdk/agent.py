@@ -22,6 +22,7 @@ from typing import Any
 from agents import (
     Agent,
     MaxTurnsExceeded,
+    ModelBehaviorError,
     OpenAIResponsesModel,
     RunConfig,
     Runner,
@@ -48,7 +49,9 @@ async def solve(item: dict[str, Any], base_url: str, api_key: str, max_turns: in
     config = RunConfig(tracing_disabled=True)
     try:
         result = await Runner.run(agent, item["prompt"], max_turns=max_turns, run_config=config)
-    except MaxTurnsExceeded:  # a policy that loops on its tool earns nothing
+    except (MaxTurnsExceeded, ModelBehaviorError):
+        # A policy that loops on its tool, or whose answer runs out of tokens (an `incomplete`
+        # response), earns nothing; its calls are still trained on.
         return 0.0
     return float(str(result.final_output).strip() == str(item["answer"]))
 
