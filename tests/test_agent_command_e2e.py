@@ -23,7 +23,7 @@ from asyncrl.launch.status import collect_status
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import Counter, Keys
 
-from gateway_helpers import dies, tool_model
+from gateway_helpers import agent_run_settings, dies, tool_model
 from role_procs import Role, dead_letters, stop_all, wait_until, write_role_config
 
 STEPS, G, N = 2, 2, 2
@@ -70,24 +70,11 @@ def test_agents_sdk_command_agent_trains_through_a_kill(
         model,
         keys.run_id,
         {
-            "model.build_tiny": False,
-            "task.type": "arithmetic",
-            "task.digits": 1,
-            "task.eval_size": 10,
+            **agent_run_settings(STEPS, G, N),
             "task.agent.type": "command",
             "task.agent.argv": [sys.executable, str(script)],
             "task.agent.env": {"AGENT_LOG": str(user_code)},
             "task.agent.timeout_s": 120,
-            "rollout.n": N,
-            "rollout.prompts_per_batch": 2,
-            "rollout.sampling.max_new_tokens": 4,
-            "trainer.groups_per_step": G,
-            "trainer.max_steps": STEPS,
-            "trainer.eval_every": 0,
-            "trainer.wait_timeout_s": 120,
-            "algo.max_staleness": 2,
-            "algo.filter_zero_variance": False,  # an untrained model earns 0 everywhere
-            "weights.type": "broadcast",
         },
     )
     logs = tmp_path / "logs"

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -20,7 +19,7 @@ from asyncrl.engines.base import Generation
 from asyncrl.engines.config import SamplingParams
 from asyncrl.gateway.config import CommandAgentConfig
 from asyncrl.reasons import GroupReason
-from asyncrl.rollout.episodes import FailedGroup, FinishedGroup
+from asyncrl.rollout.episodes import FinishedGroup
 
 from episode_helpers import ScriptedEngine
 from gateway_helpers import (
@@ -29,6 +28,7 @@ from gateway_helpers import (
     agent_scheduler,
     config_scheduler,
     dies,
+    run_groups,
     tool_model,
 )
 
@@ -52,38 +52,17 @@ class ToolThenAnswer(ScriptedEngine):
         super().__init__(self.call)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        self.batches.append(len(prompts))
         out = []
         for prompt in prompts:
-            ids = self.answer if "tool:" in self.tokenizer.decode(prompt) else self.call
-            n = len(ids)
-            out.append(
-                Generation(
-                    np.array(ids, np.int32),
-                    np.full(n, -0.5, np.float32),
-                    np.full(n, self.version, np.int32),
-                    "stop",
-                )
-            )
+            self.reply = self.answer if "tool:" in self.tokenizer.decode(prompt) else self.call
+            out += super().generate([prompt], params)
         return out
-
-
-def _run(sched: Any, groups: int) -> tuple[list[FinishedGroup[str]], list[FailedGroup[str]]]:
-    finished: list[FinishedGroup[str]] = []
-    failed: list[FailedGroup[str]] = []
-    for _ in range(4000):
-        done, bad = sched.advance(0.05)
-        finished += done
-        failed += bad
-        if len(finished) + len(failed) == groups:
-            return finished, failed
-    raise AssertionError("groups did not end")
 
 
 def _one_group(sched: Any, tokenizer: Any, n: int) -> tuple[list[Any], list[Any]]:
     try:
         sched.start("g", ExactTask(tokenizer).item("one plus two?"), n, "g")
-        return _run(sched, 1)
+        return run_groups(sched, 1)
     finally:
         sched.close()
 
