@@ -149,3 +149,12 @@ def test_a_failing_command_fails_its_group_by_reason(
     assert failure.reason == GroupReason(reason) and detail in failure.detail, failure
     if reason == "agent_timeout":
         assert dies(int(pid_file.read_text())), "the agent's child outlived its group"
+
+
+def test_a_command_that_is_not_there_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "agent.sh").write_text("echo 1\n")  # not executable
+    for argv, cwd in ((["no-such-agent-here"], None), (["./agent.sh"], str(tmp_path))):
+        with pytest.raises(ValueError, match="argv"):
+            CommandAgentConfig(type="command", argv=argv, cwd=cwd)
+    (tmp_path / "agent.sh").chmod(0o755)
+    assert CommandAgentConfig(type="command", argv=["./agent.sh"], cwd=str(tmp_path)).argv

@@ -78,8 +78,10 @@ async def run_command(
     finally:
         kill_group(proc.pid)
     tail = err.decode(errors="replace")[-_TAIL_CHARS:].strip()
-    if proc.returncode != 0:
-        raise CommandFailed(f"{cfg.argv[0]} exited {proc.returncode}; stderr: {tail}")
+    code = proc.returncode
+    if code != 0:
+        how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exited {code}"
+        raise CommandFailed(f"{cfg.argv[0]} {how}; stderr: {tail}")
     lines = out.decode(errors="replace").strip().splitlines()
     last = lines[-1] if lines else ""
     try:

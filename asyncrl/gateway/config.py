@@ -1,6 +1,8 @@
 """Config of agents trained through the gateway (`task.agent`) and of the gateway itself
 (`rollout.gateway`). Nothing here imports torch or an HTTP client."""
 
+import os
+import shutil
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
@@ -58,14 +60,26 @@ class CommandAgentConfig(AgentLimits):
     type: Literal["command"]
     """Agent backend."""
 
-    argv: list[str] = Field(min_length=1)
-    """The command and its arguments (no shell: `["bash", "-c", "..."]` for one)."""
-
     cwd: str | None = None
     """Its working directory; None: the rollout worker's."""
 
+    argv: list[str] = Field(min_length=1)
+    """The command and its arguments (no shell: `["bash", "-c", "..."]` for one); checked to
+    be an executable (on PATH, or a path from `cwd`) when the config loads."""
+
     env: dict[str, str] = Field(default_factory=dict)
     """Variables added to the worker's environment for it (the episode's own win)."""
+
+    @field_validator("argv")
+    @classmethod
+    def _found(cls, argv: list[str], info: ValidationInfo) -> list[str]:
+        # A typo is one config error when the run starts, not a failed group per episode.
+        program = argv[0]
+        if "/" in program and info.data.get("cwd"):
+            program = os.path.join(info.data["cwd"], program)
+        if shutil.which(program) is None:
+            raise ValueError(f"{argv[0]!r} is no executable file (nor on PATH)")
+        return argv
 
 
 AgentConfig = Annotated[
