@@ -158,3 +158,23 @@ def test_a_command_that_is_not_there_is_a_config_error(tmp_path: Path) -> None:
             CommandAgentConfig(type="command", argv=argv, cwd=cwd)
     (tmp_path / "agent.sh").chmod(0o755)
     assert CommandAgentConfig(type="command", argv=["./agent.sh"], cwd=str(tmp_path)).argv
+
+
+POSTS_ITS_REWARD = """
+import httpx
+url, auth = os.environ["OPENAI_BASE_URL"] + "/reward", {"Authorization": "Bearer " + client.api_key}
+bad = httpx.post(url, json={"reward": "high"}, headers=auth)
+assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward", bad.text
+assert httpx.post(url, json={"reward": 0.75}, headers=auth).status_code == 200
+"""
+
+
+def test_a_command_agent_may_post_its_reward(tokenizer: Any, tmp_path: Path) -> None:
+    """A reward POSTed to `{base_url}/reward` (AReaL's set_reward) is the episode's when the
+    agent prints none; one that is no reward is refused by a 400 naming it."""
+    script = tmp_path / "agent.py"
+    script.write_text(CALLS_ONCE + POSTS_ITS_REWARD)
+    cfg = CommandAgentConfig(type="command", argv=[sys.executable, str(script)])
+    sched, _ = config_scheduler(ToolThenAnswer(tokenizer), tokenizer, cfg, params=PARAMS)
+    (group,), failed = _one_group(sched, tokenizer, 1)
+    assert failed == [] and [s.reward for s in group.samples] == [0.75]

@@ -65,7 +65,7 @@ class AgentFailure(Exception):
         self.detail = detail
 
 
-def _reward(value: object) -> Reward:
+def reward_of(value: object) -> Reward:
     """`value` if it is a reward the agent may return, else `agent_error`."""
 
     def number(x: object) -> bool:
@@ -145,7 +145,9 @@ class Agents:
             raise AgentFailure(GroupReason.AGENT_ERROR, f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._groups.pop(session.token, None)
-        return AgentEnded(_reward(value))
+        if value is None and session.posted is not None:
+            return session.posted
+        return AgentEnded(reward_of(value))
 
     def _started(self, session: Session, pid: int) -> None:
         """A command agent's process group is up; one whose session already ended goes now."""

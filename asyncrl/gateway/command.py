@@ -51,7 +51,8 @@ async def run_command(
     api_key: str,
     started: Callable[[int], None],
 ) -> Any:
-    """Run the agent once for `item`; its last stdout line parsed as JSON. `started(pid)` is
+    """Run the agent once for `item`; its last stdout line parsed as JSON (None for no
+    output). `started(pid)` is
     told its process group as soon as it exists; the group is killed when this returns or is
     cancelled (a timeout, the worker stopping)."""
     given = json.dumps(item)
@@ -83,7 +84,9 @@ async def run_command(
         how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exited {code}"
         raise CommandFailed(f"{cfg.argv[0]} {how}; stderr: {tail}")
     lines = out.decode(errors="replace").strip().splitlines()
-    last = lines[-1] if lines else ""
+    if not lines:
+        return None  # no reward of its own: one it POSTed, else the task's
+    last = lines[-1]
     try:
         return json.loads(last)
     except ValueError:

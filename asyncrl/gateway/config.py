@@ -53,8 +53,8 @@ class CommandAgentConfig(AgentLimits):
     its own): started once per episode in a process group of its own, with the episode's
     credentials as `OPENAI_BASE_URL` / `OPENAI_API_KEY` and the item as `ASYNCRL_ITEM` (JSON:
     `id`, `prompt`, `answer`; also on its stdin). Its reward is its last stdout line: a JSON
-    number, a list of them (one per call) or `null` (the task's reward scores its last
-    answer). A non-zero exit or any other last line fails its group (`agent_error`, stderr's
+    number, a list of them (one per call) or `null`; with `null` or no output, a reward it
+    POSTed to `{OPENAI_BASE_URL}/reward`, else the task's reward of its last answer. A non-zero exit or any other last line fails its group (`agent_error`, stderr's
     tail as detail); the process group is killed when the episode ends or is given up."""
 
     type: Literal["command"]

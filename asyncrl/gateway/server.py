@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from asyncrl.gateway.agents import AgentEnded, AgentFailure, reward_of
 from asyncrl.gateway.config import GatewayConfig
 from asyncrl.gateway.sessions import PendingCall, Session, SessionEnded, Sessions
 from asyncrl.gateway.transcript import CallRecord, ChatTemplate, Transcript
@@ -165,6 +166,18 @@ def _check_gateway_request(jobs: int, spec: native.Spec) -> None:
         raise ApiError("min_tokens: not in a training session", "min_tokens")
 
 
+def _post_reward(session: Session, body: Body) -> dict[str, Any]:
+    """`POST {base_url}/reward` `{"reward": ...}`: the episode's reward, for an agent that
+    returns none itself (AReaL's `set_reward`); the last one posted counts."""
+    if "reward" not in body:
+        raise ApiError("reward: required (a number, a list of them, or null)", "reward")
+    try:
+        session.posted = AgentEnded(reward_of(body["reward"]))
+    except AgentFailure as exc:
+        raise ApiError(f"reward: {exc.detail}", "reward") from None
+    return {"reward": body["reward"]}
+
+
 class _Handler(JsonHandler):
     server: _Server
 
@@ -181,6 +194,8 @@ class _Handler(JsonHandler):
             return gateway.chat(session, body)
         if path == "/v1/responses" and self.command == "POST":
             return responses.respond(body, partial(gateway.chat, session))
+        if path == "/v1/reward" and self.command == "POST":
+            return _post_reward(session, body)
         raise ApiError("Not Found", None, HTTPStatus.NOT_FOUND)
 
 
