@@ -54,8 +54,9 @@ class CommandAgentConfig(AgentLimits):
     credentials as `OPENAI_BASE_URL` / `OPENAI_API_KEY` and the item as `ASYNCRL_ITEM` (JSON:
     `id`, `prompt`, `answer`; also on its stdin). Its reward is its last stdout line: a JSON
     number, a list of them (one per call) or `null`; with `null` or no output, a reward it
-    POSTed to `{OPENAI_BASE_URL}/reward`, else the task's reward of its last answer. A non-zero exit or any other last line fails its group (`agent_error`, stderr's
-    tail as detail); the process group is killed when the episode ends or is given up."""
+    POSTed to `{OPENAI_BASE_URL}/reward`, else the task's reward of its last answer. A
+    non-zero exit or any other last line fails its group (`agent_error`, stderr's tail as
+    detail); the process group is killed when the episode ends or is given up."""
 
     type: Literal["command"]
     """Agent backend."""
