@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-import numbers
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +30,7 @@ import numpy as np
 
 from asyncrl.environments.base import contained
 from asyncrl.gateway.command import kill_group, run_command
+from asyncrl.gateway.outcome import AgentEnded, AgentFailure, reward_of
 from asyncrl.items import PromptItem
 from asyncrl.plugins import load_object
 from asyncrl.protocol import Sample
@@ -45,40 +44,6 @@ if TYPE_CHECKING:
 
 _THREADS = 256
 """Sync agents running at once in a worker (a thread each, for their whole episode)."""
-
-Reward = float | list[float] | None
-
-
-@dataclass(frozen=True)
-class AgentEnded:
-    """What an agent returned: its reward, a reward per call, or None (the task scores)."""
-
-    reward: Reward
-
-
-class AgentFailure(Exception):
-    """An episode's agent that failed; `reason` is a `GroupReason` `agent_*` member."""
-
-    def __init__(self, reason: GroupReason, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-def reward_of(value: object) -> Reward:
-    """`value` if it is a reward the agent may return, else `agent_error`."""
-
-    def number(x: object) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-    if value is None or number(value):
-        return None if value is None else float(value)  # type: ignore[arg-type]
-    if isinstance(value, list | tuple) and value and all(number(x) for x in value):
-        return [float(x) for x in value]
-    raise AgentFailure(
-        GroupReason.AGENT_ERROR,
-        f"returned {value!r:.200}: expected a finite number, a list of them or None",
-    )
 
 
 class Agents:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncrl.gateway.agents import AgentEnded, AgentFailure, reward_of
 from asyncrl.gateway.config import GatewayConfig
+from asyncrl.gateway.outcome import AgentEnded, AgentFailure, reward_of
 from asyncrl.gateway.sessions import PendingCall, Session, SessionEnded, Sessions
 from asyncrl.gateway.transcript import CallRecord, ChatTemplate, Transcript
 from asyncrl.reasons import BreakCause

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from asyncrl.engines.base import Generation
 
 if TYPE_CHECKING:
-    from asyncrl.gateway.agents import AgentEnded
+    from asyncrl.gateway.outcome import AgentEnded
     from asyncrl.gateway.transcript import Transcript
 
 _ENDED_KEPT = 4096
