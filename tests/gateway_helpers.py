@@ -5,15 +5,16 @@ and an `EpisodeScheduler` running `task.agent` agents over a real gateway."""
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from asyncrl.gateway.agents import Agents
-from asyncrl.gateway.config import GatewayConfig, PythonAgentConfig
+from asyncrl.gateway.config import AgentConfig, GatewayConfig, PythonAgentConfig
 from asyncrl.gateway.server import Gateway
 from asyncrl.items import PromptItem
-from asyncrl.rollout.episodes import EpisodeScheduler
+from asyncrl.rollout.episodes import EpisodeScheduler, FailedGroup, FinishedGroup
 
 CHARS = ' abcdefghijklmnopqrstuvwxyz0123456789+=.,:?!<>/{}"_[]\n'
 TEMPLATE = (
@@ -58,6 +59,28 @@ class ExactTask:
         return float(response_text.strip() == item.answer)
 
 
+def agent_run_settings(steps: int, groups: int, n: int) -> dict[str, Any]:
+    """`write_role_config` settings of a small agent run on an arithmetic task (add
+    `task.agent.*`): `steps` steps of `groups` groups of `n` episodes, short answers."""
+    return {
+        "model.build_tiny": False,
+        "task.type": "arithmetic",
+        "task.digits": 1,
+        "task.eval_size": 10,
+        "rollout.n": n,
+        "rollout.prompts_per_batch": 2,
+        "rollout.sampling.max_new_tokens": 4,
+        "trainer.groups_per_step": groups,
+        "trainer.max_steps": steps,
+        "trainer.eval_every": 0,
+        "trainer.wait_timeout_s": 120,
+        "algo.max_staleness": 2,
+        # An untrained model earns reward 0 everywhere: keep its groups so that steps train.
+        "algo.filter_zero_variance": False,
+        "weights.type": "broadcast",
+    }
+
+
 def agent_module(folder: Path, name: str, source: str) -> None:
     (folder / f"{name}.py").write_text(textwrap.dedent(source))
 
@@ -74,14 +97,45 @@ def agent_scheduler(
     **agent: Any,
 ) -> tuple[EpisodeScheduler[str], Gateway]:
     cfg = PythonAgentConfig(python_path=[str(folder)], path=path, **agent)
+    return config_scheduler(
+        engine, tokenizer, cfg, params=params, max_context=max_context, batch_wait_s=batch_wait_s
+    )
+
+
+def config_scheduler(
+    engine: Any, tokenizer: Any, cfg: AgentConfig, params: Any, **scheduler: Any
+) -> tuple[EpisodeScheduler[str], Gateway]:
+    """An `EpisodeScheduler` (`scheduler`: its keyword arguments) running the agent of `cfg`
+    over a real gateway."""
     gateway = Gateway(GatewayConfig(), tokenizer, len(tokenizer))
+    agents = Agents(cfg, gateway)
+    task = ExactTask(tokenizer)
     sched: EpisodeScheduler[str] = EpisodeScheduler(
-        engine,
-        ExactTask(tokenizer),
-        tokenizer,
-        params,
-        batch_wait_s=batch_wait_s,
-        max_context=max_context,
-        agents=Agents(cfg, gateway),
+        engine, task, tokenizer, params, agents=agents, **scheduler
     )
     return sched, gateway
+
+
+def dies(pid: int) -> bool:
+    """Whether `pid` is gone or a zombie within a few seconds (SIGKILL is not instant)."""
+    for _ in range(100):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def run_groups(sched: Any, groups: int) -> tuple[list[FinishedGroup[str]], list[FailedGroup[str]]]:
+    finished: list[FinishedGroup[str]] = []
+    failed: list[FailedGroup[str]] = []
+    for _ in range(2000):
+        done, bad = sched.advance(0.05)
+        finished += done
+        failed += bad
+        if len(finished) + len(failed) == groups:
+            return finished, failed
+    raise AssertionError("groups did not end")

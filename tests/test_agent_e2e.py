@@ -22,7 +22,7 @@ from asyncrl.launch.status import collect_status
 from asyncrl.protocol import decode_group
 from asyncrl.runstate import Counter, Keys
 
-from gateway_helpers import tool_model
+from gateway_helpers import agent_run_settings, tool_model
 from role_procs import (
     QUICK_TAKEOVER,
     Role,
@@ -92,26 +92,12 @@ def test_unchanged_openai_agent_trains_through_kills(
         keys.run_id,
         {
             **QUICK_TAKEOVER,
-            "model.build_tiny": False,
-            "task.type": "arithmetic",
-            "task.digits": 1,
-            "task.eval_size": 10,
+            **agent_run_settings(STEPS, G, N),
             "task.agent.python_path": [str(user_code)],
             "task.agent.path": "my_agent:run",
             "task.agent.kwargs": {"log_dir": str(user_code)},
             "task.agent.timeout_s": 120,
-            "rollout.n": N,
-            "rollout.prompts_per_batch": 2,
-            "rollout.sampling.max_new_tokens": 4,
-            "trainer.groups_per_step": G,
-            "trainer.max_steps": STEPS,
             "trainer.checkpoint_every": 1,
-            "trainer.eval_every": 0,
-            "trainer.wait_timeout_s": 120,
-            "algo.max_staleness": 2,
-            # An untrained model earns reward 0 everywhere: keep its groups so that steps train.
-            "algo.filter_zero_variance": False,
-            "weights.type": "broadcast",
         },
     )
     logs = tmp_path / "logs"

@@ -13,10 +13,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncrl.engines.config import SamplingParams
-from asyncrl.rollout.episodes import FailedGroup, FinishedGroup
 
 from episode_helpers import ScriptedEngine
-from gateway_helpers import CALL_TEXT, ExactTask, agent_module, agent_scheduler, tool_model
+from gateway_helpers import (
+    CALL_TEXT,
+    ExactTask,
+    agent_module,
+    agent_scheduler,
+    run_groups,
+    tool_model,
+)
 
 PARAMS = SamplingParams(max_new_tokens=64)
 
@@ -24,18 +30,6 @@ PARAMS = SamplingParams(max_new_tokens=64)
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return AutoTokenizer.from_pretrained(tool_model(tmp_path_factory.mktemp("tools") / "tiny"))
-
-
-def _run(sched: Any, groups: int) -> tuple[list[FinishedGroup[str]], list[FailedGroup[str]]]:
-    finished: list[FinishedGroup[str]] = []
-    failed: list[FailedGroup[str]] = []
-    for _ in range(2000):
-        done, bad = sched.advance(0.05)
-        finished += done
-        failed += bad
-        if len(finished) + len(failed) == groups:
-            return finished, failed
-    raise AssertionError("groups did not end")
 
 
 def _spelled(tokenizer: Any, ids: list[int]) -> str:
@@ -105,7 +99,7 @@ def test_agents_calls_are_batched_recorded_and_streamed_alike(
     )
     try:
         sched.start("g", ExactTask(tokenizer).item("one plus two?"), 3, "g")
-        (group,), failed = _run(sched, 1)
+        (group,), failed = run_groups(sched, 1)
     finally:
         sched.close()
     assert failed == []
@@ -200,7 +194,7 @@ def test_agents_that_misbehave_fail_their_group_by_reason(tokenizer: Any, user_c
     try:
         for what in [*cases, "good"]:
             sched.start(what, task.item("good" if what == "good" else what), 1, what)
-        finished, failed = _run(sched, len(cases) + 1)
+        finished, failed = run_groups(sched, len(cases) + 1)
     finally:
         sched.close()
     assert {f.tag: f.reason for f in failed} == cases
@@ -248,7 +242,7 @@ def test_calls_need_a_live_session_and_an_ended_one_is_refused_at_once(
     )
     try:
         sched.start("c", ExactTask(tokenizer).item("what?"), 1, "c")
-        (group,), failed = _run(sched, 1)
+        (group,), failed = run_groups(sched, 1)
         seen = json.loads(out.read_text())
         assert seen["statuses"] == [401, 200]
         assert failed == [] and group.samples[0].reward == 1.0  # the task scored "3"
@@ -278,7 +272,7 @@ def test_the_example_agent_runs_unchanged(tokenizer: Any) -> None:
     )
     try:
         sched.start("e", ExactTask(tokenizer).item("what is one plus two?"), 1, "e")
-        (group,), failed = _run(sched, 1)
+        (group,), failed = run_groups(sched, 1)
     finally:
         sched.close()
     assert failed == []

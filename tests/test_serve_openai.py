@@ -124,3 +124,22 @@ def test_errors_in_openai_shape(client: Any, random_model: Path) -> None:
         )
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model=name, input="a")
+
+
+def test_responses_plain_and_streamed(client: Any, random_model: Path) -> None:
+    """`/v1/responses` (the Agents SDK's default API) answers what chat answers, whole or as
+    stream events ending in the same `Response`, with the sampled tokens' log-probs."""
+    name = str(random_model)
+    messages = [{"role": "user", "content": "yo"}]
+    chat = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=5, temperature=0
+    )
+    text = chat.choices[0].message.content
+    ask = {"model": name, "input": "yo", "max_output_tokens": 5, "temperature": 0}
+    whole = client.responses.create(**ask, include=["message.output_text.logprobs"])
+    assert whole.output_text == text
+    assert len(whole.output[0].content[0].logprobs) == chat.usage.completion_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    events = list(client.responses.create(**ask, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == text and events[-1].response.output_text == text

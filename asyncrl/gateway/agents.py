@@ -1,11 +1,12 @@
 """Agents as a task (`task.agent`): the user's function run once per episode against its own
 gateway session, and what its episode becomes: a sample per transcript segment.
 
-The function runs on the rollout worker's environment event loop (`asyncrl.rollout.env_loop`):
+A `python` agent runs on the rollout worker's environment event loop (`asyncrl.rollout.env_loop`):
 an `async def` as a task there, a plain function on a thread of its own, each under the
 episode's `timeout_s`. Whatever it raises, a BaseException included, fails only its group
 (`agent_error`); past its time, `agent_timeout` (a thread cannot be stopped: its session is
-ended, so its next call fails at once).
+ended, so its next call fails at once). A `command` agent is a process group per episode
+(`asyncrl.gateway.command`), killed when its episode ends or its group fails.
 
 Samples and the wire: an agent renders its own prompt (system turn, tools, its history), so
 the episodes of one group need not share the item's prompt. Each sample's response is its
@@ -19,24 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-import numbers
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from asyncrl.environments.base import contained
+from asyncrl.gateway.command import kill_group, run_command
+from asyncrl.gateway.outcome import AgentEnded, AgentFailure, reward_of
 from asyncrl.items import PromptItem
 from asyncrl.plugins import load_object
 from asyncrl.protocol import Sample
 from asyncrl.reasons import GroupReason
 
 if TYPE_CHECKING:
-    from asyncrl.gateway.config import PythonAgentConfig
+    from asyncrl.gateway.config import AgentConfig
     from asyncrl.gateway.server import Gateway
     from asyncrl.gateway.sessions import PendingCall, Session
     from asyncrl.gateway.transcript import Segment
@@ -44,55 +45,23 @@ if TYPE_CHECKING:
 _THREADS = 256
 """Sync agents running at once in a worker (a thread each, for their whole episode)."""
 
-Reward = float | list[float] | None
-
-
-@dataclass(frozen=True)
-class AgentEnded:
-    """What an agent returned: its reward, a reward per call, or None (the task scores)."""
-
-    reward: Reward
-
-
-class AgentFailure(Exception):
-    """An episode's agent that failed; `reason` is a `GroupReason` `agent_*` member."""
-
-    def __init__(self, reason: GroupReason, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-def _reward(value: object) -> Reward:
-    """`value` if it is a reward the agent may return, else `agent_error`."""
-
-    def number(x: object) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-    if value is None or number(value):
-        return None if value is None else float(value)  # type: ignore[arg-type]
-    if isinstance(value, list | tuple) and value and all(number(x) for x in value):
-        return [float(x) for x in value]
-    raise AgentFailure(
-        GroupReason.AGENT_ERROR,
-        f"returned {value!r:.200}: expected a finite number, a list of them or None",
-    )
-
 
 class Agents:
     """The agent of `task.agent` over one worker's gateway: sessions, runs, samples."""
 
     def __init__(
         self,
-        cfg: PythonAgentConfig,
+        cfg: AgentConfig,
         gateway: Gateway,
         on_session: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.gateway = gateway
         self._on_session = on_session
-        self._fn = load_object(cfg.path, cfg.python_path)
+        self._fn = None if cfg.type == "command" else load_object(cfg.path, cfg.python_path)
         self._threads: ThreadPoolExecutor | None = None
+        self._groups: dict[str, int] = {}
+        """Each live command agent's process group, by its session's key."""
 
     @property
     def max_calls(self) -> int:
@@ -109,20 +78,26 @@ class Agents:
 
     def close(self, session: Session, why: str) -> None:
         self.gateway.sessions.close(session, why)
+        pid = self._groups.pop(session.token, None)
+        if pid is not None:
+            kill_group(pid)
 
     async def run(self, item: PromptItem, session: Session) -> AgentEnded:
         """The agent's episode on the running loop: its reward, or `AgentFailure`."""
         given = {"id": item.prompt_id, "prompt": item.prompt, "answer": item.answer}
-        call = partial(
-            self._fn,
-            given,
-            base_url=self.gateway.base_url(session),
-            api_key=session.token,
-            **self.cfg.kwargs,
-        )
+        base_url = self.gateway.base_url(session)
+        cfg = self.cfg
         try:
-            async with asyncio.timeout(self.cfg.timeout_s) as deadline:
-                value = await contained(self._call(call))
+            async with asyncio.timeout(cfg.timeout_s) as deadline:
+                if cfg.type == "command":
+                    started = partial(self._started, session)
+                    value = await run_command(cfg, given, base_url, session.token, started)
+                else:
+                    assert self._fn is not None
+                    call = partial(
+                        self._fn, given, base_url=base_url, api_key=session.token, **cfg.kwargs
+                    )
+                    value = await contained(self._call(call))
         except TimeoutError:
             if deadline.expired():
                 raise AgentFailure(
@@ -133,7 +108,17 @@ class Agents:
             ) from None
         except Exception as exc:  # Escaped too: a BaseException of the agent's own
             raise AgentFailure(GroupReason.AGENT_ERROR, f"{type(exc).__name__}: {exc}") from exc
-        return AgentEnded(_reward(value))
+        finally:
+            self._groups.pop(session.token, None)
+        if value is None and session.posted is not None:
+            return session.posted
+        return AgentEnded(reward_of(value))
+
+    def _started(self, session: Session, pid: int) -> None:
+        """A command agent's process group is up; one whose session already ended goes now."""
+        self._groups[session.token] = pid
+        if session.ended is not None:
+            kill_group(pid)
 
     async def _call(self, call: Callable[[], Any]) -> Any:
         if inspect.iscoroutinefunction(self._fn):

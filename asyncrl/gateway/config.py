@@ -1,24 +1,18 @@
 """Config of agents trained through the gateway (`task.agent`) and of the gateway itself
 (`rollout.gateway`). Nothing here imports torch or an HTTP client."""
 
-from typing import Literal
+import os
+import shutil
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from asyncrl.configbase import PluginConfig, Section
+from asyncrl.configbase import PluginConfig, Section, type_or
 from asyncrl.plugins import call_shape, check_signature, load_object
 
 
-class PythonAgentConfig(PluginConfig):
-    """Your own agent, unchanged: `fn(item, base_url=..., api_key=..., **kwargs)` (an
-    `async def`, or a plain function run on a thread of its own), called once per episode.
-    `item` is a plain dict (`id`, `prompt`, `answer`); `base_url` and `api_key` are the
-    episode's OpenAI credentials (`OpenAI(base_url=base_url, api_key=api_key)`), valid while
-    it runs. It returns the episode's reward (a number), one reward per call it made (a list),
-    or None: the task's reward then scores the content of its last answer."""
-
-    type: Literal["python"] = "python"
-    """Agent backend."""
+class AgentLimits(Section):
+    """What one episode's agent may spend, whatever runs it."""
 
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds one episode's agent may run; past that its group fails (`agent_timeout`) and
@@ -32,6 +26,18 @@ class PythonAgentConfig(PluginConfig):
     what is left); a call with none left fails its group (`agent_over_budget`). None: no
     bound beyond `max_calls` × `rollout.sampling.max_new_tokens`."""
 
+
+class PythonAgentConfig(PluginConfig, AgentLimits):
+    """Your own agent, unchanged: `fn(item, base_url=..., api_key=..., **kwargs)` (an
+    `async def`, or a plain function run on a thread of its own), called once per episode.
+    `item` is a plain dict (`id`, `prompt`, `answer`); `base_url` and `api_key` are the
+    episode's OpenAI credentials (`OpenAI(base_url=base_url, api_key=api_key)`), valid while
+    it runs. It returns the episode's reward (a number), one reward per call it made (a list),
+    or None: the task's reward then scores the content of its last answer."""
+
+    type: Literal["python"] = "python"
+    """Agent backend."""
+
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: str, info: ValidationInfo) -> str:
@@ -42,8 +48,46 @@ class PythonAgentConfig(PluginConfig):
         return path
 
 
-AgentConfig = PythonAgentConfig
-"""The agent backends (one so far; a union by `type` when a second comes)."""
+class CommandAgentConfig(AgentLimits):
+    """Any executable as the agent (another language, a CLI coding agent, a script in a venv of
+    its own): started once per episode in a process group of its own, with the episode's
+    credentials as `OPENAI_BASE_URL` / `OPENAI_API_KEY` and the item as `ASYNCRL_ITEM` (JSON:
+    `id`, `prompt`, `answer`; also on its stdin). Its reward is its last stdout line: a JSON
+    number, a list of them (one per call) or `null`; with `null` or no output, a reward it
+    POSTed to `{OPENAI_BASE_URL}/reward`, else the task's reward of its last answer. A
+    non-zero exit or any other last line fails its group (`agent_error`, stderr's tail as
+    detail); the process group is killed when the episode ends or is given up."""
+
+    type: Literal["command"]
+    """Agent backend."""
+
+    cwd: str | None = None
+    """Its working directory; None: the rollout worker's."""
+
+    argv: list[str] = Field(min_length=1)
+    """The command and its arguments (no shell: `["bash", "-c", "..."]` for one); checked to
+    be an executable (on PATH, or a path from `cwd`) when the config loads."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    """Variables added to the worker's environment for it (the episode's own win)."""
+
+    @field_validator("argv")
+    @classmethod
+    def _found(cls, argv: list[str], info: ValidationInfo) -> list[str]:
+        # A typo is one config error when the run starts, not a failed group per episode.
+        program = argv[0]
+        if "/" in program and info.data.get("cwd"):
+            program = os.path.join(info.data["cwd"], program)
+        if shutil.which(program) is None:
+            raise ValueError(f"{argv[0]!r} is no executable file (nor on PATH)")
+        return argv
+
+
+AgentConfig = Annotated[
+    Annotated[PythonAgentConfig, Tag("python")] | Annotated[CommandAgentConfig, Tag("command")],
+    Discriminator(type_or("python")),
+]
+"""The agent backends, by `type`; left out: `python`."""
 
 
 class GatewayConfig(Section):

@@ -1,4 +1,5 @@
-"""The gateway's HTTP side: OpenAI's `/v1/chat/completions` and `/v1/models` for the live
+"""The gateway's HTTP side: OpenAI's `/v1/chat/completions`, `/v1/responses` (the Agents SDK's
+default; `asyncrl.serve.responses`) and `/v1/models` for the live
 sessions of one rollout worker (`asyncrl.gateway.sessions`), over the OpenAI layer `asyncrl
 serve` speaks too (`asyncrl.serve.openai_api`).
 
@@ -23,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -30,10 +32,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.gateway.config import GatewayConfig
+from asyncrl.gateway.outcome import AgentEnded, AgentFailure, reward_of
 from asyncrl.gateway.sessions import PendingCall, Session, SessionEnded, Sessions
 from asyncrl.gateway.transcript import CallRecord, ChatTemplate, Transcript
 from asyncrl.reasons import BreakCause
-from asyncrl.serve import native, openai_api
+from asyncrl.serve import native, openai_api, responses
 from asyncrl.serve.http import JsonHandler, Stream
 from asyncrl.serve.native import ApiError, Body
 
@@ -163,6 +166,18 @@ def _check_gateway_request(jobs: int, spec: native.Spec) -> None:
         raise ApiError("min_tokens: not in a training session", "min_tokens")
 
 
+def _post_reward(session: Session, body: Body) -> dict[str, Any]:
+    """`POST {base_url}/reward` `{"reward": ...}`: the episode's reward, for an agent that
+    returns none itself (AReaL's `set_reward`); the last one posted counts."""
+    if "reward" not in body:
+        raise ApiError("reward: required (a number, a list of them, or null)", "reward")
+    try:
+        session.posted = AgentEnded(reward_of(body["reward"]))
+    except AgentFailure as exc:
+        raise ApiError(f"reward: {exc.detail}", "reward") from None
+    return {"reward": body["reward"]}
+
+
 class _Handler(JsonHandler):
     server: _Server
 
@@ -177,6 +192,10 @@ class _Handler(JsonHandler):
             return openai_api.models(MODEL_NAME)
         if path == "/v1/chat/completions" and self.command == "POST":
             return gateway.chat(session, body)
+        if path == "/v1/responses" and self.command == "POST":
+            return responses.respond(body, partial(gateway.chat, session))
+        if path == "/v1/reward" and self.command == "POST":
+            return _post_reward(session, body)
         raise ApiError("Not Found", None, HTTPStatus.NOT_FOUND)
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from asyncrl.engines.base import Generation
 
 if TYPE_CHECKING:
+    from asyncrl.gateway.outcome import AgentEnded
     from asyncrl.gateway.transcript import Transcript
 
 _ENDED_KEPT = 4096
@@ -72,6 +73,8 @@ class Session:
     last_content: str = ""
     """The content of the last reply, which the task's reward scores when the agent returns
     no reward."""
+    posted: AgentEnded | None = None
+    """The reward the agent POSTed to `{base_url}/reward`, used when it returns none."""
     _waiting: set[PendingCall] = field(default_factory=set)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 

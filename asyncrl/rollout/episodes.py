@@ -41,13 +41,8 @@ from asyncrl.environments.base import (
     render_observation,
 )
 from asyncrl.environments.tools import tool_call_counts
-from asyncrl.gateway.agents import (
-    AgentEnded,
-    AgentFailure,
-    episode_samples,
-    segment_rewards,
-    shared_prompt,
-)
+from asyncrl.gateway.agents import episode_samples, segment_rewards, shared_prompt
+from asyncrl.gateway.outcome import AgentEnded, AgentFailure
 from asyncrl.items import PromptItem
 from asyncrl.metrics.breakdown import phase
 from asyncrl.protocol import Sample

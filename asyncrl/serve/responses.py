@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from asyncrl.serve.http import Stream
 from asyncrl.serve.native import ApiError, Body, refuse_unknown, typed
 
 KEYS = {
@@ -59,6 +60,15 @@ NEUTRAL: dict[str, Any] = {
     "safety_identifier": None,
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def respond(body: Body, chat: Callable[[Body], Any]) -> Any:
+    """`POST /v1/responses` answered through a server's Chat Completions route `chat`: the
+    `Response`, or a `Stream` of its events."""
+    reply = chat(to_chat(body))
+    if isinstance(reply, Stream):
+        return Stream(stream_events(iter(reply.chunks), body))
+    return from_chat(reply, body)
 
 
 def to_chat(body: Body) -> Body:

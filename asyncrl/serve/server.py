@@ -4,7 +4,8 @@ Same endpoints and JSON shapes as an SGLang 0.5.23 server, so the SGLang engine 
 SGLang weight publisher, SGLang's own client code (`RuntimeEndpoint`, the `sgl.function`
 frontend) and the `openai` package can be run against it on a CPU. The endpoints are the
 `ROUTES` table: /generate (`asyncrl.serve.native`: text or ids, batches, `n`, stop strings and
-ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.serve.openai_api`),
+ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.serve.openai_api`; /v1/responses
+through `asyncrl.serve.responses`),
 /health, /health_generate, /model_info and /server_info (and their deprecated names /get_*),
 /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
 /update_weights_from_distributed, /update_weights_from_disk, /destroy_weights_update_group,
@@ -59,7 +60,7 @@ from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.httpserve import serve_until_interrupted
-from asyncrl.serve import native, openai_api
+from asyncrl.serve import native, openai_api, responses
 from asyncrl.serve.http import JsonHandler, Stream
 from asyncrl.serve.native import ApiError, Body, Job, Output, Spec
 from asyncrl.weights.groups import broadcast_all, join_update_group
@@ -196,6 +197,9 @@ class ServeApp:
 
     def v1_chat_completions(self, body: Body) -> Any:
         return self._openai(openai_api.parse_chat(body, self.model))
+
+    def v1_responses(self, body: Body) -> Any:
+        return responses.respond(body, self.v1_chat_completions)
 
     def _openai(self, req: openai_api.OpenAIRequest) -> Any:
         out = openai_api.reply(req, self.run(req.jobs), self.model, self.model_path)
@@ -465,6 +469,7 @@ ROUTES: dict[str, Route] = {
     "/v1/models": ServeApp.v1_models,
     "/v1/completions": ServeApp.v1_completions,
     "/v1/chat/completions": ServeApp.v1_chat_completions,
+    "/v1/responses": ServeApp.v1_responses,
 }
 """Path → handler: an endpoint is one `ServeApp` method taking the JSON body (`{}` for a GET)
 and returning the reply (an object as JSON, a str as text, None as an empty 200, a `Stream`
