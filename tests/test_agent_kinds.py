@@ -1,9 +1,9 @@
 """Agents people already have, in process over a real gateway: the OpenAI Agents SDK with a
-function tool on its default Responses model (examples/agents_sdk), and command agents — a
-bash + curl + jq script (examples/command_agent) and commands that fail, print no reward or
-outlive their time, whose groups fail by reason with their stderr, their process groups
-killed. The engine is scripted: it calls the `add` tool until the prompt holds a tool result,
-then answers "3"."""
+function tool on its default Responses model (examples/agents_sdk), a LangGraph ReAct agent
+(examples/langgraph_agent), and command agents — a bash + curl + jq script
+(examples/command_agent) and commands that fail, print no reward or outlive their time, whose
+groups fail by reason with their stderr, their process groups killed. The engine is scripted: it
+calls the `add` tool until the prompt holds a tool result, then answers "3"."""
 
 from __future__ import annotations
 
@@ -86,6 +86,20 @@ def test_agents_sdk_agent_with_a_function_tool(tokenizer: Any) -> None:
     engine = ToolThenAnswer(tokenizer)
     sched, _ = agent_scheduler(
         engine, tokenizer, EXAMPLES / "agents_sdk", "agent:solve", params=PARAMS
+    )
+    (group,), failed = _one_group(sched, tokenizer, 2)
+    assert failed == []
+    _check_tool_episodes(group, engine, 2)
+
+
+def test_langgraph_react_agent_with_a_tool(tokenizer: Any) -> None:
+    """The example's LangGraph ReAct agent, unchanged, through `ChatOpenAI`: the same tool
+    call, tool result and answer as the SDK agent's, the same one sample per episode."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    engine = ToolThenAnswer(tokenizer)
+    sched, _ = agent_scheduler(
+        engine, tokenizer, EXAMPLES / "langgraph_agent", "react_agent:solve", params=PARAMS
     )
     (group,), failed = _one_group(sched, tokenizer, 2)
     assert failed == []
