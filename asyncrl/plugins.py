@@ -44,6 +44,7 @@ def load_object(path: str, python_path: Sequence[str] = ()) -> Callable[..., Any
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure of user code is a config error
         raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    _check_not_shadowed(module_name, python_path)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
@@ -51,6 +52,33 @@ def load_object(path: str, python_path: Sequence[str] = ()) -> Callable[..., Any
     if not callable(obj):
         raise ValueError(f"{path!r} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def _check_not_shadowed(module_name: str, python_path: Sequence[str]) -> None:
+    """ValueError when `python_path` holds the module but another one of its name, with other
+    code, was imported first (e.g. two configs' `agent:solve` from different folders): Python
+    reuses a module by name, so the code named here would silently never run."""
+    top = module_name.split(".")[0]
+    loaded = getattr(sys.modules.get(top), "__file__", None)
+    for entry in python_path:
+        here = [os.path.join(entry, top + ".py"), os.path.join(entry, top, "__init__.py")]
+        found = next((f for f in here if os.path.isfile(f)), None)
+        if found is None:
+            continue
+        if loaded is not None and not _same_file(loaded, found):
+            raise ValueError(
+                f"module {top!r} is already imported from {loaded}, so {found} would never run: "
+                "give one of them another name"
+            )
+        return
+
+
+def _same_file(a: str, b: str) -> bool:
+    """One file, or two with the same code (a copy: reusing it runs what both say)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
 
 
 def check_signature(fn: Callable[..., Any], call: str, *args: Any, **kwargs: Any) -> None:

@@ -85,7 +85,7 @@ def test_agents_sdk_agent_with_a_function_tool(tokenizer: Any) -> None:
     pytest.importorskip("agents")
     engine = ToolThenAnswer(tokenizer)
     sched, _ = agent_scheduler(
-        engine, tokenizer, EXAMPLES / "agents_sdk", "agent:solve", params=PARAMS
+        engine, tokenizer, EXAMPLES / "agents_sdk", "sdk_agent:solve", params=PARAMS
     )
     (group,), failed = _one_group(sched, tokenizer, 2)
     assert failed == []

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.plugins import load_object
 from asyncrl.protocol import PromptGroup, ValidationError, decode_prompt, encode_prompt
 from asyncrl.tasks.base import RecordsTask
 from asyncrl.tasks.build import build_task
@@ -393,3 +394,19 @@ def test_scheduler_fails_the_group_with_the_rewards_reason(
     sched.close()
     assert [(f.tag, f.reason) for f in failed] == [("g", reason)]
     assert sched.inflight == 0
+
+
+def test_a_module_name_taken_by_another_folder_is_a_config_error(tmp_path: Path) -> None:
+    """Two folders each with `clash_mod.py`: Python would reuse the first one imported for the
+    second path, silently running the wrong code."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, value in ((first, 1), (second, 2)):
+        folder.mkdir()
+        (folder / "clash_mod.py").write_text(f"def fn():\n    return {value}\n")
+    try:
+        assert load_object("clash_mod:fn", [str(first)])() == 1
+        assert load_object("clash_mod:fn", [str(first)])() == 1  # the same folder again is fine
+        with pytest.raises(ValueError, match=r"already imported from .*a/clash_mod\.py"):
+            load_object("clash_mod:fn", [str(second)])
+    finally:
+        sys.modules.pop("clash_mod", None)

@@ -3,7 +3,7 @@ API): nothing in it knows asyncrl. It runs either way asyncrl can run an agent:
 
 - `task.agent.type: python` (examples/agents_sdk/config.yaml): `solve(item, base_url, api_key)`
   is awaited once per episode on the rollout worker;
-- `task.agent.type: command` with `argv: [python, examples/agents_sdk/agent.py]` (in a venv of
+- `task.agent.type: command` with `argv: [python, examples/agents_sdk/sdk_agent.py]` (in a venv of
   its own if you like: `argv: [/path/to/venv/bin/python, ...]`): started once per episode with
   `OPENAI_BASE_URL` / `OPENAI_API_KEY` / `ASYNCRL_ITEM` in its environment, it prints its
   reward as its last line.
