@@ -13,6 +13,17 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
 
 
+def _token_options(parser: argparse.ArgumentParser, env: str) -> None:
+    """A server's `--token-env` / `--token-file`: where its run's shared secret is."""
+    parser.add_argument(
+        "--token-env",
+        default=env,
+        metavar="NAME",
+        help="environment variable holding the run's shared secret (required off loopback)",
+    )
+    parser.add_argument("--token-file", metavar="PATH", help="file holding it (wins)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl",
@@ -87,13 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="close a session no call has used for this long: its worker is gone (0: never)",
     )
-    env_server.add_argument(
-        "--token-env",
-        default="ASYNCRL_ENV_SERVER_TOKEN",
-        metavar="NAME",
-        help="environment variable holding the run's shared secret (required off loopback)",
-    )
-    env_server.add_argument("--token-file", metavar="PATH", help="file holding it (wins)")
+    _token_options(env_server, "ASYNCRL_ENV_SERVER_TOKEN")
     env_server.add_argument(
         "--max-body-bytes", type=int, default=4 << 20, help="largest request body (4 MiB)"
     )
@@ -122,13 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     agent_server.add_argument(
         "--max-episodes", type=int, default=256, help="episodes running at once at most"
     )
-    agent_server.add_argument(
-        "--token-env",
-        default="ASYNCRL_AGENT_SERVER_TOKEN",
-        metavar="NAME",
-        help="environment variable holding the run's shared secret (required off loopback)",
-    )
-    agent_server.add_argument("--token-file", metavar="PATH", help="file holding it (wins)")
+    _token_options(agent_server, "ASYNCRL_AGENT_SERVER_TOKEN")
     agent_server.add_argument("argv", nargs="*", help="-- a command agent and its arguments")
 
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
