@@ -120,7 +120,7 @@ def test_remote_agent_runs_on_the_runner_through_the_gateway(
 
 def test_no_runner_fails_the_group_by_reason(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tool_model(tmp_path / "tiny"))
-    cfg = RemoteAgentConfig(type="remote", urls=[_closed_port(), _closed_port()])
+    cfg = RemoteAgentConfig(type="remote", urls=[_closed_port(), _closed_port()], start_within_s=0)
     sched, _ = config_scheduler(
         Answers(tokenizer), tokenizer, cfg, params=SamplingParams(max_new_tokens=8)
     )

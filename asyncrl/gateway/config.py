@@ -90,8 +90,9 @@ class RemoteAgentConfig(AgentLimits):
     each episode is one request to one runner, new episodes going round `urls`; the runner
     runs its python or command agent against the episode's gateway session, so that gateway
     must be reachable from the runners (`rollout.gateway.host`, `advertise_host`). A runner
-    refusing or unreachable when the episode starts: the next is tried; none takes it, or
-    the one running it dies mid-episode: its group fails (`agent_unavailable`)."""
+    refusing or unreachable when the episode starts: the next is tried (`start_within_s`);
+    none takes it, or the one running it dies mid-episode: its group fails
+    (`agent_unavailable`)."""
 
     type: Literal["remote"]
     """Agent backend."""
@@ -101,6 +102,12 @@ class RemoteAgentConfig(AgentLimits):
 
     connect_timeout_s: float = Field(default=5.0, gt=0)
     """Seconds to reach a runner before the next is tried."""
+
+    start_within_s: float = Field(default=60.0, ge=0)
+    """Seconds an episode waits for a runner to take it, going round them again (half a
+    second apart at first, then up to 5): a runner restarting or all of them busy holds the
+    episode back rather than failing it. Past it, its group fails (`agent_unavailable`).
+    Counted in `timeout_s`."""
 
     token_env: str = "ASYNCRL_AGENT_SERVER_TOKEN"
     """Environment variable holding the runners' token (the shared secret they were started

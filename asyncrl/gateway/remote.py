@@ -3,7 +3,8 @@ is one `POST /v1/episodes` to one runner, which runs its agent against the episo
 session and answers its reward (protocol: `asyncrl.gateway.runner`).
 
 New episodes go round `urls`. A runner that cannot be reached, or answers 503 (full, stopping),
-has not begun the episode: the next is tried, each once. Once the request is sent, the episode
+has not begun the episode: the next is tried, and the round again after a pause, until one
+takes it or `start_within_s` is past. Once the request is sent, the episode
 is the runner's: a runner that dies or drops the connection fails its group
 (`agent_unavailable`), never retried, since its agent may have made calls already. No
 connection is pooled: a reused one that the runner closed meanwhile would read as a death
@@ -12,6 +13,7 @@ mid-episode, and a connection costs nothing beside an episode.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 
 _AGENT_REASONS = {r.value: r for r in GroupReason if r.value.startswith("agent_")}
 _DETAIL_CHARS = 600
+_FIRST_WAIT_S = 0.5
+_MAX_WAIT_S = 5.0
 
 
 class RemoteAgent:
@@ -57,15 +61,33 @@ class RemoteAgent:
                 timeout=httpx.Timeout(None, connect=self.cfg.connect_timeout_s),
                 limits=httpx.Limits(max_keepalive_connections=0),
             )
-        body = {
-            "item": given,
-            "base_url": base_url,
-            "api_key": api_key,
-            "timeout_s": self.cfg.timeout_s,
-        }
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        wait = _FIRST_WAIT_S
+        while True:
+            # The runner stops its agent when the worker gives the episode up (`timeout_s`
+            # counts the wait for a runner too).
+            left = max(self.cfg.timeout_s - (loop.time() - start), 1e-3)
+            body = {"item": given, "base_url": base_url, "api_key": api_key, "timeout_s": left}
+            refused: list[str] = []
+            taken = await self._take(body, refused)
+            if taken is not None:
+                return _reward(*taken)
+            if loop.time() + wait > start + self.cfg.start_within_s:
+                raise AgentFailure(
+                    GroupReason.AGENT_UNAVAILABLE, "no agent runner took it: " + "; ".join(refused)
+                )
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, _MAX_WAIT_S)
+
+    async def _take(
+        self, body: dict[str, Any], refused: list[str]
+    ) -> tuple[str, httpx.Response] | None:
+        """Once round the runners from the next one's turn: the first that takes the episode,
+        and its reply once the episode ended; None when none did (each noted in `refused`)."""
+        assert self._client is not None
         urls = self.cfg.urls
         first = next(self._turn)
-        refused = []
         for i in range(len(urls)):
             url = urls[(first + i) % len(urls)]
             try:
@@ -82,10 +104,8 @@ class RemoteAgent:
             if reply.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
                 refused.append(f"{url}: 503 {reply.text[:200]}")
                 continue
-            return _reward(url, reply)
-        raise AgentFailure(
-            GroupReason.AGENT_UNAVAILABLE, "no agent runner took it: " + "; ".join(refused)
-        )
+            return url, reply
+        return None
 
     def shutdown(self) -> None:
         self._client = None  # its loop is gone with the worker; no connection is pooled
