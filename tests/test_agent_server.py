@@ -131,3 +131,23 @@ def test_no_runner_fails_the_group_by_reason(tmp_path: Path) -> None:
         sched.close()
     assert finished == [] and bad.reason == "agent_unavailable"
     assert "no agent runner took it" in bad.detail
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([], "give --agent"),
+        (["--agent", "nowhere:fn"], "cannot import 'nowhere'"),
+        (["--host", "0.0.0.0", "--", "true"], "without a token"),
+        (["--agent", "x:y", "--", "true"], "give --agent"),
+    ],
+)
+def test_bad_options_are_one_line_and_exit_2(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncrl.cli import main
+
+    monkeypatch.delenv("ASYNCRL_AGENT_SERVER_TOKEN", raising=False)
+    assert main(["agent-server", *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
