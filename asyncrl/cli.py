@@ -13,6 +13,17 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
 
 
+def _token_options(parser: argparse.ArgumentParser, env: str) -> None:
+    """A server's `--token-env` / `--token-file`: where its run's shared secret is."""
+    parser.add_argument(
+        "--token-env",
+        default=env,
+        metavar="NAME",
+        help="environment variable holding the run's shared secret (required off loopback)",
+    )
+    parser.add_argument("--token-file", metavar="PATH", help="file holding it (wins)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl",
@@ -87,13 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="close a session no call has used for this long: its worker is gone (0: never)",
     )
-    env_server.add_argument(
-        "--token-env",
-        default="ASYNCRL_ENV_SERVER_TOKEN",
-        metavar="NAME",
-        help="environment variable holding the run's shared secret (required off loopback)",
-    )
-    env_server.add_argument("--token-file", metavar="PATH", help="file holding it (wins)")
+    _token_options(env_server, "ASYNCRL_ENV_SERVER_TOKEN")
     env_server.add_argument(
         "--max-body-bytes", type=int, default=4 << 20, help="largest request body (4 MiB)"
     )
@@ -106,6 +111,24 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="a request must arrive whole this soon after its first byte",
     )
+
+    agent_server = sub.add_parser(
+        "agent-server",
+        help="run an agent per request over HTTP/JSON (task.agent.type: remote)",
+        description="An agent runner: a python agent (--agent) or a command (after --), run "
+        "once per episode against the rollout worker's gateway (asyncrl.gateway.runner). "
+        "Every call needs the run's token (--token-env); without one it binds to loopback only.",
+    )
+    agent_server.add_argument("--agent", help='"package.module:fn", a python agent')
+    agent_server.add_argument("--kwargs", default="{}", help="JSON object: the agent's kwargs")
+    agent_server.add_argument("--python-path", action="append", default=[], metavar="DIR")
+    agent_server.add_argument("--host", default="127.0.0.1")
+    agent_server.add_argument("--port", type=int, default=8400, help="0 picks a free port")
+    agent_server.add_argument(
+        "--max-episodes", type=int, default=256, help="episodes running at once at most"
+    )
+    _token_options(agent_server, "ASYNCRL_AGENT_SERVER_TOKEN")
+    agent_server.add_argument("argv", nargs="*", help="-- a command agent and its arguments")
 
     plot = sub.add_parser("plot", help="write PNG curves from a run's metrics.jsonl")
     plot.add_argument("run_dir")
@@ -180,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncrl.environments.server import main as env_server_main
 
             return env_server_main(args)
+        if args.command == "agent-server":
+            from asyncrl.gateway.runner import main as agent_server_main
+
+            return agent_server_main(args)
         if args.command == "plot":
             from asyncrl.plot import main as plot_main
 

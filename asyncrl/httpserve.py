@@ -1,5 +1,5 @@
-"""The foreground of asyncrl's HTTP commands (`asyncrl serve`, `asyncrl env-server`): the line
-that says where they listen, then serving until Ctrl-C."""
+"""The foreground of asyncrl's HTTP commands (`asyncrl serve`, `asyncrl env-server`, `asyncrl
+agent-server`): the line that says where they listen, then serving until Ctrl-C."""
 
 from __future__ import annotations
 

@@ -83,6 +83,9 @@ class GroupReason(StrEnum):
     """A `task.agent` function raised (any BaseException), or returned what is no reward."""
     AGENT_TIMEOUT = "agent_timeout"
     """An agent outlived its `timeout_s`."""
+    AGENT_UNAVAILABLE = "agent_unavailable"
+    """No agent runner took the episode (`task.agent.type: remote`: all refused or
+    unreachable), or the one running it went away mid-episode."""
     AGENT_NO_CALLS = "agent_no_calls"
     """An agent returned without one call through its gateway session: nothing to train."""
     AGENT_OVER_BUDGET = "agent_over_budget"

@@ -8,6 +8,7 @@ asyncrl container is started with must load with `asyncrl.config.load_config`, o
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -102,15 +103,18 @@ def test_overlay_objects_validate(rendered: tuple[str, list[dict[str, Any]]]) ->
     assert kinds == [
         "ConfigMap/asyncrl",
         "Deployment/asyncrl-rollout",
+        "NetworkPolicy/asyncrl-agent-server",
         "NetworkPolicy/asyncrl-env-server",
         "NetworkPolicy/asyncrl-redis",
         "NetworkPolicy/asyncrl-roles",
         "PersistentVolumeClaim/asyncrl-data",
         "PodMonitor/asyncrl",
         "PrometheusRule/asyncrl",
+        "Service/asyncrl-agent-server",
         "Service/asyncrl-env-server",
         "Service/asyncrl-redis",
         "Service/asyncrl-trainer",
+        "StatefulSet/asyncrl-agent-server",
         "StatefulSet/asyncrl-env-server",
         "StatefulSet/asyncrl-redis",
         "StatefulSet/asyncrl-trainer",
@@ -219,7 +223,21 @@ def test_rayjob() -> None:
 def test_docker_compose() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", "trainer", "rollout", "env-server", "prometheus", "grafana"}
+    assert set(services) == {
+        "redis",
+        "trainer",
+        "rollout",
+        "env-server",
+        "agent-server",
+        "prometheus",
+        "grafana",
+    }
+    runner = services["agent-server"]
+    opts = _check_agent_server(runner["command"], "/opt/agent")
+    assert opts.token_file == "/run/secrets/agent_server_token"
+    assert runner["secrets"] == ["agent_server_token"]
+    assert "../examples/openai_agent:/opt/agent:ro" in runner["volumes"]
+    assert compose["secrets"]["agent_server_token"] == {"environment": "ASYNCRL_AGENT_SERVER_TOKEN"}
     opts = _check_env_server(services["env-server"]["command"])
     assert opts["--token-file"] == "/run/secrets/env_server_token"
     assert services["env-server"]["secrets"] == ["env_server_token"]
@@ -310,6 +328,29 @@ def _check_env_server(args: list[str]) -> dict[str, str]:
     return opts
 
 
+def _check_agent_server(args: list[str], agent_dir: str) -> argparse.Namespace:
+    """An `asyncrl agent-server` command line that parses, off loopback, whose agent is the
+    example's (mounted or built in at `agent_dir`) and takes the call; its options."""
+    from asyncrl.cli import _parser
+    from asyncrl.gateway.config import PythonAgentConfig
+
+    opts = _parser().parse_args(args)
+    assert opts.command == "agent-server" and opts.host == "0.0.0.0"
+    assert opts.python_path == [agent_dir]
+    example = str(ROOT / "examples" / "openai_agent")
+    assert PythonAgentConfig(path=opts.agent, python_path=[example]).path == opts.agent
+    return opts
+
+
+def test_agent_server_pool(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    pool = _one(docs, "StatefulSet", "asyncrl-agent-server")
+    assert _one(docs, "Service", "asyncrl-agent-server")["spec"]["clusterIP"] == "None"
+    (container,) = pool["spec"]["template"]["spec"]["containers"]
+    assert _check_agent_server(container["args"], "/opt/agent").port == 8400
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
 def test_env_server_pool_addresses_each_pod(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     pool = _one(docs, "StatefulSet", "asyncrl-env-server")
@@ -331,8 +372,13 @@ ENDPOINTS: dict[str, dict[str, str | None]] = {
         "29500 torchrun rendezvous": None,
         "29600 weight broadcast TCPStore, gloo/NCCL peers on ephemeral ports": None,
     },
-    "rollout": {"9400 metrics and health": None, "gloo/NCCL peers on ephemeral ports": None},
+    "rollout": {
+        "9400 metrics and health": None,
+        "gloo/NCCL peers on ephemeral ports": None,
+        "8500 agent gateway (task.agent remote)": "an episode's session key",
+    },
     "env-server": {"8300 sessions, /version": "run token", "8300 /health, /metrics": None},
+    "agent-server": {"8400 episodes, /version": "run token", "8400 /health": None},
     "ray-head": {"6379 GCS, 8265 dashboard and Jobs API, 10001 client, 9400+ metrics": None},
     "ray-worker": {"object store and worker ports, 9400+ metrics": None},
 }
@@ -405,6 +451,9 @@ def _check_authenticated(docs: list[dict[str, Any]]) -> None:
         if component == "env-server":
             token = next(e for e in container["env"] if e["name"] == "ASYNCRL_ENV_SERVER_TOKEN")
             assert token["valueFrom"]["secretKeyRef"]["name"] == "asyncrl-env-server"
+        if component == "agent-server":
+            token = next(e for e in container["env"] if e["name"] == "ASYNCRL_AGENT_SERVER_TOKEN")
+            assert token["valueFrom"]["secretKeyRef"]["name"] == "asyncrl-agent-server"
 
 
 def test_no_unauthenticated_endpoint_is_reachable_beyond_its_pods(

@@ -68,10 +68,15 @@ class RemoteEnvironmentConfig(Section):
     @field_validator("urls")
     @classmethod
     def _http(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r}: expected http://host:port")
-        return [u.rstrip("/") for u in urls]
+        return http_urls(urls)
+
+
+def http_urls(urls: list[str]) -> list[str]:
+    """Servers' base URLs without a trailing slash; ValueError for one that is no http URL."""
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r}: expected http://host:port")
+    return [u.rstrip("/") for u in urls]
 
 
 class ToolEnvironmentConfig(PluginPath):

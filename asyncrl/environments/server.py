@@ -399,14 +399,20 @@ def make_server(
 ) -> HTTPServer:
     """The server of `path` (checked first: ValueError with a one-line reason), bound. Without
     `token` it serves loopback only: nothing beyond this host may reach it unauthenticated."""
-    if not token and not _loopback(host):
-        raise ValueError(
-            f"--host {host} without a token: set ${TOKEN_ENV} (or --token-env/--token-file) "
-            "to a secret shared by the run, or bind to 127.0.0.1"
-        )
+    check_host(host, token, TOKEN_ENV)
     env = EnvServer(path, kwargs, max_sessions, python_path, idle_timeout_s)
     limits = Limits(token, max_body_bytes, read_timeout_s)
     return HTTPServer(env, host, port, limits, max_connections)
+
+
+def check_host(host: str, token: str | None, token_env: str) -> None:
+    """ValueError unless `host` is loopback or there is a token: nothing beyond this host may
+    reach a server unauthenticated."""
+    if not token and not _loopback(host):
+        raise ValueError(
+            f"--host {host} without a token: set ${token_env} (or --token-env/--token-file) "
+            "to a secret shared by the run, or bind to 127.0.0.1"
+        )
 
 
 def _loopback(host: str) -> bool:
@@ -422,8 +428,15 @@ def spawn(
     """`asyncrl env-server --env ENV --port 0 ARGS` in a child process of this Python, once it
     listens: (the process, its URL). `environ`: the child's environment (default: this one's);
     `quiet` drops its log. RuntimeError with its first line when it does not start."""
+    return spawn_cli(["env-server", "--env", env, "--port", "0", *args], environ, quiet)
+
+
+def spawn_cli(
+    args: Sequence[str], environ: Mapping[str, str] | None = None, quiet: bool = False
+) -> tuple[subprocess.Popen[str], str]:
+    """`asyncrl ARGS` (a server that prints where it listens) as `spawn` starts it."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl", "env-server", "--env", env, "--port", "0", *args],
+        [sys.executable, "-m", "asyncrl", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL if quiet else None,
         text=True,
@@ -434,8 +447,8 @@ def spawn(
     if "listening on" not in line:
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"asyncrl env-server --env {env} did not start: {line!r}")
-    # What the environments print must go somewhere: a full pipe would stop the server.
+        raise RuntimeError(f"asyncrl {' '.join(args)} did not start: {line!r}")
+    # What the servers' user code prints must go somewhere: a full pipe would stop the server.
     sink = None if quiet else sys.stdout
     threading.Thread(target=_drain, args=(proc.stdout, sink), daemon=True).start()
     return proc, line.split()[-1]

@@ -6,7 +6,9 @@ an `async def` as a task there, a plain function on a thread of its own, each un
 episode's `timeout_s`. Whatever it raises, a BaseException included, fails only its group
 (`agent_error`); past its time, `agent_timeout` (a thread cannot be stopped: its session is
 ended, so its next call fails at once). A `command` agent is a process group per episode
-(`asyncrl.gateway.command`), killed when its episode ends or its group fails.
+(`asyncrl.gateway.command`), killed when its episode ends or its group fails. A `remote` agent
+is either of them on an agent runner (`asyncrl.gateway.runner`), one request per episode
+(`asyncrl.gateway.remote`).
 
 Samples and the wire: an agent renders its own prompt (system turn, tools, its history), so
 the episodes of one group need not share the item's prompt. Each sample's response is its
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -37,13 +39,68 @@ from asyncrl.protocol import Sample
 from asyncrl.reasons import GroupReason
 
 if TYPE_CHECKING:
-    from asyncrl.gateway.config import AgentConfig
+    from asyncrl.gateway.config import AgentConfig, CommandAgentConfig, PythonAgentConfig
+    from asyncrl.gateway.remote import RemoteAgent
     from asyncrl.gateway.server import Gateway
     from asyncrl.gateway.sessions import PendingCall, Session
     from asyncrl.gateway.transcript import Segment
 
 _THREADS = 256
 """Sync agents running at once in a worker (a thread each, for their whole episode)."""
+
+
+class LocalAgent:
+    """A `python` or `command` agent's episodes where they run: the rollout worker, or an
+    agent runner (`asyncrl agent-server`)."""
+
+    def __init__(self, cfg: PythonAgentConfig | CommandAgentConfig) -> None:
+        self.cfg = cfg
+        self._fn = None if cfg.type == "command" else load_object(cfg.path, cfg.python_path)
+        self._threads: ThreadPoolExecutor | None = None
+
+    async def run(
+        self,
+        given: dict[str, Any],
+        base_url: str,
+        api_key: str,
+        started: Callable[[int], None] = lambda pid: None,
+    ) -> Any:
+        """What the agent returned (or printed) for `given`; what it raised passes."""
+        cfg = self.cfg
+        if cfg.type == "command":
+            return await run_command(cfg, given, base_url, api_key, started)
+        assert self._fn is not None
+        call = partial(self._fn, given, base_url=base_url, api_key=api_key, **cfg.kwargs)
+        return await contained(self._call(call))
+
+    async def _call(self, call: Callable[[], Any]) -> Any:
+        if inspect.iscoroutinefunction(self._fn):
+            return await call()
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(_THREADS, thread_name_prefix="agent")
+        value = await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        return await value if inspect.isawaitable(value) else value
+
+    def shutdown(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+async def bounded(run: Awaitable[Any], timeout_s: float) -> Any:
+    """`run`'s value within `timeout_s`; what it raised as `AgentFailure` (one passes as is)."""
+    try:
+        async with asyncio.timeout(timeout_s) as deadline:
+            return await run
+    except TimeoutError:
+        if deadline.expired():
+            raise AgentFailure(
+                GroupReason.AGENT_TIMEOUT, f"still running after {timeout_s}s"
+            ) from None
+        raise AgentFailure(GroupReason.AGENT_ERROR, "TimeoutError raised by the agent") from None
+    except AgentFailure:
+        raise
+    except Exception as exc:  # Escaped too: a BaseException of the agent's own
+        raise AgentFailure(GroupReason.AGENT_ERROR, f"{type(exc).__name__}: {exc}") from exc
 
 
 class Agents:
@@ -58,8 +115,13 @@ class Agents:
         self.cfg = cfg
         self.gateway = gateway
         self._on_session = on_session
-        self._fn = None if cfg.type == "command" else load_object(cfg.path, cfg.python_path)
-        self._threads: ThreadPoolExecutor | None = None
+        self._agent: LocalAgent | RemoteAgent
+        if cfg.type == "remote":
+            from asyncrl.gateway.remote import RemoteAgent
+
+            self._agent = RemoteAgent(cfg)
+        else:
+            self._agent = LocalAgent(cfg)
         self._groups: dict[str, int] = {}
         """Each live command agent's process group, by its session's key."""
 
@@ -86,28 +148,11 @@ class Agents:
         """The agent's episode on the running loop: its reward, or `AgentFailure`."""
         given = {"id": item.prompt_id, "prompt": item.prompt, "answer": item.answer}
         base_url = self.gateway.base_url(session)
-        cfg = self.cfg
+        started = partial(self._started, session)
         try:
-            async with asyncio.timeout(cfg.timeout_s) as deadline:
-                if cfg.type == "command":
-                    started = partial(self._started, session)
-                    value = await run_command(cfg, given, base_url, session.token, started)
-                else:
-                    assert self._fn is not None
-                    call = partial(
-                        self._fn, given, base_url=base_url, api_key=session.token, **cfg.kwargs
-                    )
-                    value = await contained(self._call(call))
-        except TimeoutError:
-            if deadline.expired():
-                raise AgentFailure(
-                    GroupReason.AGENT_TIMEOUT, f"still running after {self.cfg.timeout_s}s"
-                ) from None
-            raise AgentFailure(
-                GroupReason.AGENT_ERROR, "TimeoutError raised by the agent"
-            ) from None
-        except Exception as exc:  # Escaped too: a BaseException of the agent's own
-            raise AgentFailure(GroupReason.AGENT_ERROR, f"{type(exc).__name__}: {exc}") from exc
+            value = await bounded(
+                self._agent.run(given, base_url, session.token, started), self.cfg.timeout_s
+            )
         finally:
             self._groups.pop(session.token, None)
         if value is None and session.posted is not None:
@@ -120,18 +165,9 @@ class Agents:
         if session.ended is not None:
             kill_group(pid)
 
-    async def _call(self, call: Callable[[], Any]) -> Any:
-        if inspect.iscoroutinefunction(self._fn):
-            return await call()
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(_THREADS, thread_name_prefix="agent")
-        value = await asyncio.get_running_loop().run_in_executor(self._threads, call)
-        return await value if inspect.isawaitable(value) else value
-
     def shutdown(self) -> None:
         self.gateway.close()
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+        self._agent.shutdown()
 
 
 def episode_samples(segments: list[Segment], rewards: list[float]) -> list[Sample]:

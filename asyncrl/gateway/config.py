@@ -3,11 +3,13 @@
 
 import os
 import shutil
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from asyncrl.configbase import PluginConfig, Section, type_or
+from asyncrl.environments.config import http_urls
 from asyncrl.plugins import call_shape, check_signature, load_object
 
 
@@ -83,8 +85,47 @@ class CommandAgentConfig(AgentLimits):
         return argv
 
 
+class RemoteAgentConfig(AgentLimits):
+    """Agents on runners of their own (`asyncrl agent-server`: other containers or machines):
+    each episode is one request to one runner, new episodes going round `urls`; the runner
+    runs its python or command agent against the episode's gateway session, so that gateway
+    must be reachable from the runners (`rollout.gateway.host`, `advertise_host`). A runner
+    refusing or unreachable when the episode starts: the next is tried (`start_within_s`);
+    none takes it, or the one running it dies mid-episode: its group fails
+    (`agent_unavailable`)."""
+
+    type: Literal["remote"]
+    """Agent backend."""
+
+    urls: list[str] = Field(min_length=1)
+    """Base URLs of the runners (`http://host:port`)."""
+
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """Seconds to reach a runner before the next is tried."""
+
+    start_within_s: float = Field(default=60.0, ge=0)
+    """Seconds an episode waits for a runner to take it, going round them again (half a
+    second apart at first, then up to 5): a runner restarting or all of them busy holds the
+    episode back rather than failing it. Past it, its group fails (`agent_unavailable`).
+    Counted in `timeout_s`."""
+
+    token_env: str = "ASYNCRL_AGENT_SERVER_TOKEN"
+    """Environment variable holding the runners' token (the shared secret they were started
+    with; sent with every episode)."""
+
+    token_file: Path | None = None
+    """File holding the token (e.g. a mounted Kubernetes Secret); wins over `token_env`."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http(cls, urls: list[str]) -> list[str]:
+        return http_urls(urls)
+
+
 AgentConfig = Annotated[
-    Annotated[PythonAgentConfig, Tag("python")] | Annotated[CommandAgentConfig, Tag("command")],
+    Annotated[PythonAgentConfig, Tag("python")]
+    | Annotated[CommandAgentConfig, Tag("command")]
+    | Annotated[RemoteAgentConfig, Tag("remote")],
     Discriminator(type_or("python")),
 ]
 """The agent backends, by `type`; left out: `python`."""
@@ -99,3 +140,8 @@ class GatewayConfig(Section):
 
     port: int = Field(default=0, ge=0, lt=1 << 16)
     """Port it binds; 0: a free one (each worker of a host gets its own)."""
+
+    advertise_host: str | None = None
+    """Host the episodes' base URLs name, for agents elsewhere (`task.agent.type: remote`):
+    the worker's address as the runners reach it (a pod IP, a service name). None: `host`
+    (loopback for `0.0.0.0`)."""

@@ -79,7 +79,8 @@ class Gateway:
         self._server = _Server((cfg.host, cfg.port), self)
         host, port = self._server.server_address[:2]
         name = host if isinstance(host, str) else host.decode()
-        self.url = f"http://{'127.0.0.1' if name in ('0.0.0.0', '') else name}:{port}"
+        name = cfg.advertise_host or ("127.0.0.1" if name in ("0.0.0.0", "") else name)
+        self.url = f"http://{name}:{port}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="gateway", daemon=True
         )
