@@ -32,7 +32,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agents_sdk"
 AGENT = f"""
 import asyncio, json, os, sys, time
 sys.path.insert(0, {str(EXAMPLE)!r})
-from agent import solve
+from sdk_agent import solve
 
 log = os.environ["AGENT_LOG"]
 with open(os.path.join(log, "pids.log"), "a") as f:
@@ -58,7 +58,7 @@ def test_agents_sdk_command_agent_trains_through_a_kill(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, user_code: Path
 ) -> None:
     pytest.importorskip("agents")
-    script = user_code / "sdk_agent.py"
+    script = user_code / "sdk_command.py"
     script.write_text(textwrap.dedent(AGENT))
     model = tool_model(tmp_path / "model")
     keys = Keys("command-e2e")
