@@ -484,3 +484,14 @@ def test_messages_the_template_refuses_are_one_error() -> None:
     with pytest.raises(RenderError, match="only supports single tool-calls"):
         tr.plan([*QUESTION, two, RESULT], TOOLS)
     assert tr.samples() == [] and not tr.breaks
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_fast_encoder_gives_the_tokenizers_ids(name: str) -> None:
+    tok = family(name).tokenizer
+    template = ChatTemplate(tok)
+    text = template.text([*QUESTION, CALL, RESULT, {"role": "user", "content": "Thanks"}], TOOLS)
+    assert template.encode(text) == tok(text, add_special_tokens=False)["input_ids"]
+    assert template.render([*QUESTION], TOOLS) == tok.apply_chat_template(
+        [*QUESTION], tools=list(TOOLS), add_generation_prompt=True, tokenize=True, return_dict=False
+    )

@@ -23,7 +23,8 @@ unbroken conversation is one sample. Where every reply so far was written as the
 writes it (a "canonical" sample, ended on the end of turn), the stitched prompt decodes to the
 template's own rendering of the conversation: the ids of the new turns are the template's.
 
-    python tools/compare_transcript.py --conversations 10000
+    python tools/compare_transcript.py --conversations 5000
+    python tools/compare_transcript.py --plan-cost
 """
 
 from __future__ import annotations
@@ -487,12 +488,55 @@ def compare(
     return stats
 
 
+def plan_cost(name: str = "qwen2.5", turns: int = 64) -> list[tuple[int, int, float, float]]:
+    """(turn, prompt ids, median CPU ms of `plan`, CPU ms of a fresh render and encode of the
+    same messages) along one long conversation of user turns and 30-word replies."""
+    fam = family(name)
+    template = ChatTemplate(fam.tokenizer)
+    tr = Transcript(template)
+    end = fam.tokenizer.convert_tokens_to_ids(fam.end)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "please add numbers " * 20}]
+    tools = list(TOOLS)
+    out = []
+    for turn in range(turns + 1):
+        if turn in (2, turns // 4, turns // 2, turns):
+            times = []
+            for _ in range(15):
+                t0 = time.process_time()
+                tr.plan(messages, tools)
+                times.append(time.process_time() - t0)
+            t0 = time.process_time()
+            template.render(messages, tools)
+            fresh = time.process_time() - t0
+            plan = tr.plan(messages, tools)
+            out.append((turn, len(plan.prompt_ids), np.median(times) * 1e3, fresh * 1e3))
+        plan = tr.plan(messages, tools)
+        text = "the sum is " * 30
+        ids = np.asarray([*template.encode(text), end], np.int32)
+        reply = {"role": "assistant", "content": text.strip()}
+        zeros = np.zeros(len(ids), np.float32)
+        tr.record(
+            plan, CallRecord(plan.prompt_ids, ids, zeros, zeros.astype(np.int32), "stop", reply)
+        )
+        messages = [*messages, reply, {"role": "user", "content": "and again " * 10}]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument(
+        "--plan-cost", action="store_true", help="the CPU of `plan` along a long conversation"
+    )
     args = parser.parse_args()
+    if args.plan_cost:
+        print("| turn | prompt ids | plan, CPU ms (median of 15) | fresh render + encode, CPU ms |")
+        print("|---|---|---|---|")
+        for turn, n, plan_ms, fresh_ms in plan_cost():
+            print(f"| {turn} | {n} | {plan_ms:.2f} | {fresh_ms:.2f} |")
+        return
     print(
         "| family | conversations | calls | generated tokens | differing | bad prompts | "
         "breaks made = split | unbroken as one sample | canonical prompts = template | "

@@ -39,6 +39,16 @@ P + G + O, and the sample is prompt P, response G + O + G2 with loss mask 1…1 
 template itself would have written the reply as `<tool_call>\\n{"name": "add", "arguments":
 {"a": 2, "b": 3}}\\n</tool_call>`: tokens the model never sampled, which no id here comes from.
 
+**Why this is right.** Every id the model produced comes from a `CallRecord`, untouched; the
+only ids made from text are the new turns', which the model did not produce and the trainer
+masks. Those are what the template writes after an assistant turn for exactly these turns, so
+the model reads tool results and user turns as a fresh rendering would show them (checked: a
+conversation whose replies were sampled as the template writes them decodes to the template's
+own rendering, `tools/compare_transcript.py`); what it assumes is that the template's writing
+of the new turns does not depend on the reply's content or calls, true of the Qwen, Llama 3 and
+ChatML families. And the sample is the prompt plus everything after it, so the tokens trained on
+are the tokens each call was conditioned on.
+
 **Breaks.** A call whose messages do not continue (an earlier message edited or dropped, as
 compaction does; the returned reply changed or missing; other tools; other template options;
 a template whose rendering has no place for the marker; a call planned before the previous one
