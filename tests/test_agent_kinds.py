@@ -79,17 +79,21 @@ def _check_tool_episodes(group: FinishedGroup[str], engine: ToolThenAnswer, n: i
         assert (s.logprobs[s.loss_mask == 0] == 0).all()
 
 
+def _run_example(tokenizer: Any, folder: str, path: str) -> None:
+    """An example agent, unchanged, against the scripted tool-then-answer policy: no failure,
+    one sample of both calls per episode, reward 1."""
+    engine = ToolThenAnswer(tokenizer)
+    sched, _ = agent_scheduler(engine, tokenizer, EXAMPLES / folder, path, params=PARAMS)
+    (group,), failed = _one_group(sched, tokenizer, 2)
+    assert failed == []
+    _check_tool_episodes(group, engine, 2)
+
+
 def test_agents_sdk_agent_with_a_function_tool(tokenizer: Any) -> None:
     """The example's SDK agent, unchanged, on its default Responses model: its tool runs on
     the policy's call, its answer after the result earns 1, and both calls are the sample."""
     pytest.importorskip("agents")
-    engine = ToolThenAnswer(tokenizer)
-    sched, _ = agent_scheduler(
-        engine, tokenizer, EXAMPLES / "agents_sdk", "sdk_agent:solve", params=PARAMS
-    )
-    (group,), failed = _one_group(sched, tokenizer, 2)
-    assert failed == []
-    _check_tool_episodes(group, engine, 2)
+    _run_example(tokenizer, "agents_sdk", "sdk_agent:solve")
 
 
 def test_langgraph_react_agent_with_a_tool(tokenizer: Any) -> None:
@@ -97,13 +101,7 @@ def test_langgraph_react_agent_with_a_tool(tokenizer: Any) -> None:
     call, tool result and answer as the SDK agent's, the same one sample per episode."""
     pytest.importorskip("langgraph")
     pytest.importorskip("langchain_openai")
-    engine = ToolThenAnswer(tokenizer)
-    sched, _ = agent_scheduler(
-        engine, tokenizer, EXAMPLES / "langgraph_agent", "react_agent:solve", params=PARAMS
-    )
-    (group,), failed = _one_group(sched, tokenizer, 2)
-    assert failed == []
-    _check_tool_episodes(group, engine, 2)
+    _run_example(tokenizer, "langgraph_agent", "react_agent:solve")
 
 
 @pytest.mark.skipif(not (shutil.which("jq") and shutil.which("curl")), reason="needs jq, curl")
