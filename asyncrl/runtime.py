@@ -9,7 +9,7 @@ the model directory, tokenizer and task — and holds the staleness bound both e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -97,10 +97,17 @@ class RoleRuntime:
         )
 
     def consumer(
-        self, stream: str, group: str, decode: Callable[[bytes], T], groups: Groups[T]
+        self,
+        stream: str,
+        group: str,
+        groups: Groups[T],
+        *,
+        decode: Callable[[bytes], T] | None = None,
+        decode_batch: Callable[[list[bytes]], Sequence[T | Exception]] | None = None,
     ) -> Consumer[T]:
         """This role's member of `group` on `stream`: entries of dead peers of the same role are
-        taken over; `decode` gets an entry's data field (an entry without one is malformed)."""
+        taken over; `decode` gets an entry's data field, or `decode_batch` those of a read's
+        entries at once (an entry without one is malformed)."""
         from asyncrl.heartbeat import is_alive
         from asyncrl.queue import Consumer
 
@@ -113,7 +120,8 @@ class RoleRuntime:
             dlq=self.keys.dlq,
             counters_key=self.keys.counters,
             is_alive=is_alive(self.client, self.keys, self.role),
-            decode=_entry_data(decode),
+            decode=None if decode is None else _entry_data(decode),
+            decode_batch=None if decode_batch is None else _entries_data(decode_batch),
             groups=groups,
             guard=self.redis,
         )
@@ -161,6 +169,20 @@ def _entry_data(decode: Callable[[bytes], T]) -> Callable[[dict[bytes, bytes]], 
         return decode(data)
 
     return decode_entry
+
+
+def _entries_data(
+    decode: Callable[[list[bytes]], Sequence[T | Exception]],
+) -> Callable[[list[dict[bytes, bytes]]], list[T | Exception]]:
+    def decode_entries(batch: list[dict[bytes, bytes]]) -> list[T | Exception]:
+        from asyncrl.protocol import ValidationError
+
+        datas = [fields.get(b"data") for fields in batch]
+        decoded = iter(decode([data for data in datas if data is not None]))
+        missing = ValidationError("malformed", "entry has no data field")
+        return [missing if data is None else next(decoded) for data in datas]
+
+    return decode_entries
 
 
 def open_runtime(

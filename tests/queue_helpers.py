@@ -20,6 +20,7 @@ def consumer(
     group: str = GROUP,
     alive: Callable[[str], bool] = lambda _: True,
     decode: Callable[[RawFields], Any] | None = None,
+    decode_batch: Callable[[list[RawFields]], list[Any]] | None = None,
     should_stop: Callable[[], bool] | None = None,
     guard: RedisGuard | None = None,
     **cfg: Any,
@@ -35,6 +36,7 @@ def consumer(
         counters_key=COUNTERS,
         is_alive=alive,
         decode=decode,
+        decode_batch=decode_batch,
         guard=guard or RedisGuard(reconnect_max_s=0.2, should_stop=should_stop),
     )
 

@@ -13,7 +13,9 @@ from asyncrl.protocol import (
     Sample,
     TrajectoryGroup,
     ValidationError,
+    batch,
     decode_group,
+    decode_groups,
     decode_prompt,
     encode_group,
     encode_prompt,
@@ -660,7 +662,52 @@ def test_bad_group_checked_sample_by_sample_is_rejected_alike(
     monkeypatch: pytest.MonkeyPatch, group: TrajectoryGroup, kwargs: dict[str, Any], reason: str
 ) -> None:
     # Long groups are checked on each sample's own arrays; every group here takes that path.
-    monkeypatch.setattr(validate, "_CONCAT_MAX_TOKENS", 0)
+    monkeypatch.setattr(validate, "CONCAT_MAX_TOKENS", 0)
     if group.schema != 3:  # the bulk layout is checked joined, whatever the length
         group = dataclasses.replace(group, schema=1)
     assert reason_of(encode_group(group), **kwargs) == reason
+
+
+def test_decode_groups_decodes_a_batch_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = [make_group([make_sample(n=n, version=3 + n % 2)]) for n in (5, 0, 2)]
+    masked = make_group([make_sample(loss_mask=np.array([1, 0, 1, 1, 1], np.uint8))])
+    datas = [
+        *(encode_group(g) for g in plain),
+        encode_group(dataclasses.replace(plain[0], schema=1)),  # as older workers wrote
+        encode_group(masked),  # optional arrays: decoded alone
+        encode_group(make_group([make_sample(logprobs=np.array([0.5] * 5, np.float32))])),
+        b"\xc1",
+    ]
+    alone: list[Any] = []
+    for data in datas:
+        try:
+            alone.append(decode_group(data, current_version=4))
+        except ValidationError as exc:
+            alone.append(exc)
+    together = decode_groups(datas, current_version=4)
+    assert [type(x) for x in together] == [type(x) for x in alone]
+    groups = [g for g in together if isinstance(g, TrajectoryGroup)]
+    errors = [e.reason for e in together if isinstance(e, ValidationError)]
+    assert errors == ["logprob_positive", "malformed"]
+    assert [encode_group(g) for g in groups] == [encode_group(g) for g in alone[:5]]
+
+    # The common shape takes the batch path alone: no entry decoded on its own.
+    def alone_not_wanted(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("decoded on its own")
+
+    monkeypatch.setattr(batch, "decode_group", alone_not_wanted)
+    out = [g for g in decode_groups(datas[:3], current_version=4) if type(g) is TrajectoryGroup]
+    assert [len(g.samples[0].response_ids) for g in out] == [5, 0, 2]
+    # A version ahead of the trainer in one of them sends the batch to the exact path.
+    with pytest.raises(AssertionError, match="on its own"):
+        decode_groups(datas[:3], current_version=3)
+
+
+def test_the_bulk_layout_writes_the_groups_fields_first_in_their_declared_order() -> None:
+    # The encoder writes them out by name: a field added to TrajectoryGroup must be added there.
+    names = ["schema", *(f.name for f in dataclasses.fields(TrajectoryGroup))]
+    names = list(dict.fromkeys(n for n in names if n != "samples"))
+    bulk = msgpack.unpackb(encode_group(make_group()))
+    per_sample = msgpack.unpackb(encode_group(make_group(schema=1)))  # the generic writer's
+    assert list(bulk)[: len(names)] == names
+    assert all(bulk[n] == per_sample[n] for n in names if n != "schema")

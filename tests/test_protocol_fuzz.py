@@ -18,6 +18,7 @@ from asyncrl.protocol import (
     TrajectoryGroup,
     ValidationError,
     decode_group,
+    decode_groups,
     decode_prompt,
     encode_group,
     encode_prompt,
@@ -48,6 +49,10 @@ def _valid_group() -> TrajectoryGroup:
 
 
 VALID = encode_group(_valid_group())  # the bulk layout, schema 2
+# Without optional arrays: what `decode_groups` takes on its batch path.
+VALID_PLAIN = encode_group(
+    dataclasses.replace(_valid_group(), samples=[_valid_group().samples[0]] * 2)
+)
 VALID_1 = encode_group(dataclasses.replace(_valid_group(), schema=1))  # as older workers wrote
 VALID_PROMPT = encode_prompt(
     PromptGroup(
@@ -64,15 +69,35 @@ VALID_PROMPT = encode_prompt(
 
 
 def decodes_or_rejects(data: bytes, limits: Limits | None = None) -> None:
-    """The property under test: a decoded group is valid, anything else is a ValidationError."""
+    """The property under test: a decoded group is valid, anything else is a ValidationError;
+    and decoding it in a batch (between valid entries) gives what decoding it alone does."""
+    alone: TrajectoryGroup | ValidationError
     try:
-        g = decode_group(data, limits)
-    except ValidationError:
-        pass
+        alone = g = decode_group(data, limits)
+    except ValidationError as exc:
+        alone = exc
     else:
         validate_group(g, limits=limits)
+    assert_same_decoding(decode_groups([VALID_PLAIN, data, VALID_PLAIN], limits)[1], alone)
     with contextlib.suppress(ValidationError):
         decode_prompt(data, limits)
+
+
+def assert_same_decoding(
+    got: TrajectoryGroup | ValidationError, want: TrajectoryGroup | ValidationError
+) -> None:
+    """The same error (reason and message), or groups of the same fields, dtypes and bytes."""
+    if isinstance(want, ValidationError):
+        assert isinstance(got, ValidationError), got
+        assert (got.reason, got.message) == (want.reason, want.message)
+        return
+    assert isinstance(got, TrajectoryGroup), got
+    assert encode_group(got) == encode_group(want)
+    for a, b in zip([got, *got.samples], [want, *want.samples], strict=True):
+        for name in (f.name for f in dataclasses.fields(a)):
+            x, y = getattr(a, name), getattr(b, name)
+            assert type(x) is type(y), name
+            assert getattr(x, "dtype", None) == getattr(y, "dtype", None), name
 
 
 @FUZZ
@@ -105,7 +130,7 @@ def _mutate(base: bytes, edits: list[tuple[str, int, int]]) -> bytes:
 
 
 @FUZZ
-@given(st.sampled_from([VALID, VALID_1]), st.lists(_edit, min_size=1, max_size=4))
+@given(st.sampled_from([VALID, VALID_1, VALID_PLAIN]), st.lists(_edit, min_size=1, max_size=4))
 def test_mutated_valid_group(valid: bytes, edits: list[tuple[str, int, int]]) -> None:
     decodes_or_rejects(_mutate(valid, edits))
 
@@ -206,6 +231,8 @@ def _replaced(valid: bytes, path: tuple[Any, ...], value: Any) -> bytes:
 )
 def test_one_field_of_a_valid_bulk_group_replaced(path: tuple[Any, ...], value: Any) -> None:
     decodes_or_rejects(_replaced(VALID, path, value))
+    if path[0] not in ("has", "loss_mask", "routed_experts", "routed_shape"):
+        decodes_or_rejects(_replaced(VALID_PLAIN, path, value))
 
 
 @pytest.mark.parametrize("unpackb", [msgpack.unpackb, msgpack.fallback.unpackb])
@@ -330,10 +357,16 @@ def test_token_rules_match_their_plain_reading_on_both_paths(
     except ValidationError as exc:
         got = exc.reason
     assert got == expected, ("bulk", got, expected)
-    saved = validate._CONCAT_MAX_TOKENS
+    # In a batch, the token rules run over all its entries joined: each entry still gets its own.
+    other = encode_group(dataclasses.replace(group, samples=[_valid_group().samples[0]]))
+    batch = decode_groups([other, encode_group(group), other], VOCAB_16, current_version=current)
+    got = batch[1].reason if isinstance(batch[1], ValidationError) else None
+    assert got == expected, ("batch", got, expected)
+    assert not any(isinstance(g, ValidationError) for g in batch[::2])  # versions <= 2
+    saved = validate.CONCAT_MAX_TOKENS
     try:
         for split in (False, True):  # concatenated, and sample by sample as long groups are
-            validate._CONCAT_MAX_TOKENS = 0 if split else saved
+            validate.CONCAT_MAX_TOKENS = 0 if split else saved
             try:
                 validate_group(group, current_version=current, limits=VOCAB_16)
                 got = None
@@ -341,4 +374,4 @@ def test_token_rules_match_their_plain_reading_on_both_paths(
                 got = exc.reason
             assert got == expected, (split, got, expected)
     finally:
-        validate._CONCAT_MAX_TOKENS = saved
+        validate.CONCAT_MAX_TOKENS = saved

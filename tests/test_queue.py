@@ -89,16 +89,37 @@ def toy_decode(fields: RawFields) -> int:
     return int(fields[b"n"])
 
 
-def test_decode_failure_dead_letters_entry_and_delivers_the_rest(redis_client: redis.Redis) -> None:
+def toy_decode_batch(reads: list[int], batch: list[RawFields]) -> list[Any]:
+    """`toy_decode` of a read's entries at once, each value or its exception, as
+    `asyncrl.protocol.decode_groups` returns them; counts its calls in `reads`."""
+    reads.append(len(batch))
+    out: list[Any] = []
+    for fields in batch:
+        try:
+            out.append(toy_decode(fields))
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_decode_failure_dead_letters_entry_and_delivers_the_rest(
+    redis_client: redis.Redis, batch: bool
+) -> None:
     p = Producer(redis_client, STREAM)
     good1 = p.add({"n": "1"})
     bad = p.add({"bad": "length_mismatch", "id": "clash"})
     good2 = p.add({"n": "2"})
     junk = p.add({"junk": "x"})
-    c = consumer(redis_client, "c", decode=toy_decode)
+    reads: list[int] = []
+    decoders: dict[str, Any] = {"decode": toy_decode}
+    if batch:
+        decoders = {"decode_batch": partial(toy_decode_batch, reads)}
+    c = consumer(redis_client, "c", **decoders)
 
     got = c.read(count=10, block_ms=100)
     assert [(d.id, d.value) for d in got] == [(good1, 1), (good2, 2)]
+    assert reads == ([4] if batch else [])  # one call for the read's four entries
     assert pending_ids(redis_client) == [good1, good2]
     assert counter(redis_client, Counter.GROUPS_DEAD_LETTERED) == 2
 

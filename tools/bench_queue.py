@@ -29,7 +29,7 @@ import redis
 from bench_codec import bench_codec, make_group  # a sibling: the script's folder is importable
 
 from asyncrl.launch.redis_server import RedisServer
-from asyncrl.protocol import TrajectoryGroup, decode_group, stream_fields
+from asyncrl.protocol import TrajectoryGroup, decode_groups, stream_fields
 from asyncrl.queue import Consumer, Producer
 from asyncrl.runstate import Counter
 
@@ -44,8 +44,8 @@ def asyncrl_round(
     batch: int,
     group: TrajectoryGroup | None = None,
 ) -> None:
-    """With `group`, each entry is encoded from it and decoded (validated) when read, as rollout
-    workers and trainers do; else `fields` go as they are."""
+    """With `group`, each entry is encoded from it and decoded (validated) when read, a read's
+    entries at once, as rollout workers and trainers do; else `fields` go as they are."""
     producer = Producer(client, stream)
     consumer: Consumer[object] = Consumer(
         client,
@@ -55,7 +55,7 @@ def asyncrl_round(
         dlq=f"{stream}:dlq",
         counters_key=f"{stream}:counters",
         is_alive=bool,
-        decode=None if group is None else lambda f: decode_group(f[b"data"]),
+        decode_batch=None if group is None else lambda b: decode_groups([f[b"data"] for f in b]),
     )
     for _ in range(groups):
         producer.add(fields if group is None else stream_fields(group))

@@ -12,13 +12,15 @@ malformed or semantically wrong with a `ValidationError` (and nothing else), so 
 is dead-lettered instead of taking down a worker. A decoded object has always passed validation.
 Keys that a schema does not know are ignored, so optional fields can be added without a new one.
 
-The modules: `records` (the messages, `Limits`, `ValidationError`), `validate` (the checks) and
-`wire` (encode and decode). The package imports only numpy and msgpack: rollout workers, the queue
-and `asyncrl status` use it without loading torch.
+The modules: `records` (the messages, `Limits`, `ValidationError`), `validate` (the checks),
+`wire` (encode and decode) and `batch` (decoding a read's entries at once). The package imports
+only numpy and msgpack: rollout workers, the queue and `asyncrl status` use it without loading
+torch.
 """
 
 from __future__ import annotations
 
+from asyncrl.protocol.batch import decode_groups
 from asyncrl.protocol.records import (
     DEFAULT_LIMITS,
     FINISH_CODES,
@@ -61,6 +63,7 @@ __all__ = [
     "TrajectoryGroup",
     "ValidationError",
     "decode_group",
+    "decode_groups",
     "decode_prompt",
     "encode_group",
     "encode_prompt",

@@ -23,11 +23,11 @@ from asyncrl.protocol.records import (
     ValidationError,
 )
 
-_META_TYPES = frozenset({type(None), bool, int, float, str})
+META_TYPES = frozenset({type(None), bool, int, float, str})
 
 # Tokens of a group above which `validate_group` checks its arrays sample by sample rather than
 # concatenated (decoding measured: concatenated is cheaper at 8 × 4 k tokens, split at 8 × 16 k).
-_CONCAT_MAX_TOKENS = 32768
+CONCAT_MAX_TOKENS = 32768
 
 
 def check_meta(meta: Any, limits: Limits, where: str) -> None:
@@ -39,7 +39,7 @@ def check_meta(meta: Any, limits: Limits, where: str) -> None:
         )
     size = 0
     for key, value in meta.items():
-        if type(key) is not str or type(value) not in _META_TYPES:
+        if type(key) is not str or type(value) not in META_TYPES:
             raise ValidationError(
                 "malformed", f"{where}meta[{key!r}]: keys must be str and values scalars"
             )
@@ -50,7 +50,7 @@ def check_meta(meta: Any, limits: Limits, where: str) -> None:
         )
 
 
-def _within(ids: np.ndarray, vocab: int | None) -> bool:
+def ids_within(ids: np.ndarray, vocab: int | None) -> bool:
     """Whether every id lies in [0, vocab) (vocab None: is >= 0). Signed integers are read as
     unsigned, where a negative one is at least 2**(bits - 1): one pass, not a min and a max."""
     if ids.dtype.kind != "i":
@@ -72,7 +72,7 @@ def _check_ids(
     """Reject an id no model can embed: negative, or not below `limits.vocab_size`. `sample_of`
     maps an index into concatenated responses back to its sample, for the message."""
     vocab = limits.vocab_size
-    if not len(ids) or _within(ids, vocab):
+    if not len(ids) or ids_within(ids, vocab):
         return
     bad = ids < 0 if vocab is None else (ids < 0) | (ids >= vocab)
     first = int(np.argmax(bad))
@@ -169,7 +169,7 @@ def validate_group(
         audit_logprobs=[s.audit_logprobs for s in g.samples if s.audit_logprobs is not None],
         loss_masks=[s.loss_mask for s in g.samples if s.loss_mask is not None],
     )
-    if sum(lengths) <= _CONCAT_MAX_TOKENS:
+    if sum(lengths) <= CONCAT_MAX_TOKENS:
         columns = columns.joined()
     check_tokens(columns, limits, current_version)
 
@@ -255,7 +255,7 @@ def check_tokens(c: Columns, limits: Limits, current_version: int | None) -> Non
         """The sample of a token of the concatenation, for an error message."""
         return int(np.searchsorted(np.cumsum(c.lengths), flat_index, side="right"))
 
-    if not all(_within(r, limits.vocab_size) for r in c.ids):
+    if not all(ids_within(r, limits.vocab_size) for r in c.ids):
         _check_ids(np.concatenate(c.ids), limits, "response_ids", sample_of)
 
     # Audited log-probs run the same checks as the behaviour ones, under the same reason codes.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from asyncrl.queue.config import QueueConfig
@@ -36,7 +36,9 @@ class Consumer(Generic[T]):
     `is_alive(name)` says whether another consumer's heartbeat is current (see
     `asyncrl.heartbeat.is_alive`); consumer names are worker ids. `decode` turns fields into the
     value handed out; an exception it raises with a `reason` attribute, or any ValueError,
-    dead-letters the entry instead of failing the read. With `groups`, entries are checked
+    dead-letters the entry instead of failing the read. `decode_batch` instead turns a read's
+    entries at once into a value or such an exception each (a decoder whose fixed costs are
+    paid once per read: `asyncrl.protocol.decode_groups`). With `groups`, entries are checked
     against (and claim) their group on delivery, and end it when acked or dead-lettered.
     """
 
@@ -52,6 +54,7 @@ class Consumer(Generic[T]):
         counters_key: str,
         is_alive: Callable[[str], bool],
         decode: Callable[[RawFields], T] | None = None,
+        decode_batch: Callable[[list[RawFields]], Sequence[T | Exception]] | None = None,
         groups: Groups[T] | None = None,
         guard: RedisGuard | None = None,
     ) -> None:
@@ -62,7 +65,9 @@ class Consumer(Generic[T]):
         self.name = name
         self._groups = groups
         self._is_alive = is_alive
-        self._decode = decode
+        if decode is not None and decode_batch is not None:
+            raise ValueError("give decode or decode_batch, not both")
+        self._decode = decode_batch or (None if decode is None else _one_by_one(decode))
         self._admit_script = client.register_script(ADMIT_LUA)
         self._settler = Settler(
             self._io,
@@ -303,21 +308,24 @@ class Consumer(Generic[T]):
         return [(text(i), fields, 1) for i, fields in reply[0][1]]
 
     def _deliver(self, raw: list[_Raw]) -> list[Delivery[T]]:
-        out: list[Delivery[T]] = []
+        kept: list[tuple[str, RawFields, int]] = []
         for entry_id, fields, deliveries in raw:
             if deliveries > self._io.cfg.max_deliveries:
                 self.dead_letter(entry_id, fields, "max_deliveries", f"delivered {deliveries}×")
-                continue
-            if fields is None:
+            elif fields is None:
                 self.dead_letter(entry_id, None, "deleted", "entry deleted while pending")
-                continue
-            try:
-                value: Any = fields if self._decode is None else self._decode(fields)
-            except Exception as exc:
-                reason = getattr(exc, "reason", None)
-                if reason is None and not isinstance(exc, ValueError):
-                    raise
-                self.dead_letter(entry_id, fields, str(reason or "decode_error"), str(exc))
+            else:
+                kept.append((entry_id, fields, deliveries))
+        values: Sequence[Any] = [f for _, f, _ in kept]
+        if self._decode is not None and kept:
+            values = self._decode(list(values))
+        out: list[Delivery[T]] = []
+        for (entry_id, fields, deliveries), value in zip(kept, values, strict=True):
+            if isinstance(value, Exception) and self._decode is not None:
+                reason = getattr(value, "reason", None)
+                if reason is None and not isinstance(value, ValueError):
+                    raise value
+                self.dead_letter(entry_id, fields, str(reason or "decode_error"), str(value))
                 continue
             out.append(Delivery(entry_id, fields, value, deliveries))
         if self._groups is not None and out:
@@ -349,6 +357,21 @@ class Consumer(Generic[T]):
             }[verdict]
             self.dead_letter(d.id, d.fields, verdict, detail, value=d.value)
         return out
+
+
+def _one_by_one(decode: Callable[[RawFields], T]) -> Callable[[list[RawFields]], list[Any]]:
+    """A per-entry decoder as a batch one: each entry's value, or the exception it raised."""
+
+    def decode_each(batch: list[RawFields]) -> list[Any]:
+        out: list[Any] = []
+        for fields in batch:
+            try:
+                out.append(decode(fields))
+            except Exception as exc:  # judged by the caller, as if raised there
+                out.append(exc)
+        return out
+
+    return decode_each
 
 
 def _pending(

@@ -234,8 +234,8 @@ def build(cfg: Config, worker_id: str) -> RolloutParts:
         consumer=rt.consumer(
             rt.keys.prompts,
             PROMPTS_GROUP,
-            lambda data: decode_prompt(data, limits),
             prompt_groups(rt.keys),
+            decode=lambda data: decode_prompt(data, limits),
         ),
         heartbeat=rt.heartbeat(
             lambda: {"version": engine.version, "tokens": episodes.tokens, "time": timing.last}

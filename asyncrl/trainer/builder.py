@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from asyncrl.device import resolve_device, return_freed_memory
 from asyncrl.engines.routing import moe_shape
-from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_group
+from asyncrl.protocol import Limits, TrajectoryGroup, ValidationError, decode_groups
 from asyncrl.runstate import TRAJECTORIES_GROUP
 from asyncrl.runtime import RoleRuntime, open_runtime
 from asyncrl.trainer.admission import Admission, Cursor, load_cursor
@@ -263,14 +263,19 @@ def first_version(rt: RoleRuntime, resumed: Resumed, ranks: Ranks, device: torch
     return version
 
 
-def decoder(limits: Limits, state: LoopState) -> Callable[[bytes], TrajectoryGroup]:
-    """The consumer's decode: a trajectory entry, validated against the version in hand."""
+def decoder(
+    limits: Limits, state: LoopState
+) -> Callable[[list[bytes]], list[TrajectoryGroup | ValidationError]]:
+    """The consumer's decode: a read's trajectory entries at once, validated against the version
+    in hand."""
 
-    def decode(data: bytes) -> TrajectoryGroup:
-        group = decode_group(data, limits, current_version=state.version)
-        if len(group.prompt_ids) == 0:
-            raise ValidationError("malformed", "empty prompt: the first token has no logits")
-        return group
+    def decode(datas: list[bytes]) -> list[TrajectoryGroup | ValidationError]:
+        return [
+            ValidationError("malformed", "empty prompt: the first token has no logits")
+            if type(g) is TrajectoryGroup and not len(g.prompt_ids)
+            else g
+            for g in decode_groups(datas, limits, current_version=state.version)
+        ]
 
     return decode
 
@@ -412,8 +417,8 @@ def build(cfg: Config) -> TrainerParts:
     consumer = rt.consumer(
         rt.keys.trajectories,
         TRAJECTORIES_GROUP,
-        decoder(limits, state),
         trajectory_groups(rt.keys),
+        decode_batch=decoder(limits, state),
     )
     admission = None
     rank0 = None
