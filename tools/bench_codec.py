@@ -21,6 +21,7 @@ from asyncrl.protocol import (
     Sample,
     TrajectoryGroup,
     decode_group,
+    decode_groups,
     encode_group,
     validate_group,
 )
@@ -55,6 +56,10 @@ def make_group(n_samples: int, n_tokens: int, seed: int = 0) -> TrajectoryGroup:
     )
 
 
+# Entries a trainer reads at once (tools/bench_queue.py's default --batch).
+BATCH = 16
+
+
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     for _ in range(min(repeats, 50)):  # warm caches and allocator
         fn()
@@ -70,12 +75,15 @@ def bench_codec(n_samples: int = 16, n_tokens: int = 1024, repeats: int = 2000) 
     """Median encode/decode/validate times (µs) and throughput (MB/s of encoded bytes).
 
     decode_us includes validation, since decode_group always validates; validate_us is that part
-    alone.
+    alone; batch_decode_us is decode_groups' share of each of `BATCH` entries read at once, as
+    the trainer reads them.
     """
     group = make_group(n_samples, n_tokens)
     data = encode_group(group)
     encode_s = _median_s(lambda: encode_group(group), repeats)
     decode_s = _median_s(lambda: decode_group(data), repeats)
+    batch = [encode_group(make_group(n_samples, n_tokens, seed)) for seed in range(BATCH)]
+    batch_s = _median_s(lambda: decode_groups(batch), max(1, repeats // BATCH)) / BATCH
     decoded = decode_group(data)
     validate_s = _median_s(lambda: validate_group(decoded, current_version=8), repeats)
     mb = len(data) / 1e6
@@ -86,6 +94,7 @@ def bench_codec(n_samples: int = 16, n_tokens: int = 1024, repeats: int = 2000) 
         "encode_us": round(encode_s * 1e6, 1),
         "decode_us": round(decode_s * 1e6, 1),
         "validate_us": round(validate_s * 1e6, 1),
+        "batch_decode_us": round(batch_s * 1e6, 1),
         "encode_mb_s": round(mb / encode_s, 1),
         "decode_mb_s": round(mb / decode_s, 1),
     }
