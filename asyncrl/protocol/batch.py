@@ -29,7 +29,6 @@ from asyncrl.protocol.records import (
     ValidationError,
 )
 from asyncrl.protocol.validate import (
-    CONCAT_MAX_TOKENS,
     META_TYPES,
     Columns,
     check_tokens,
@@ -102,16 +101,23 @@ def decode_groups(
     return out
 
 
+# Tokens of a run of entries checked together. Each joined array (4 bytes a token) stays below
+# the 128 KiB from which the trainer's malloc maps fresh pages (`device.return_freed_memory`).
+# 16 entries of 8 × 256 tokens, µs a group in runs of 2,048 / 8,192 / 16,384 / 32,768 tokens:
+# 61 / 37 / 33 / 40, and with the trainer's malloc setting 65 / 45 / 40 / 43.
+_RUN_TOKENS = 16384
+
+
 def _runs(entries: list[_Entry]) -> list[list[_Entry]]:
-    """`entries` in runs of consecutive ones checked together: up to `CONCAT_MAX_TOKENS` tokens,
-    or one entry (whose arrays need no copy). Joining copies the tokens: it pays where the
-    fixed cost of a numpy call is most of a check (8 × 256 tokens a group: 19 → 3 µs a group
-    for the token rules, with the copy), not for long groups (16 × 1,024: slower joined)."""
+    """`entries` in runs of consecutive ones checked together: up to `_RUN_TOKENS` tokens, or
+    one entry (whose arrays need no copy). Joining copies the tokens: it pays where the fixed
+    cost of a numpy call is most of a check (8 × 256 tokens a group: 19 → 3 µs a group for the
+    token rules, with the copy), not for long groups (16 × 1,024: slower joined)."""
     runs: list[list[_Entry]] = []
-    tokens = CONCAT_MAX_TOKENS
+    tokens = _RUN_TOKENS
     for e in entries:
         size = len(e.ids) // 4
-        if tokens + size > CONCAT_MAX_TOKENS:
+        if tokens + size > _RUN_TOKENS:
             runs.append([])
             tokens = 0
         runs[-1].append(e)
