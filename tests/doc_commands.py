@@ -9,6 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 _BLOCK = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
+_FILE = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```', re.M | re.S)
 
 
 def commands(page: Path) -> list[list[str]]:
@@ -21,6 +22,12 @@ def commands(page: Path) -> list[list[str]]:
                 if argv:
                     found.append(argv)
     return found
+
+
+def files(page: Path) -> dict[str, str]:
+    """The files a page has the user write: its fenced blocks titled with a file name
+    (```python title="my_agent.py"), name → text."""
+    return dict(_FILE.findall(page.read_text()))
 
 
 def asyncrl_args(page: Path, command: str) -> list[str]:

@@ -169,6 +169,35 @@ def test_prometheus_gets_seconds_and_fractions() -> None:
     assert m.time_fraction["env"]._value.get() == pytest.approx(0.6)
 
 
+def test_counters_advance_as_each_phase_ends(clock: Clock) -> None:
+    """With counters, a phase's seconds are exported when it ends (left, or paused by a nested
+    one), not at the next `take`: a scrape between reports sees the time so far, and over the
+    intervals the counters hold exactly the splits' seconds."""
+    m = RoleMetrics("rollout", "bd-live")
+    seconds = m.breakdown_seconds
+    b = Breakdown(ROLLOUT_PHASES, seconds)
+    clock.now += 1.0  # other, until the next phase begins
+    with b.phase("env"):
+        assert seconds["other"]._value.get() == pytest.approx(1.0)
+        clock.now += 2.0
+        with b.phase("decode"):  # pauses env: its 2 s so far are counted
+            assert seconds["env"]._value.get() == pytest.approx(2.0)
+            clock.now += 0.5
+        assert seconds["decode"]._value.get() == pytest.approx(0.5)
+        clock.now += 1.0
+    assert seconds["env"]._value.get() == pytest.approx(3.0)
+    with b.phase("hold"):
+        clock.now += 4.0
+        first = b.take()  # cuts the open phase: its time so far counted, once
+        assert seconds["hold"]._value.get() == pytest.approx(4.0)
+        clock.now += 1.0
+    second = b.take()
+    for name in ROLLOUT_PHASES:
+        split_seconds = sum(s.fractions[name] * s.seconds for s in (first, second))
+        assert seconds[name]._value.get() == pytest.approx(split_seconds), name
+    assert sum(seconds[p]._value.get() for p in ROLLOUT_PHASES) == pytest.approx(9.5)
+
+
 def _train_rows() -> list[object]:
     return group_rows(proc.make_groups(), AlgoConfig(), proc.SAMPLING.max_new_tokens)
 

@@ -1,10 +1,11 @@
 """`asyncrl launch --role all` (local mode) as a real process: SIGTERM stops its trainer ranks
 (two, `--trainer-ranks 2`), its rollout worker and its embedded redis-server, the trainer writing
 its final checkpoint; children die with a launcher that is killed outright; the embedded Redis
-requires its run's password."""
+requires its run's password; `--fresh` clears every per-run file and keeps the user's."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from asyncrl.launch.local import prepare_run_dir
 from asyncrl.runstate import Counter
 
 from role_procs import (
@@ -121,3 +123,14 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
         wait_until(lambda: not any(is_running(p) for p in pids), 30, "children gone")
     finally:
         kill_all([parent.pid, *pids])
+
+
+def test_fresh_clears_the_run_files_and_keeps_the_users(tmp_path: Path) -> None:
+    """A fresh run must not append to the last run's logs: `mismatch.jsonl` (the trainer's
+    per-step mismatch tables, which `asyncrl mismatch` reads back) goes with `metrics.jsonl`."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    for name in ("metrics.jsonl", "rollout.jsonl", "mismatch.jsonl", "config.yaml", "notes.txt"):
+        (run / name).write_text('{"step": 10}\n')
+    prepare_run_dir(run, argparse.Namespace(fresh=True, progress="quiet"))
+    assert sorted(p.name for p in run.iterdir()) == ["logs", "notes.txt"]

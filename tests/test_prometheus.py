@@ -323,9 +323,6 @@ def test_every_dashboard_and_alert_series_has_data(
             "trainer.checkpoint_every=6",
             "trainer.eval_every=2",
             "trainer.eval_size=100",
-            # A worker adds to its time-breakdown counters once an interval (10 s by default,
-            # longer than this run on idle cores): every second, so that a rate has two points.
-            "metrics.breakdown_every_s=1",
             f"metrics.port={metrics_port}",
             timeout=240,
         )

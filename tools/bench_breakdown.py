@@ -3,8 +3,9 @@
     python tools/bench_breakdown.py [--repeats 15] [--threads 2]
 
 Three loops of the quickstart and agentic workloads, in this process on a random tiny model of
-the quickstart architecture, each run alternately with a breakdown active on the thread (on)
-and none (off: every `phase()` is a thread-local lookup and a shared no-op):
+the quickstart architecture, each run alternately with a breakdown active on the thread (on; in
+the two rollout loops with the Prometheus counters a rollout worker's breakdown adds to as each
+phase ends) and none (off: every `phase()` is a thread-local lookup and a shared no-op):
 
 - `trainer_step`: one `train_step` of the quickstart's batch (64 groups × 8 samples, 4 response
   tokens; `trainer.micro_batch_tokens` small enough for several micro-batches);
@@ -16,7 +17,8 @@ Each figure is the median over --repeats after a warm-up, the two modes alternat
 first; the ratio on/off is the overhead (goal ≤ 1.01), also given for the fastest call of each
 mode and for the process' CPU time (both less disturbed by other jobs on a shared machine). It
 also counts the phases each loop enters and times one enter/leave pair, whose product is the
-overhead free of run-to-run noise. The last line is JSON.
+overhead free of run-to-run noise (a pair with the counters for the rollout loops). The last
+line is JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +39,15 @@ from asyncrl.algo.config import AlgoConfig
 from asyncrl.engines.sampling import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.metrics import breakdown
-from asyncrl.metrics.breakdown import ROLLOUT_PHASES, TRAINER_PHASES, Breakdown
+from asyncrl.metrics.breakdown import ROLLOUT_PHASES, TRAINER_PHASES, Breakdown, Counts
+from asyncrl.metrics.roles import RoleMetrics
 from asyncrl.protocol import Sample, TrajectoryGroup
 from asyncrl.tiny_model import new_tiny_model, save_random_tiny_model
 from asyncrl.trainer.batch import group_rows
 from asyncrl.trainer.step import train_step
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=4)
+Counters = Mapping[str, Counts]
 
 
 def _groups(n_groups: int, n: int, rng: np.random.Generator) -> list[TrajectoryGroup]:
@@ -145,11 +149,11 @@ class _Counting(Breakdown):
         super().enter(name)
 
 
-def _pair_seconds(n: int = 200_000) -> float:
-    b = Breakdown(TRAINER_PHASES).activate()
+def _pair_seconds(counters: Counters | None, n: int = 200_000) -> float:
+    b = Breakdown(ROLLOUT_PHASES, counters).activate()
     start = time.perf_counter()
     for _ in range(n):
-        with breakdown.phase("collate"):
+        with breakdown.phase("decode"):
             pass
     on = (time.perf_counter() - start) / n
     breakdown.deactivate()
@@ -164,17 +168,22 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = save_random_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
-    loops = {
-        "trainer_step": (_trainer_step(), TRAINER_PHASES),
-        "rollout_generate": (_rollout_generate(model_dir), ROLLOUT_PHASES),
-        "agentic_episodes": (_agentic_episodes(model_dir), ROLLOUT_PHASES),
+    counters = RoleMetrics("rollout", "bench").breakdown_seconds
+    loops: dict[str, tuple[Callable[[], None], tuple[str, ...], Counters | None]] = {
+        "trainer_step": (_trainer_step(), TRAINER_PHASES, None),
+        "rollout_generate": (_rollout_generate(model_dir), ROLLOUT_PHASES, counters),
+        "agentic_episodes": (_agentic_episodes(model_dir), ROLLOUT_PHASES, counters),
     }
-    pair = _pair_seconds()
-    results: dict[str, Any] = {"phase_pair_us": round(pair * 1e6, 3)}
-    for name, (run, phases) in loops.items():
+    pairs = {False: _pair_seconds(None), True: _pair_seconds(counters)}
+    results: dict[str, Any] = {
+        "phase_pair_us": round(pairs[False] * 1e6, 3),
+        "phase_pair_counted_us": round(pairs[True] * 1e6, 3),
+    }
+    for name, (run, phases, counted) in loops.items():
+        pair = pairs[counted is not None]
         run()  # warm-up
         _Counting.entered = 0
-        _Counting(phases).activate()
+        _Counting(phases, counted).activate()
         run()
         calls = _Counting.entered
         times: dict[str, list[float]] = {"on": [], "off": []}
@@ -184,7 +193,7 @@ def main() -> int:
             # (garbage, a closing environment) does so in both modes alike.
             for mode in ("on", "off") if i % 2 else ("off", "on"):
                 if mode == "on":
-                    Breakdown(phases).activate()
+                    Breakdown(phases, counted).activate()
                 else:
                     breakdown.deactivate()
                 start, start_cpu = time.perf_counter(), time.process_time()

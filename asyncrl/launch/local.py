@@ -30,6 +30,7 @@ import yaml
 from asyncrl.config import Config
 from asyncrl.launch import process
 from asyncrl.launch.redis_server import RedisServer, embedded_redis, free_port, write_secret
+from asyncrl.metrics.record import MISMATCH_LOG, ROLLOUT_LOG
 from asyncrl.redis_conn import redact_url, split_password, with_password
 from asyncrl.runstate import Keys
 
@@ -38,14 +39,15 @@ if TYPE_CHECKING:
 
 # A rollout worker that exits is restarted at most this often.
 MAX_RESTARTS = 10
-# What local mode writes into a run directory; `--fresh` removes exactly these.
+# What a run writes into its run directory; `--fresh` removes exactly these.
 RUN_STATE = (
     "checkpoints",
     "redis",
     "weights",
     "logs",
     "metrics.jsonl",
-    "rollout.jsonl",
+    ROLLOUT_LOG,
+    MISMATCH_LOG,
     "config.yaml",
     "plots",
     "profile",

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 OTHER = "other"
 
@@ -138,30 +138,48 @@ class _NoPhase:
 _NO_PHASE = _NoPhase()
 
 
-class Breakdown:
-    """Exclusive seconds per phase of one thread since the last `take` (see the module)."""
+class Counts(Protocol):
+    """What a breakdown adds each charge to (a Prometheus counter)."""
 
-    def __init__(self, phases: tuple[str, ...]) -> None:
+    def inc(self, amount: float) -> None: ...
+
+
+class Breakdown:
+    """Exclusive seconds per phase of one thread since the last `take` (see the module).
+
+    With `counters` (one per phase), each stretch of a phase is also added to its counter as it
+    ends (the phase left, or paused by one nested in it, or cut by a `take`), so a scrape sees
+    the time so far rather than the last interval's."""
+
+    def __init__(
+        self, phases: tuple[str, ...], counters: Mapping[str, Counts] | None = None
+    ) -> None:
         self.phases = phases
         self._seconds = dict.fromkeys(phases, 0.0)
         self._phases = {p: _Phase(self, p) for p in phases}
         self._stack = [OTHER]
         self._start = self._mark = perf_counter()
+        self._counters = None if counters is None else {p: counters[p] for p in phases}
 
     def phase(self, name: str) -> _Phase | _NoPhase:
         """The context manager charging `name`; a no-op for a phase this role does not have."""
         return self._phases.get(name, _NO_PHASE)
 
     def enter(self, name: str) -> None:
-        now = perf_counter()
-        self._seconds[self._stack[-1]] += now - self._mark
-        self._mark = now
+        self._charge(self._stack[-1])
         self._stack.append(name)
 
     def leave(self) -> None:
+        self._charge(self._stack.pop())
+
+    def _charge(self, name: str) -> None:
+        """`name` ran from the last mark until now."""
         now = perf_counter()
-        self._seconds[self._stack.pop()] += now - self._mark
+        seconds = now - self._mark
+        self._seconds[name] += seconds
         self._mark = now
+        if self._counters is not None:
+            self._counters[name].inc(seconds)
 
     def elapsed(self) -> float:
         """Seconds since the last `take`."""
@@ -169,11 +187,10 @@ class Breakdown:
 
     def take(self) -> TimeSplit:
         """The interval since the last `take` (or the start), and a new interval begun."""
-        now = perf_counter()
-        self._seconds[self._stack[-1]] += now - self._mark
+        self._charge(self._stack[-1])
         split = TimeSplit.of(self._seconds)
         self._seconds = dict.fromkeys(self.phases, 0.0)
-        self._start = self._mark = now
+        self._start = self._mark
         return split
 
     def activate(self) -> Breakdown:

@@ -150,6 +150,12 @@ class RoleMetrics:
         """Exports one interval of the role's time breakdown."""
         for name, fraction in split.fractions.items():
             self.breakdown_seconds[name].inc(fraction * split.seconds)
+        self.observe_fractions(split)
+
+    def observe_fractions(self, split: TimeSplit) -> None:
+        """Exports the shares of one interval only, for a breakdown that adds its seconds to
+        `breakdown_seconds` itself as each phase ends (`Breakdown(counters=...)`)."""
+        for name, fraction in split.fractions.items():
             self.time_fraction[name].set(fraction)
 
     def redis_outage(self, outage: bool) -> None:

@@ -335,7 +335,8 @@ METRICS: tuple[Metric, ...] = (
         "Wall time of the role's thread per phase of its time breakdown, every second of it "
         "in exactly one phase (trainer: wait, collate, proximal, forward_backward, all_reduce, "
         "optimizer, publish, checkpoint, other; rollout: prefill, decode, generate, env, hold, "
-        "weight_swap, publish, other): rate over the sum of rates is the share.",
+        "weight_swap, publish, other): rate over the sum of rates is the share. A rollout "
+        "worker adds each phase's time as it ends; the trainer once a step.",
         "trainer r0, rollout",
         label=("phase", ALL_PHASES),
     ),

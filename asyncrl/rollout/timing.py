@@ -1,6 +1,7 @@
-"""A rollout worker's time breakdown, reported every `metrics.breakdown_every_s`: a
-`WorkerRecord` line in `{run.dir}/rollout.jsonl`, the role's Prometheus metrics, and the
-fractions in its heartbeat (`asyncrl status`)."""
+"""A rollout worker's time breakdown: its Prometheus seconds per phase advance as each phase
+ends; every `metrics.breakdown_every_s` the interval is reported as a `WorkerRecord` line in
+`{run.dir}/rollout.jsonl`, the shares gauge and the fractions in its heartbeat (`asyncrl
+status`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class WorkerTiming:
         self._version = version
         self._tokens = tokens
         self._every_s = rt.cfg.metrics.breakdown_every_s
-        self.breakdown = Breakdown(ROLLOUT_PHASES)
+        self.breakdown = Breakdown(ROLLOUT_PHASES)  # counts nothing until `start`
         self._t0 = time.monotonic()
         self._tokens_at = 0
         self._groups = 0
@@ -36,7 +37,8 @@ class WorkerTiming:
         """Begin measuring the calling thread (the worker's loop)."""
         self._t0 = time.monotonic()
         self._tokens_at = self._tokens()
-        self.breakdown.activate().take()
+        # A new breakdown, so that the worker's start-up is in no counter.
+        self.breakdown = Breakdown(ROLLOUT_PHASES, self._rt.metrics.breakdown_seconds).activate()
 
     def published(self, groups: int) -> None:
         self._groups += groups
@@ -58,7 +60,7 @@ class WorkerTiming:
             **split.fields(),
         )
         self._tokens_at, self._groups = tokens, 0
-        self._rt.metrics.observe_split(split)
+        self._rt.metrics.observe_fractions(split)
         self.last = {p: round(f, 4) for p, f in split.fractions.items()}
         if self._rt.cfg.metrics.jsonl:
             if self._log is None:
