@@ -124,6 +124,13 @@ def test_values_that_would_fail_later_are_config_errors(override: str, key: str)
     assert_config_error(launch_cli("--role", "trainer", "redis.url=redis://x:1/0", override), key)
 
 
+@pytest.mark.parametrize("config", ["configs/quickstart.yaml", "configs/agentic.yaml"])
+def test_a_held_out_split_larger_than_the_pair_space_is_a_config_error(config: str) -> None:
+    # 1-digit operands make 100 pairs: the default 500 held out crashed both roles at start.
+    proc = launch_cli("--role", "trainer", "--config", config, "task.digits=1")
+    assert_config_error(proc, "task.eval_size")
+
+
 def test_trainer_ranks_flag() -> None:
     """`--trainer-ranks N` is `trainer.ranks=N`, checked before anything starts."""
     proc = launch_cli("--role", "all", "--trainer-ranks", "2", "--print-config")

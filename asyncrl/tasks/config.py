@@ -4,7 +4,7 @@ without it. Backends are chosen by `type` (pydantic discriminated unions).
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from asyncrl.configbase import PluginConfig, Section
 from asyncrl.environments.config import EnvironmentConfig
@@ -66,6 +66,11 @@ RewardConfig = Annotated[
 ]
 
 
+def operand_pairs(digits: int) -> int:
+    """Ordered operand pairs of `digits` digits (one digit: 0..9; more: no leading zero)."""
+    return (10 if digits == 1 else 9 * 10 ** (digits - 1)) ** 2
+
+
 class ArithmeticTaskConfig(Section):
     """Synthetic `a+b=` prompts whose operands have exactly `digits` digits."""
 
@@ -95,6 +100,16 @@ class ArithmeticTaskConfig(Section):
     """Your agent, unchanged, run once per episode against the worker's OpenAI-compatible
     gateway (`asyncrl.gateway`), its calls recorded token for token; excludes `environment`.
     See docs/agents.md."""
+
+    @model_validator(mode="after")
+    def _split(self) -> "ArithmeticTaskConfig":
+        pairs = operand_pairs(self.digits)
+        if self.eval_size >= pairs:
+            raise ValueError(
+                f"task.eval_size={self.eval_size} leaves no train pairs: "
+                f"{self.digits}-digit operands make {pairs} pairs"
+            )
+        return self
 
 
 class _RecordsConfig(Section):
@@ -216,6 +231,16 @@ class AgenticTaskConfig(Section):
     """Where the tool runs instead of in the worker: e.g. `{type: remote, urls: [...]}` with
     `asyncrl env-server --env asyncrl.tasks.agentic:ArithmeticToolEnvironment`; None: the
     simulated tool in the worker's event loop."""
+
+    @model_validator(mode="after")
+    def _split(self) -> "AgenticTaskConfig":
+        pairs = operand_pairs(self.digits)
+        if self.eval_size * self.turns >= pairs:
+            raise ValueError(
+                f"task.eval_size={self.eval_size} × task.turns={self.turns} questions leave no "
+                f"train questions: {self.digits}-digit operands make {pairs} pairs"
+            )
+        return self
 
 
 class ReasoningGymTaskConfig(Section):
