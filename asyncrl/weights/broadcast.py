@@ -291,6 +291,9 @@ class BroadcastPublisher(BackgroundPublisher):
         try:
             live, h = self._live()
             if self._stale(live, h):
+                # Forming waits for the members (as long as the sync timeout): the trainer,
+                # waiting in `copied()`, must not wait with it.
+                self._packed_through(buffer.layout.total_bytes)
                 self._form(live)
             if self._group is not None:
                 behind = self._behind(h)
