@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from asyncrl.engines.sampling import SamplingParams, sampling_logprobs
 from asyncrl.tiny_model import EOS_ID, save_random_tiny_model
+from asyncrl.weights.base import Released
 
 from engine_helpers import PROMPTS, load_model, make_engine, perturbed, reference_logprobs
 
@@ -202,3 +203,33 @@ def test_rescore_in_float32_of_a_bfloat16_engine_differs_from_its_behaviour(
     assert diff.mean() > 1e-4, diff  # 10 × the float32 engine's bound above
     # The float32 copy holds the engine's own (rounded) weights; the engine keeps bfloat16.
     assert next(engine.model.parameters()).dtype == torch.bfloat16
+
+
+def test_released_weights_are_kept_others_copied(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    model = load_model(model_dir)
+    live = dict(engine.model.named_parameters())
+    plain = perturbed(model, seed=5)
+    engine.stage_weights(plain, 1)
+    # Handed over by a caller that may write them again: copied, never aliased.
+    assert all(live[n].data_ptr() != t.data_ptr() for n, t in plain.items() if n in live)
+    before = {n: live[n].detach().clone() for n in plain if n in live}
+    for t in plain.values():
+        t.add_(1.0)
+    assert all(torch.equal(live[n].detach(), before[n]) for n in before)
+    released = Released(perturbed(model, seed=6))
+    name = next(iter(released))
+    released[name] = released[name].double()  # another dtype than the engine's: cast, copied
+    engine.stage_weights(released, 2)
+    synced = engine.state_dict_for_sync()
+    kept = [n for n in released if n != name and n in live]
+    assert kept and all(live[n].data_ptr() == released[n].data_ptr() for n in kept)
+    assert live[name].dtype != torch.float64 and live[name].data_ptr() != released[name].data_ptr()
+    assert all(torch.equal(synced[n], released[n].to(synced[n].dtype)) for n in released)
+    # Generation runs on the kept tensors, as on loaded ones.
+    reference = load_model(model_dir)
+    reference.load_state_dict(dict(released), strict=False)
+    params = SamplingParams(max_new_tokens=4)
+    gen = engine.generate([PROMPTS[0]], params)[0]
+    expected = reference_logprobs(reference, PROMPTS[0], gen.token_ids, params)
+    np.testing.assert_allclose(gen.logprobs, expected, rtol=0, atol=1e-5)

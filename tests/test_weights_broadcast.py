@@ -319,3 +319,17 @@ def test_a_deferred_copy_sends_the_parameters_as_they_were_published(harness: Ha
         assert (report["checksum"], report["digest"]) == expected[report["version"]]
     stats = pub.stats()
     assert stats.sent + stats.coalesced == 4 and stats.failed == 0
+
+
+def test_a_deferred_copy_ends_before_the_group_waits_for_its_members(harness: Harness) -> None:
+    # "a" answers only once an epoch has formed without it: forming the first one waits out
+    # the sync timeout. The trainer's copied() must not wait with it.
+    harness.spawn("a", args=("--look-late",))
+    pub = harness.publish_to({"a"})
+    params = make_params(1)
+    pub.publish(params.items(), 0, defer_copy=True)
+    expected = fingerprint(params)
+    pub.copied()
+    assert int(text(harness.client.hget(KEYS.weights, "epoch") or b"-1")) < 0  # still forming
+    train_step(params)
+    harness.hold(["a"], 0, expected)

@@ -15,6 +15,7 @@ from asyncrl.weights.buckets import (
     FlatBuffer,
     Header,
     Layout,
+    Packer,
     bucket_ranges,
     checksum,
     checksum_tensors,
@@ -71,6 +72,26 @@ def test_round_trip_over_buckets_with_mixed_dtypes() -> None:
     for name, tensor in tensors.items():
         assert same_bits(received[name], tensor), name
     assert checksum(flat) == checksum(sent.flat)
+
+
+@pytest.mark.parametrize("narrow_to", [None, torch.bfloat16])
+def test_packing_bucket_by_bucket_equals_packing_at_once(narrow_to: torch.dtype | None) -> None:
+    tensors = mixed()
+    layout = Layout.of(tensors.items(), narrow_to)
+    whole = FlatBuffer(layout, torch.device("cpu"))
+    whole.pack(tensors.items())
+    piecewise = FlatBuffer(layout, torch.device("cpu"))
+    packer = Packer(piecewise, reversed(list(tensors.items())))
+    filled = 0
+    for _, end in bucket_ranges(layout.total_bytes, bucket_bytes=ALIGN):  # cuts through tensors
+        packer.through(end)
+        # Everything below `end` is packed, nothing at or above it yet (but zero padding).
+        assert torch.equal(piecewise.flat[:end], whole.flat[:end])
+        assert not piecewise.flat[end:].any()
+        filled = end
+    assert filled == layout.total_bytes
+    packer.through(layout.total_bytes)  # once done, a call more changes nothing
+    assert torch.equal(piecewise.flat, whole.flat)
 
 
 def test_checksum_detects_any_flipped_byte() -> None:

@@ -107,6 +107,8 @@ class InProcessWeights(Protocol):
 
     def stage_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Hand over weights of `version` (thread-safe); the engine owns the tensors from now on.
+        The builtin engine copies them into its own, except a `weights.base.Released` mapping's
+        (a subscriber's receive buffer, never written again), which it keeps as they are.
 
         A newer staging replaces one not yet applied. Raises if `version` is not newer than
         the loaded or staged one, or if names or shapes do not match `state_dict_for_sync`.

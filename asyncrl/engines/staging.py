@@ -11,6 +11,7 @@ import torch
 
 from asyncrl.lora import synced
 from asyncrl.metrics.breakdown import phase
+from asyncrl.weights.base import Released
 
 
 class StagedWeights:
@@ -83,10 +84,15 @@ class StagedWeights:
         if self._pending is None:
             return
         version, tensors = self._pending
+        keep = isinstance(tensors, Released)
         # Charged on the generating thread only: a swap while idle is the subscriber's time.
         with torch.no_grad(), phase("weight_swap"):
             for name, tensor in tensors.items():
-                self._targets[name].copy_(tensor)
+                target = self._targets[name]
+                if keep and (tensor.dtype, tensor.device) == (target.dtype, target.device):
+                    target.data = tensor  # tied aliases share the parameter, so they follow
+                else:
+                    target.copy_(tensor)
         self._version = version
         self._pending = None
         if self._on_swap is not None:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import torch
 
 from asyncrl.device import copies_done
-from asyncrl.weights.buckets import FlatBuffer, Layout
+from asyncrl.weights.buckets import FlatBuffer, Layout, Packer
 from asyncrl.weights.fields import SyncFields
 
 if TYPE_CHECKING:
@@ -55,6 +55,14 @@ first) or (name, tensor) pairs such as `state_dict().items()`."""
 
 OnWeights = Callable[[dict[str, torch.Tensor], int], None]
 """Receives (name → tensor, version); the engine's `stage_weights` has this signature."""
+
+
+class Released(dict[str, torch.Tensor]):
+    """Weights handed over for good: the subscriber never writes their storage again, so an
+    engine may keep these tensors as its own (a swap) instead of copying them into its own — a
+    pass over the weights after the last byte arrived, which the wire does not pay. Any other
+    mapping may be written later by whoever handed it over: an engine copies it."""
+
 
 C = TypeVar("C", bound=SyncFields)
 """The config member of a subscriber's transport."""
@@ -240,6 +248,10 @@ class BackgroundPublisher(ABC):
         self._staged_copies: torch.Event | None = None  # completes when _back is filled
         self._deferred: list[tuple[str, torch.Tensor]] | None = None  # to copy into _back
         self._copying = False  # the sender is copying a deferred version into _front
+        # A deferred copy the transport's `_send` finishes bucket by bucket (`_packed_through`)
+        # as it posts them, when it says `_streams_copy`; otherwise it is done before `_send`.
+        self._packer: Packer | None = None
+        self._streams_copy = False
         self._front_version: int | None = None
         self._last_version: int | None = None
         # Set by a transport that knows what its receivers keep (see the module docstring);
@@ -264,6 +276,22 @@ class BackgroundPublisher(ABC):
         knows of its receivers here): should the front (last sent) version, if any, go out
         again?"""
         return False
+
+    def _packed_through(self, end: int) -> None:
+        """Make sure bytes [0, end) of the front buffer hold the version being sent: the part
+        of a deferred copy not done yet is done now, on the sender thread."""
+        if self._packer is None:
+            return
+        assert self._front is not None
+        self._packer.through(end)
+        if end >= self._front.layout.total_bytes:
+            self._packer = None
+            self._copy_done()
+
+    def _copy_done(self) -> None:
+        with self._cond:
+            self._copying = False
+            self._cond.notify_all()
 
     @abstractmethod
     def _shutdown(self) -> None:
@@ -355,13 +383,17 @@ class BackgroundPublisher(ABC):
             deferred, self._deferred = self._deferred, None
             self._copying = deferred is not None
             copies, self._staged_copies = self._staged_copies, None
+        # Only host copies are worth streaming: on an accelerator they are queued in no time.
+        stream = self._streams_copy and front.flat.device.type == "cpu"
         if deferred is not None:
             try:
-                copies = self._copy(front, deferred)
+                if stream:
+                    self._packer = Packer(front, deferred)  # `_deliver` completes it
+                else:
+                    copies = self._copy(front, deferred)
             finally:
-                with self._cond:
-                    self._copying = False
-                    self._cond.notify_all()
+                if self._packer is None:
+                    self._copy_done()
         if copies is not None:
             copies.synchronize()
         return job
@@ -398,6 +430,10 @@ class BackgroundPublisher(ABC):
         except Exception as exc:
             self._loop_errors(exc)
             bytes_sent, receivers, ok = 0, 0, False
+        finally:
+            # Whatever the send did, the front must hold the version: it may be resent, and the
+            # trainer waits in `copied()` for the copy to end.
+            self._packed_through(self._front.layout.total_bytes)
         ended = time.monotonic()
         record = SyncRecord(
             version,

@@ -51,7 +51,8 @@ comes). If Redis loses the hash (restarted empty), the publisher writes its rend
 again at its next look at the hash, so that workers can still find it.
 
 One version on the wire (`buckets.Header`): a header (version, sizes), the layout (JSON), the flat
-buffer in buckets, and a trailer holding the checksum, all posted at once so that they pipeline. A
+buffer in buckets, and a trailer holding the checksum, all posted without waiting so that they
+pipeline; a deferred copy is packed bucket by bucket just before each is posted. A
 delta (`asyncrl.weights.delta`; header `base` ≥ 0) sends its table and its payload in buckets
 instead of the flat buffer, and the checksum of the buffer it produces; a member that lacks its
 base pulls the versions from `delta_dir` or asks for an anchor (`behind:`), never leaving the group
@@ -80,6 +81,7 @@ from asyncrl.weights.base import (
     POLL_S,
     BackgroundPublisher,
     BackgroundSubscriber,
+    Released,
     SyncRecord,
     announce,
     dtype_name,
@@ -135,6 +137,7 @@ class BroadcastPublisher(BackgroundPublisher):
         super().__init__(self._device, on_record, close_timeout_s=3 * cfg.sync_timeout_s)
         self._client, self._keys = client, keys
         self._bucket_bytes = cfg.bucket_mb << 20
+        self._streams_copy = True
         self._timeout = timedelta(seconds=cfg.sync_timeout_s)
         self._addr = cfg.master_addr
         self._store = master_store(cfg.master_addr, cfg.master_port, self._timeout)
@@ -288,9 +291,14 @@ class BroadcastPublisher(BackgroundPublisher):
         try:
             live, h = self._live()
             if self._stale(live, h):
+                # Forming waits for the members (as long as the sync timeout): the trainer,
+                # waiting in `copied()`, must not wait with it.
+                self._packed_through(buffer.layout.total_bytes)
                 self._form(live)
             if self._group is not None:
                 behind = self._behind(h)
+                if self._delta.enabled:  # a delta is encoded from the whole buffer
+                    self._packed_through(buffer.layout.total_bytes)
                 # Without a directory to pull from, a member that lacks the base needs the
                 # version in full; with one it pulls, and the others keep getting deltas.
                 lacking = self._pull is None and bool(set(self._members) - self._based)
@@ -336,14 +344,19 @@ class BroadcastPublisher(BackgroundPublisher):
         self._seq += 1
         send = {"epoch": self._epoch, "seq": self._seq, "version": version}
         announce(self._client, self._keys, send=json.dumps(send))
-        tensors = [
-            header.to_tensor(self._device),
-            torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self._device),
-            *table,
-            *(body[s:e] for s, e in bucket_ranges(body.numel(), self._bucket_bytes)),
-        ]
-        works = post_broadcasts(self._group, tensors)
-        check = checksum(buffer.flat) if delta is None else delta.checksum
+        head = [header.to_tensor(self._device)]
+        head.append(torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self._device))
+        works = post_broadcasts(self._group, [*head, *table])
+        # Bucket k goes on the wire as soon as it is packed, while bucket k+1 is; each is
+        # summed once posted, so the checksum costs no pass of its own after the last one.
+        sums = []
+        for s, e in bucket_ranges(body.numel(), self._bucket_bytes):
+            if delta is None:
+                self._packed_through(e)
+            works += post_broadcasts(self._group, [body[s:e]])
+            if delta is None:
+                sums.append(checksum(body[s:e]))
+        check = wrap64(sum(sums)) if delta is None else delta.checksum
         trailer = torch.tensor([check], dtype=torch.int64, device=self._device)
         works += post_broadcasts(self._group, [trailer])
         for work in works:
@@ -513,14 +526,14 @@ class BroadcastSubscriber(BackgroundSubscriber[BroadcastWeightsConfig]):
         if header.base < 0:
             if self._delta_on:
                 self._held.anchor(flat, layout, header.version)
-            self._hand_over(layout.views(flat.to(self._device)), header.version)
+            self._hand_over(Released(layout.views(flat.to(self._device))), header.version)
             return
         try:
             applied: torch.Tensor | None = self._held.apply(delta, layout)
         except DeltaRefused as exc:
             applied = self._pull(header.version, exc)
         if applied is not None:
-            self._hand_over(layout.views(applied.to(self._device)), header.version)
+            self._hand_over(Released(layout.views(applied.to(self._device))), header.version)
 
     def _receive_full(self, group: Group, header: Header) -> torch.Tensor:
         flat = self._buffers.take(header.total_bytes)

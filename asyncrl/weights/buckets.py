@@ -124,8 +124,34 @@ class FlatBuffer:
     def pack(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy `tensors` (same names and shapes as the layout) into their slots, cast to the
         slots' dtypes."""
-        for name, tensor in tensors:
-            self.tensors[name].copy_(tensor.detach())
+        Packer(self, tensors).through(self.layout.total_bytes)
+
+
+class Packer:
+    """Packs tensors into a `FlatBuffer` front to back, a byte range at a time: a sender posts
+    bucket k while bucket k+1 is being packed, instead of packing everything first."""
+
+    def __init__(self, buffer: FlatBuffer, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        sources = dict(tensors)
+        self._todo = [
+            (s, buffer.tensors[s.name].view(-1), sources[s.name].detach().reshape(-1))
+            for s in buffer.layout.specs
+        ]
+        self._next = 0  # index into _todo of the first tensor not fully packed
+        self._done = 0  # elements of that tensor packed already
+
+    def through(self, end: int) -> None:
+        """Pack every element that starts below byte `end` (bucket ends are multiples of the
+        alignment, so a tensor is cut between two elements)."""
+        while self._next < len(self._todo):
+            spec, slot, source = self._todo[self._next]
+            upto = min(slot.numel(), max(0, end - spec.offset) // spec.dtype.itemsize)
+            if upto > self._done:
+                slot[self._done : upto].copy_(source[self._done : upto])
+                self._done = upto
+            if self._done < slot.numel():
+                return
+            self._next, self._done = self._next + 1, 0
 
 
 def bucket_ranges(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
