@@ -17,7 +17,8 @@ Redis (`bench_async.run_mode`; each seed runs every arm before the next seed):
 Every run checkpoints each `trainer.checkpoint_every` steps and keeps them all; afterwards each
 checkpoint's policy is scored on the held-out episodes (`bench_async.final_reward`: `rollout.n`
 samples each, tools answering at once) — the hard class and the rest, the whole their mean
-weighted by item counts — at the trainer's `wall_seconds` stored in it. Per arm, over seeds (mean ± standard error):
+weighted by item counts — at the trainer's `wall_seconds` stored in it. Per arm, over seeds
+(mean ± standard error):
 
 - `time_to_target_s` / `time_to_target_hard_s`: wall seconds of the first checkpoint whose
   held-out reward (all / hard class) is ≥ `--target`; a run that never reaches it counts in
