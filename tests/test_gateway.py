@@ -287,7 +287,6 @@ def test_the_example_agent_runs_unchanged(tokenizer: Any) -> None:
     [
         ({"task.agent.path": "nowhere:run"}, "cannot import 'nowhere'"),
         ({"task.agent.path": "sig_agent:no_credentials"}, "cannot be called as fn(item, base_url"),
-        ({"trainer.eval_every": 5}, "trainer.eval_every must be 0 with task.agent"),
         (
             {"task.environment": {"type": "remote", "urls": ["http://x:1"]}},
             "task.agent and task.environment exclude each other",
