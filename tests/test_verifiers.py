@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +234,89 @@ def test_a_verifiers_venv_that_is_none_is_one_config_error(tmp_path: Path) -> No
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("asyncrl: config error: task.python:") and "verifiers" in line
+
+
+def _runner_pids() -> list[int]:
+    """This process's children that are verifiers runners."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == os.getpid() and b"vf_runner.py" in argv:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_runner_killed_mid_episode_fails_its_group_and_is_restarted(
+    vf_python: str, tmp_path: Path
+) -> None:
+    """SIGKILL the worker's verifiers runner once its episode has made a call: that group
+    fails (`agent_error`, the runner's death as detail), the worker goes on, and the next
+    episode runs on a fresh runner to its rubric's reward."""
+    import signal
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.engines.config import SamplingParams
+    from asyncrl.gateway.agents import Agents
+    from asyncrl.gateway.config import GatewayConfig
+    from asyncrl.gateway.server import Gateway
+    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.tasks.config import VerifiersTaskConfig
+    from asyncrl.tasks.verifiers import VerifiersTask
+
+    from engine_helpers import make_engine
+    from gateway_helpers import dies
+
+    model = tool_model(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    cfg = VerifiersTaskConfig(
+        env="count_env",
+        python=vf_python,
+        python_path=[str(env_package(tmp_path / "envs"))],
+        env_args={"taskset": {"num_tasks": 2, "turns": 2}},
+    )
+    task = VerifiersTask(cfg, tokenizer)
+    first, second = task.train_items(0, 0)
+    called = threading.Event()
+    gateway = Gateway(GatewayConfig(), tokenizer, len(tokenizer), lambda _: called.set())
+    sched: EpisodeScheduler[str] = EpisodeScheduler(
+        make_engine(model),
+        task,
+        tokenizer,
+        SamplingParams(max_new_tokens=6),
+        agents=Agents(cfg, gateway),
+    )
+    deadline = time.monotonic() + 400
+    try:
+        sched.start("killed", first, 1, "killed")
+        while not called.is_set():
+            assert sched.advance(0.05) == ([], []) and time.monotonic() < deadline
+        (victim,) = _runner_pids()
+        os.kill(victim, signal.SIGKILL)
+        done, failed = sched.advance(0.05)
+        while not failed:
+            assert time.monotonic() < deadline
+            done, failed = sched.advance(0.05)
+        assert done == [] and [(f.tag, f.reason) for f in failed] == [("killed", "agent_error")]
+        assert "the verifiers runner died (exit -9)" in failed[0].detail
+        assert dies(victim)
+
+        sched.start("next", second, 1, "next")
+        finished: list[Any] = []
+        while not finished:
+            finished, failed = sched.advance(0.05)
+            assert failed == [] and time.monotonic() < deadline
+        (group,) = finished
+        (sample,) = group.samples
+        assert sample.meta == {"calls": 2} and 0.0 <= sample.reward <= 1.0
+        assert _runner_pids() != [victim] and len(_runner_pids()) == 1
+    finally:
+        sched.close()
+    assert _runner_pids() == []

@@ -15,7 +15,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 def replies(traces_dir: Path) -> dict[str, tuple[str, str]]:
@@ -47,8 +47,8 @@ def key(messages: list[dict[str, Any]]) -> str:
 
 
 class Replay(BaseHTTPRequestHandler):
-    table: dict[str, tuple[str, str]] = {}
-    misses: list[str] = []
+    table: ClassVar[dict[str, tuple[str, str]]] = {}
+    misses: ClassVar[list[str]] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

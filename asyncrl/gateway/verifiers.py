@@ -60,7 +60,7 @@ def runner_argv(cfg: VerifiersTaskConfig) -> list[str]:
 def runner_env(cfg: VerifiersTaskConfig) -> dict[str, str]:
     """The worker's environment with the venv's `bin` first on PATH: verifiers runs harness
     scripts with `uv`, which it reuses from PATH (installing none) when the venv has it."""
-    bin_dir = str(Path(cfg.python).parent)
+    bin_dir = str(Path(cfg.python).absolute().parent)  # not resolve(): a venv links its python
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 

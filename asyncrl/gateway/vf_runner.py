@@ -2,14 +2,15 @@
 asyncrl's, so it imports nothing of asyncrl: only the standard library and `verifiers.v1`.
 
 One long-lived process per rollout worker (and one per held-out evaluation), started as
-`PYTHON -c RUN vf_runner.py SPEC` (`asyncrl.gateway.verifiers.runner_argv`) where SPEC is JSON (`env`, `python_path`, `env_args`, `runtime`,
-`splits`, `traces_dir`). It loads the environment once (`load_environment`, verifiers' own path
-for every construction site), enters `env.serving()` (its interception server) once, then
+`PYTHON -c RUN vf_runner.py SPEC` (`asyncrl.gateway.verifiers.runner_argv`), SPEC a JSON map
+(`env`, `python_path`, `env_args`, `runtime`, `splits`, `traces_dir`). It loads the
+environment once (`load_environment`, verifiers' own path for every construction site),
+enters `env.serving()` (its interception server) once, then
 answers JSON lines on stdin, one JSON line each on stdout, many episodes at once:
 
     {"op": "tasks", "id": n, "split": "train"|"eval"}
         -> {"id": n, "tasks": [{"idx", "prompt", "data"}, ...]}   (data: the task's wire data)
-    {"op": "episode", "id": n, "data": {...}, "base_url": url, "api_key": key}
+    {"op": "episode", "id": n, "data": {...}, "base_url": url}
         -> {"id": n, "reward": number} | {"id": n, "error": text}
     {"op": "cancel", "id": n}                                     (no reply)
 
@@ -29,9 +30,8 @@ import asyncio
 import json
 import os
 import sys
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import verifiers.v1 as vf
 from verifiers.v1.configs.select import SelectConfig
@@ -105,6 +105,7 @@ class Runner:
                 self.running[msg["id"]] = asyncio.create_task(self.answer(msg))
 
     async def answer(self, msg: dict[str, Any]) -> None:
+        reply: dict[str, Any]
         try:
             if msg["op"] == "tasks":
                 reply = {"tasks": task_rows(self.env, self.spec["splits"][msg["split"]])}

@@ -5,12 +5,13 @@ is something to learn, and one computed from the trace alone, so anyone can resc
 """
 
 import verifiers.v1 as vf
+from pydantic import Field
 
 
 class CountData(vf.TaskData):
     """One task: the opening prompt (`prompt`) and the follow-up user turns."""
 
-    followups: list[str] = []
+    followups: list[str] = Field(default_factory=list)
 
 
 class CountTask(vf.Task[CountData]):
