@@ -144,11 +144,6 @@ class Config(Section):
             raise ValueError(
                 "task.agent and task.environment exclude each other: an agent runs its own loop"
             )
-        if agent is not None and self.trainer.eval_every:
-            raise ValueError(
-                "trainer.eval_every must be 0 with task.agent: held-out evaluation runs in the "
-                "trainer, which serves no gateway"
-            )
         if self.trainer.parallel == "fsdp" and self.trainer.eval_every:
             raise ValueError(
                 "trainer.eval_every must be 0 with trainer.parallel=fsdp: evaluation runs on "

@@ -4,7 +4,9 @@ Evaluating in the trainer keeps the figure tied to a known step and version and 
 quickstart model a fraction of a second; a large model would rather send eval prompts through the
 rollout pool. Held-out items run as whole episodes through the rollout side's `EpisodeScheduler`,
 so a multi-turn task is scored on every turn (with its real environment) and a one-turn task on
-its single response, exactly as rollouts are rewarded.
+its single response, exactly as rollouts are rewarded. An agent task (`task.agent`, a verifiers
+environment) runs its agent against a gateway of the evaluation's own on loopback, made for each
+evaluation and closed with it, so its held-out reward is the agent's, as in rollouts.
 
 A module of the package root because it joins the two sides: the trainer calls it, and it drives
 the rollout side's scheduler. Placed in either package it would make one import the other.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.engines.base import RolloutEngine
@@ -23,6 +25,9 @@ from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.items import PromptItem
 from asyncrl.rollout.episodes import EpisodeScheduler
 from asyncrl.tasks.base import Task
+
+if TYPE_CHECKING:
+    from asyncrl.gateway.agents import Agents
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +41,17 @@ def held_out_reward(
     items: Sequence[PromptItem],
     params: SamplingParams,
     samples: int = 1,
+    agents: Agents | None = None,
+    max_context: int | None = None,
 ) -> float | None:
     """Mean episode reward over `samples` episodes of each item (accuracy for 0/1 rewards).
 
     Episodes whose group fails (an environment error, say) are left out and logged: one broken
     item must not stop training, and a zero would read as a wrong answer. None when every item
     failed (or there were none): there is no figure to report then."""
-    episodes: EpisodeScheduler[int] = EpisodeScheduler(engine, task, tokenizer, params)
+    episodes: EpisodeScheduler[int] = EpisodeScheduler(
+        engine, task, tokenizer, params, max_context=max_context, agents=agents
+    )
     rewards: list[float] = []
     try:
         for i, item in enumerate(items):
@@ -72,6 +81,11 @@ class Evaluator:
         )
         self.tokenizer = tokenizer
         self.task = task
+        self.agent = getattr(cfg.task, "agent", None)
+        text = model.config.get_text_config()
+        self.vocab_size = int(text.vocab_size)
+        limits = (cfg.rollout.max_context_tokens, getattr(text, "max_position_embeddings", None))
+        self.max_context = min((int(n) for n in limits if n is not None), default=None)
         items = task.eval_items()
         self.items = [items[i] for i in range(min(cfg.trainer.eval_size, len(items)))]
         self.samples = cfg.trainer.eval_samples
@@ -82,5 +96,22 @@ class Evaluator:
     def reward(self) -> float | None:
         """Mean reward of the live weights over the held-out items (None: none could be scored)."""
         return held_out_reward(
-            self.engine, self.task, self.tokenizer, self.items, self.params, self.samples
+            self.engine,
+            self.task,
+            self.tokenizer,
+            self.items,
+            self.params,
+            self.samples,
+            self._agents(),
+            self.max_context,
         )
+
+    def _agents(self) -> Agents | None:
+        """The agent over a fresh loopback gateway (the scheduler closes both with it)."""
+        if self.agent is None:
+            return None
+        from asyncrl.gateway.agents import Agents
+        from asyncrl.gateway.config import GatewayConfig
+        from asyncrl.gateway.server import Gateway
+
+        return Agents(self.agent, Gateway(GatewayConfig(), self.tokenizer, self.vocab_size))

@@ -287,7 +287,6 @@ def test_the_example_agent_runs_unchanged(tokenizer: Any) -> None:
     [
         ({"task.agent.path": "nowhere:run"}, "cannot import 'nowhere'"),
         ({"task.agent.path": "sig_agent:no_credentials"}, "cannot be called as fn(item, base_url"),
-        ({"trainer.eval_every": 5}, "trainer.eval_every must be 0 with task.agent"),
         (
             {"task.environment": {"type": "remote", "urls": ["http://x:1"]}},
             "task.agent and task.environment exclude each other",
@@ -317,3 +316,54 @@ def test_agent_config_errors(
     with pytest.raises(ValueError) as bad:
         load_config(path)
     assert says in str(bad.value)
+
+
+def test_held_out_evaluation_runs_the_agent_over_a_gateway_of_its_own(
+    user_code: Path, tmp_path: Path
+) -> None:
+    """The trainer's `Evaluator` on an agent task: every held-out item's episode is the agent's
+    run, its calls served by the evaluation's own loopback gateway from the live weights, and
+    the held-out reward is the mean of what the agents returned."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config import load_config, write_config
+    from asyncrl.evaluate import Evaluator
+    from asyncrl.tasks.build import build_task
+
+    agent_module(
+        user_code,
+        "eval_agent",
+        """
+        from openai import OpenAI
+
+        def run(item, base_url, api_key):
+            client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+            reply = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": item["prompt"]}], max_tokens=3
+            )
+            assert reply.choices[0].message.content is not None
+            return int(item["prompt"][0]) / 10  # "3+4=": 0.3
+        """,
+    )
+    model = tool_model(tmp_path / "model")
+    path = write_config(
+        tmp_path / "c.yaml",
+        {
+            "model.path": str(model),
+            "task.type": "arithmetic",
+            "task.digits": 1,
+            "task.eval_size": 4,
+            "task.agent.python_path": [str(user_code)],
+            "task.agent.path": "eval_agent:run",
+            "trainer.eval_every": 1,
+            "trainer.eval_size": 4,
+            "trainer.eval_samples": 2,
+        },
+    )
+    cfg = load_config(path)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    task = build_task(cfg.task, tokenizer)
+    evaluator = Evaluator(AutoModelForCausalLM.from_pretrained(model), tokenizer, task, cfg)
+    expected = np.mean([int(item.prompt[0]) / 10 for item in task.eval_items()])
+    assert evaluator.reward() == pytest.approx(expected)
+    assert evaluator.reward() == pytest.approx(expected)  # a fresh gateway each time

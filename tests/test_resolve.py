@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from check_resolve import ROOT, image_sets, project_sets
+from check_resolve import ROOT, all_extras, image_sets, project_sets
 
 
 def test_every_extra_is_a_set() -> None:
@@ -53,3 +53,17 @@ def test_an_unknown_extra_in_the_dockerfile_fails(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit, match="rey"):
         image_sets(dockerfile)
+
+
+def test_verifiers_and_the_agents_sdk_resolve_apart() -> None:
+    """verifiers 0.4 needs openai<3 and the Agents SDK openai>=3: no extras union holds both,
+    each is resolved with every other extra, and `dev` keeps verifiers out."""
+    unions = {s.name: s.requirements for s in all_extras(project_sets())}
+    assert set(unions) == {"extras:all", "extras:all+verifiers"}
+    for name, requirements in unions.items():
+        has = {
+            p for p in ("verifiers", "openai-agents") if any(r.startswith(p) for r in requirements)
+        }
+        assert has == ({"verifiers"} if name.endswith("+verifiers") else {"openai-agents"}), name
+    others = [s for s in project_sets() if s.name not in ("extra:agents", "extra:dev")]
+    assert set(unions["extras:all+verifiers"]) == {r for s in others for r in s.requirements}

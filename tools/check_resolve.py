@@ -10,7 +10,8 @@ Sets:
 - `extra:NAME`: asyncrl's dependencies plus the extra's, for this interpreter and machine (CI's
   Python 3.11 on Linux), sdists allowed — what `pip install 'asyncrl[NAME]'` resolves. They are
   resolved together first, as `extras:all` (a solution of all is one of each); one by one only
-  when that fails, to name the culprit.
+  when that fails, to name the culprit. Extras that conflict by design (`APART`) are left out
+  of `extras:all` and resolved as `extras:all+NAME`: with every extra they do not exclude.
 - `image:STAGE`: each `pip install` of a Dockerfile build stage (`STAGE/VENV` where a stage
   makes a second environment) with the ARG defaults filled in, resolved for the stage's Python
   (`IMAGE_PYTHON`, by base image) on manylinux x86_64, wheels only. The asyncrl wheel stands for
@@ -70,11 +71,29 @@ def project_sets(pyproject: Path = ROOT / "pyproject.toml") -> list[RequirementS
     ]
 
 
-def all_extras(sets: list[RequirementSet]) -> RequirementSet:
+APART = {"verifiers": ("agents", "dev")}
+"""Extras that never share a venv with the extras named: verifiers 0.4 needs `openai<3`, the
+OpenAI Agents SDK (`agents`, and `dev`, which has it) `openai>=3`. Users keep verifiers in a venv
+of its own (`task.python`), as an agent on the other `openai` runs as a command."""
+
+
+def all_extras(sets: list[RequirementSet]) -> list[RequirementSet]:
     """Every extra at once: what solves it solves each extra alone (fewer requirements), so one
-    resolution stands for all of them; only when it fails are they resolved one by one."""
-    union = dict.fromkeys(r for s in sets for r in s.requirements)
-    return RequirementSet("extras:all", tuple(union))
+    resolution stands for all of them; only when it fails are they resolved one by one. An extra
+    of `APART` is left out of it and resolved in a union of its own, without those it excludes."""
+
+    def union(name: str, names: set[str]) -> RequirementSet:
+        chosen = [s for s in sets if s.name.removeprefix("extra:") in names]
+        return RequirementSet(name, tuple(dict.fromkeys(r for s in chosen for r in s.requirements)))
+
+    every = {s.name.removeprefix("extra:") for s in sets}
+    return [
+        union("extras:all", every - set(APART)),
+        *(
+            union(f"extras:all+{x}", every - set(APART) - set(out) | {x})
+            for x, out in APART.items()
+        ),
+    ]
 
 
 def _with_extras(extras: str, pyproject: Path) -> tuple[str, ...]:
@@ -167,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=4, help="resolutions at once")
     args = parser.parse_args(argv)
     extras = project_sets()
-    sets = [all_extras(extras), *image_sets()]
+    sets = [*all_extras(extras), *image_sets()]
     if args.names:
         known = {s.name: s for s in [*extras, *sets]}
         if unknown := set(args.names) - set(known):
@@ -180,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     with ThreadPoolExecutor(args.jobs) as pool:
         results = dict(zip(sets, pool.map(resolve, sets), strict=True))
-        if any(s.name == "extras:all" and not results[s][0] for s in sets):
+        if any(s.name.startswith("extras:all") and not results[s][0] for s in sets):
             # Which extra fails (or whether they only conflict with each other).
             results.update(zip(extras, pool.map(resolve, extras), strict=True))
     for s, (ok, detail) in results.items():

@@ -8,7 +8,8 @@ episode's `timeout_s`. Whatever it raises, a BaseException included, fails only 
 ended, so its next call fails at once). A `command` agent is a process group per episode
 (`asyncrl.gateway.command`), killed when its episode ends or its group fails. A `remote` agent
 is either of them on an agent runner (`asyncrl.gateway.runner`), one request per episode
-(`asyncrl.gateway.remote`).
+(`asyncrl.gateway.remote`). A verifiers environment (`task.type: verifiers`) is its own agent:
+its episodes run in the worker's verifiers runner (`asyncrl.gateway.verifiers`).
 
 Samples and the wire: an agent renders its own prompt (system turn, tools, its history), so
 the episodes of one group need not share the item's prompt. Each sample's response is its
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from asyncrl.gateway.server import Gateway
     from asyncrl.gateway.sessions import PendingCall, Session
     from asyncrl.gateway.transcript import Segment
+    from asyncrl.gateway.verifiers import VerifiersAgent
+    from asyncrl.tasks.config import VerifiersTaskConfig
 
 _THREADS = 256
 """Sync agents running at once in a worker (a thread each, for their whole episode)."""
@@ -108,18 +111,22 @@ class Agents:
 
     def __init__(
         self,
-        cfg: AgentConfig,
+        cfg: AgentConfig | VerifiersTaskConfig,
         gateway: Gateway,
         on_session: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.gateway = gateway
         self._on_session = on_session
-        self._agent: LocalAgent | RemoteAgent
+        self._agent: LocalAgent | RemoteAgent | VerifiersAgent
         if cfg.type == "remote":
             from asyncrl.gateway.remote import RemoteAgent
 
             self._agent = RemoteAgent(cfg)
+        elif cfg.type == "verifiers":
+            from asyncrl.gateway.verifiers import VerifiersAgent
+
+            self._agent = VerifiersAgent(cfg)
         else:
             self._agent = LocalAgent(cfg)
         self._groups: dict[str, int] = {}

@@ -21,10 +21,16 @@ def launch(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.metrics.trackers import missing_package
     from asyncrl.model import missing_model
     from asyncrl.tasks.gym import check_task
+    from asyncrl.tasks.verifiers import check_verifiers
 
     # Before any Redis is reached or started: a wrong path or dataset name is a config error,
     # not an outage.
-    problem = missing_model(cfg) or check_task(cfg.task) or missing_package(cfg.metrics.trackers)
+    problem = (
+        missing_model(cfg)
+        or check_task(cfg.task)
+        or check_verifiers(cfg.task)
+        or missing_package(cfg.metrics.trackers)
+    )
     if problem is None and cfg.model.lora is not None:
         from asyncrl.lora import resume_mismatch
 

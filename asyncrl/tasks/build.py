@@ -35,8 +35,10 @@ from asyncrl.tasks.config import (
     PythonTaskConfig,
     ReasoningGymTaskConfig,
     TaskConfig,
+    VerifiersTaskConfig,
 )
 from asyncrl.tasks.gym import ReasoningGymTask
+from asyncrl.tasks.verifiers import VerifiersTask
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -65,6 +67,8 @@ def _build_task(cfg: TaskConfig, tokenizer: PreTrainedTokenizerBase) -> Task:
             return _python_task(cfg, tokenizer)
         case ReasoningGymTaskConfig():
             return ReasoningGymTask(cfg, tokenizer)
+        case VerifiersTaskConfig():
+            return VerifiersTask(cfg, tokenizer)
         case _:
             assert_never(cfg)
 

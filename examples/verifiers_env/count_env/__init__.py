@@ -1,0 +1,3 @@
+from count_env.taskset import CountEnv, CountTaskset
+
+__all__ = ["CountEnv", "CountTaskset"]
