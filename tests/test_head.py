@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncrl.engines.head import chunked_logprobs
 from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
 
 
@@ -89,3 +90,31 @@ def test_a_head_the_chunks_cannot_reproduce_takes_the_whole_logits() -> None:
     with pytest.warns(UserWarning, match="trainer.logits_chunk_tokens"):
         ours, _ = _logprobs_and_grads(model, ids, SamplingParams(), 4)
     assert torch.equal(ours, whole)
+
+
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "v_proj"], ["q_proj", "lm_head"]], ids=["layers", "head-too"]
+)
+def test_a_lora_adapter_trains_alike_through_the_chunked_head(targets: list[str]) -> None:
+    """LoRA leaves the head frozen (chunked, no weight gradient) or wraps it (a LoRA head is not
+    a plain Linear: whole logits); the adapter's gradients equal the whole logits' either way."""
+    pytest.importorskip("peft")
+    from asyncrl import lora
+    from asyncrl.model_config import LoraConfig
+
+    model = lora.wrap(_qwen2(tied=True), LoraConfig(target_modules=targets))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at 0: the A gradients would be 0 on both sides
+            torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # which path the comparison below exercises
+        taken = chunked_logprobs(model, ids, SamplingParams(), 4)
+    assert (taken is None) == ("lm_head" in targets)
+    whole, whole_grads = _logprobs_and_grads(model, ids, SamplingParams(), 0)
+    ours, our_grads = _logprobs_and_grads(model, ids, SamplingParams(), 4)
+    torch.testing.assert_close(ours, whole, rtol=1e-5, atol=1e-5)
+    assert our_grads.keys() == whole_grads.keys()
+    assert any("lm_head" in n for n in our_grads) == ("lm_head" in targets)
+    for name, grad in whole_grads.items():
+        assert "lora_" in name  # the base, tied embedding included, stays frozen
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -91,14 +91,14 @@ def _tied_lookup(head: torch.nn.Linear, lookup: Any) -> bool:
 @contextmanager
 def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
     saved = module.__dict__.get("forward")
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
     try:
         yield
     finally:
         if saved is None:
             del module.forward
         else:
-            module.forward = saved  # type: ignore[method-assign]
+            module.forward = saved
 
 
 class _ChunkedHead(torch.autograd.Function):
