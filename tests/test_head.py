@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.engines.head import chunked_logprobs
-from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
+from asyncrl.engines.head import chunked_logprobs, head_logprobs
+from asyncrl.engines.sampling import SamplingParams
 
 
 def _qwen2(*, tied: bool, pad: int | None = None) -> Any:
@@ -35,7 +35,7 @@ def _logprobs_and_grads(
     model: Any, ids: torch.Tensor, params: SamplingParams, chunk: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    logp = sequence_logprobs(model, ids, params, chunk_tokens=chunk)
+    logp = head_logprobs(model, ids, params, chunk)
     weights = torch.linspace(-1.0, 2.0, logp.numel()).view_as(logp)
     torch.where(torch.isfinite(logp), logp * weights, 0.0).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

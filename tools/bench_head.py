@@ -22,7 +22,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
+    from asyncrl.engines.head import head_logprobs
+    from asyncrl.engines.sampling import SamplingParams
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -49,7 +50,7 @@ def main() -> None:
         for chunk in chunks:
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            logp = sequence_logprobs(model, ids, SamplingParams(), chunk_tokens=chunk)
+            logp = head_logprobs(model, ids, SamplingParams(), chunk)
             logp.mean().backward()
             if repeat:  # the first round warms up
                 times[chunk].append(time.perf_counter() - start)

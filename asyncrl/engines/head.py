@@ -29,13 +29,25 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.engines.config import SamplingParams
+from asyncrl.engines.sampling import SamplingParams, sampling_logprobs, sequence_logprobs
 
 
 class _Slot:
     """The head's weight gradient on its way to the tied lookup's backward."""
 
     grad: torch.Tensor | None = None
+
+
+def head_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, params: SamplingParams, chunk_tokens: int
+) -> torch.Tensor:
+    """`sampling.sequence_logprobs`, through the head in chunks of `chunk_tokens` where that
+    applies (0: whole logits)."""
+    if chunk_tokens > 0 and params.temperature != 0.0:
+        chunked = chunked_logprobs(model, input_ids, params, chunk_tokens)
+        if chunked is not None:
+            return chunked
+    return sequence_logprobs(model, input_ids, params)
 
 
 def chunked_logprobs(
@@ -117,8 +129,6 @@ class _ChunkedHead(torch.autograd.Function):
         chunk: int,
         slot: _Slot | None,
     ) -> torch.Tensor:
-        from asyncrl.engines.sampling import sampling_logprobs
-
         batch, length, _ = hidden.shape
         states, targets = _flat(hidden, input_ids)
         out = torch.empty(len(states), dtype=torch.float32, device=hidden.device)
@@ -131,8 +141,6 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from asyncrl.engines.sampling import sampling_logprobs
-
         hidden, weight, bias, input_ids = ctx.saved_tensors
         states, targets = _flat(hidden, input_ids)
         wants_weight, wants_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2]

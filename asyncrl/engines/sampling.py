@@ -52,22 +52,11 @@ def _nucleus(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sequence_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    params: SamplingParams,
-    *,
-    chunk_tokens: int = 0,
+    model: torch.nn.Module, input_ids: torch.Tensor, params: SamplingParams
 ) -> torch.Tensor:
     """The trainer's forward path: one full forward of the right-padded `input_ids` [B, L]
     without an attention mask (causal attention keeps padding out of the real tokens' logits)
-    and the log-prob of each next token under the sampling distribution, [B, L-1]. With
-    `chunk_tokens` the head runs on that many tokens at a time (`engines.head`)."""
-    if chunk_tokens > 0 and params.temperature != 0.0:
-        from asyncrl.engines.head import chunked_logprobs
-
-        chunked = chunked_logprobs(model, input_ids, params, chunk_tokens)
-        if chunked is not None:
-            return chunked
+    and the log-prob of each next token under the sampling distribution, [B, L-1]."""
     logits = model(input_ids=input_ids).logits
     if params.temperature == 0.0:  # greedy log-probs are constants: nothing to keep for backward
         logp = sampling_logprobs(logits[:, :-1], params)

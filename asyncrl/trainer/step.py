@@ -42,8 +42,9 @@ from asyncrl.algo.mismatch import (
     mismatch_table,
     response_positions,
 )
+from asyncrl.engines.head import head_logprobs
 from asyncrl.engines.routing import moe_shape, routing_hooks
-from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
+from asyncrl.engines.sampling import SamplingParams
 from asyncrl.lora import adapter_disabled
 from asyncrl.metrics.breakdown import phase
 from asyncrl.metrics.record import StepRecord
@@ -130,7 +131,7 @@ def token_logprobs(
     """Log-prob of each target token under the sampling distribution, [B, L-1]. For rows with
     a recorded routing, `replay` routes their tokens as the rollout did (R3) and `agreement`
     gets the comparison of the two routings. `chunk_tokens`: `trainer.logits_chunk_tokens`."""
-    forward = partial(sequence_logprobs, chunk_tokens=chunk_tokens)
+    forward = partial(head_logprobs, chunk_tokens=chunk_tokens)
     if mb.routed is None or mb.routed_mask is None or agreement is None:
         out = forward(model, mb.input_ids, sampling)
     else:
