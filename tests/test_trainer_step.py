@@ -125,6 +125,26 @@ def test_the_trainers_fused_adamw_gives_the_for_loop_weights(
     assert compared
 
 
+def test_the_chunked_head_trains_the_whole_logits_weights(
+    two_rank_results: dict[str, list[dict]],
+) -> None:
+    """On two ranks, replicated or FSDP2-sharded, the head in chunks (a tied embedding, a
+    reference model) takes the step the whole logits take, to float32 rounding."""
+    compared = 0
+    for whole, chunked in zip(
+        two_rank_results["kl-loss-small-mb"],
+        two_rank_results["chunked-head-kl-small-mb"],
+        strict=True,
+    ):
+        assert whole["params"].keys() == chunked["params"].keys()
+        for key, value in chunked["params"].items():
+            torch.testing.assert_close(value, whole["params"][key], rtol=0, atol=1e-6, msg=key)
+            compared += 1
+        assert chunked["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+        assert chunked["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    assert compared
+
+
 SMALL_MB_CASES = [n for n in proc.CASES if n.endswith("-small-mb")]
 
 

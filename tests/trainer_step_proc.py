@@ -50,7 +50,13 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     ),
     # A KL term to a frozen reference model (another seed), sharded like the policy under fsdp.
     "kl-loss-small-mb": ({"kl_coef": 0.5, "kl_in": "loss"}, 24),
+    # The same with the head in chunks of 5 tokens (`trainer.logits_chunk_tokens`), the policy's
+    # and the reference's: the tiny model's embedding is tied, so its one gradient is assembled
+    # by the head and the lookup — inside FSDP's gathered root under fsdp.
+    "chunked-head-kl-small-mb": ({"kl_coef": 0.5, "kl_in": "loss"}, 24),
 }
+CHUNKED = {"chunked-head-kl-small-mb": 5}
+"""`trainer.logits_chunk_tokens` of the cases that set one (the others: whole logits)."""
 
 
 def make_groups() -> list[TrajectoryGroup]:
@@ -137,7 +143,16 @@ def run_case(
     # (Adam's first step is about lr·sign(g): float rounding of a gradient near 0 would flip it.)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     rows = group_rows(groups, algo, SAMPLING.max_new_tokens)
-    stats = step(model, optimizer, rows, algo, micro_batch_tokens, ref_model=ref_model, world=world)
+    stats = step(
+        model,
+        optimizer,
+        rows,
+        algo,
+        micro_batch_tokens,
+        ref_model=ref_model,
+        world=world,
+        logits_chunk_tokens=CHUNKED.get(name, 0),
+    )
     if parallel == "fsdp":
         params = full_state(model, optimizer)[0]
     else:

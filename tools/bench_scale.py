@@ -2,8 +2,8 @@
 
     .venv/bin/python tools/bench_scale.py [--sizes 1m,10m,50m,150m] [--rounds 3]
         [--parts broadcast,store,checkpoint,train,queue,delta] [--engine-dtype float32|bfloat16]
-        [--train-tokens 512] [--queue-tokens 256,1024,4096,16384] [--lrs 1e-6,1e-5,1e-4]
-        [--plot docs/scale]
+        [--train-tokens 512] [--logits-chunk-tokens N] [--queue-tokens 256,1024,4096,16384]
+        [--lrs 1e-6,1e-5,1e-4] [--plot docs/scale]
 
 Models are random Qwen2 models built from a config (tied embeddings, as Qwen2.5-0.5B): `1m`, `10m`
 and `50m` with a 32 k vocabulary, `150m` and `500m` (Qwen2.5-0.5B's shape) with Qwen's 151 936.
@@ -34,7 +34,9 @@ and the figures are medians.
   kernel (`trainer.builder.adamw_kernel`). MFU = 6 × parameters × tokens/s over the peak FLOP/s
   of an fp32 matmul measured here. Trainer RSS: the peak of the first step (which allocates the
   Adam state) and the steady one, of the later steps (with the Adam state already there), with
-  glibc set up as the trainer sets it (`device.return_freed_memory`).
+  glibc set up as the trainer sets it (`device.return_freed_memory`). `train_step` computes the
+  head in chunks of `--logits-chunk-tokens` (default: `trainer.logits_chunk_tokens`'s; 0: whole
+  logits); the bare loop keeps whole logits.
 - delta: (not run by default) delta sync against full sync over broadcast, side by side, at
   each of `--lrs` (`tools/bench_delta.py` says how); rows under "delta".
 - queue: (size-independent) trajectory groups of 8 samples at each response length through
@@ -495,6 +497,7 @@ def part_train(args: argparse.Namespace) -> dict[str, Any]:
             algo=AlgoConfig(),
             sampling=SamplingParams(),
             micro_batch_tokens=16384,
+            logits_chunk_tokens=args.logits_chunk_tokens,
             grad_clip=1.0,
             current_version=0,
         )
@@ -624,6 +627,7 @@ def run_child(args: argparse.Namespace, part: str, size: str, flops: float) -> A
     cmd += ["--rounds", str(args.rounds), "--engine-dtype", args.engine_dtype]
     cmd += ["--copy", args.copy]
     cmd += ["--bucket-mb", str(args.bucket_mb), "--train-tokens", str(args.train_tokens)]
+    cmd += ["--logits-chunk-tokens", str(args.logits_chunk_tokens)]
     cmd += ["--queue-tokens", args.queue_tokens, "--peak-flops", str(flops)]
     cmd += ["--lrs", ",".join(map(str, args.lrs))]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
@@ -704,6 +708,8 @@ def plot(result: dict[str, Any], prefix: str) -> None:
 
 
 def main() -> None:
+    from asyncrl.trainer.config import TrainerConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1m,10m,50m,150m", help=f"of {','.join(SIZES)}")
     parser.add_argument("--parts", default=",".join((*PARTS, "queue")))
@@ -712,6 +718,12 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--copy", default="deferred", choices=["deferred", "inline"])
     parser.add_argument("--train-tokens", type=int, default=512, help="tokens per train step")
+    parser.add_argument(
+        "--logits-chunk-tokens",
+        type=int,
+        default=TrainerConfig().logits_chunk_tokens,
+        help="train_step's head chunk (0: whole logits)",
+    )
     parser.add_argument("--queue-tokens", default="256,1024,4096,16384")
     parser.add_argument(
         "--lrs",

@@ -33,6 +33,11 @@ class TrainerConfig(Section):
     """Max global gradient norm."""
     micro_batch_tokens: int = Field(default=16384, ge=1)
     """Token budget of one micro-batch (prompt + response); packing is best-fit decreasing."""
+    logits_chunk_tokens: int = Field(default=128, ge=0)
+    """Tokens whose logits the output head computes at once (`engines.head`): a micro-batch's
+    [tokens × vocabulary] logits never exist whole, in forward or backward, at the price of one
+    more head matmul in backward (recomputing each chunk's logits); a tied embedding also gets
+    one gradient tensor instead of two. 0 computes the whole logits and keeps them for backward."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"

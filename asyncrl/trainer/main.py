@@ -287,6 +287,7 @@ class Trainer:
                 algo=self.cfg.algo,
                 sampling=sampling,
                 micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
+                logits_chunk_tokens=self.cfg.trainer.logits_chunk_tokens,
                 grad_clip=self.cfg.trainer.grad_clip,
                 current_version=self.version,
                 ref_model=parts.ref_model,

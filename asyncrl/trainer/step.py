@@ -42,8 +42,9 @@ from asyncrl.algo.mismatch import (
     mismatch_table,
     response_positions,
 )
+from asyncrl.engines.head import head_logprobs
 from asyncrl.engines.routing import moe_shape, routing_hooks
-from asyncrl.engines.sampling import SamplingParams, sequence_logprobs
+from asyncrl.engines.sampling import SamplingParams
 from asyncrl.lora import adapter_disabled
 from asyncrl.metrics.breakdown import phase
 from asyncrl.metrics.record import StepRecord
@@ -125,15 +126,17 @@ def token_logprobs(
     *,
     replay: bool = False,
     agreement: RoutingAgreement | None = None,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """Log-prob of each target token under the sampling distribution, [B, L-1]. For rows with
     a recorded routing, `replay` routes their tokens as the rollout did (R3) and `agreement`
-    gets the comparison of the two routings."""
+    gets the comparison of the two routings. `chunk_tokens`: `trainer.logits_chunk_tokens`."""
+    forward = partial(head_logprobs, chunk_tokens=chunk_tokens)
     if mb.routed is None or mb.routed_mask is None or agreement is None:
-        out = sequence_logprobs(model, mb.input_ids, sampling)
+        out = forward(model, mb.input_ids, sampling)
     else:
         with routing_hooks(model, mb.routed if replay else None, mb.routed_mask) as routing:
-            out = sequence_logprobs(model, mb.input_ids, sampling)
+            out = forward(model, mb.input_ids, sampling)
         rows = len(mb.input_ids)
         agreement.add(
             mb.routed, routing.stacked(rows), routing.stacked(rows, own=True), mb.routed_mask
@@ -171,6 +174,7 @@ def train_step(
     algo: AlgoConfig,
     sampling: SamplingParams,
     micro_batch_tokens: int,
+    logits_chunk_tokens: int = 0,
     grad_clip: float,
     current_version: int,
     ref_model: torch.nn.Module | None = None,
@@ -179,6 +183,7 @@ def train_step(
     audited: MismatchTable | None = None,
 ) -> StepStats:
     """Forward/backward over packed micro-batches of `rows`, all-reduce, clip, step.
+    `logits_chunk_tokens`: `trainer.logits_chunk_tokens` (0, the whole logits, by default).
     `audited`: this rank's table of the workers' audit (`audit_table`), summed over ranks."""
     model.train()
     horizon_local = max((r.length - r.n_prompt for r in rows), default=1)
@@ -211,7 +216,12 @@ def train_step(
                 if not idx:
                     mb.mask.zero_()
             logp = token_logprobs(
-                model, mb, sampling, replay=algo.routing_replay, agreement=agreement
+                model,
+                mb,
+                sampling,
+                replay=algo.routing_replay,
+                agreement=agreement,
+                chunk_tokens=logits_chunk_tokens,
             )
             with phase("proximal"):
                 prox = logp.detach()
@@ -242,7 +252,9 @@ def train_step(
             )
             if ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
                 with torch.no_grad(), adapter_disabled(ref_model):
-                    ref_logp = token_logprobs(ref_model, mb, sampling)
+                    ref_logp = token_logprobs(
+                        ref_model, mb, sampling, chunk_tokens=logits_chunk_tokens
+                    )
                 kl = kl_penalty(logp, ref_logp, algo.kl_kind)
                 loss = loss + algo.kl_coef * aggregate(
                     kl,
