@@ -52,7 +52,7 @@ def vf_python(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     given = os.environ.get("ASYNCRL_TEST_VERIFIERS_PYTHON")
     if given:
         return given
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     root = cache.mkdir("verifiers-0.4-venv") if cache else tmp_path_factory.mktemp("vfenv")
     python = root / "bin" / "python"
     if (root / "ready").exists():
