@@ -6,6 +6,7 @@ import functools
 import secrets
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,14 @@ from role_procs import REPO, Launched, RoleConfig, Run, launch_all, write_role_c
 
 if TYPE_CHECKING:
     from weights_harness import Harness
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with the most `slow` tests first: under the README's `-n 2 --dist loadfile` each
+    worker takes whole modules in this order, and a long one taken last would leave the other
+    worker idle while it runs alone."""
+    slow = Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture
