@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules with the most `slow` tests first: under the README's `-n 2 --dist loadfile` each
     worker takes whole modules in this order, and a long one taken last would leave the other
     worker idle while it runs alone."""
-    slow = Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 @pytest.fixture

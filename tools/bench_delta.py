@@ -10,6 +10,11 @@ elements whose engine value changes is what the learning rate makes it, and it a
 it does in training. Figures per learning rate: wire bytes per sync of each, their ratio,
 publish→held of each (medians), their ratio, how many versions went as deltas (the rest fell
 back to full by themselves), and the trainer's blocking per publish.
+
+    python tools/bench_delta.py [--words 141000000] [--lr 1e-6]
+
+run alone, times each pass of a delta by itself (minimum of 3) on random bf16 weights (std 0.02)
+whose fp32 masters moved by ±lr: where a delta's publish→held goes when the link is not the cost.
 """
 
 from __future__ import annotations
@@ -107,3 +112,53 @@ def part_delta(args: argparse.Namespace) -> list[dict[str, Any]]:
         for pub in pubs.values():
             pub.close()
     return rows
+
+
+def passes(words: int, lr: float) -> dict[str, float]:
+    """Milliseconds of each pass of a delta over `words` bf16 words, each timed alone."""
+    import torch
+
+    from asyncrl.weights import delta
+    from asyncrl.weights.buckets import checksum
+
+    g = torch.Generator().manual_seed(0)
+    masters = torch.randn(words, generator=g) * 0.02
+    old = masters.bfloat16().view(torch.uint8)
+    step = torch.randint(0, 2, (words,), generator=g, dtype=torch.int8) * 2 - 1
+    new = (masters + lr * step).bfloat16().view(torch.uint8)
+    a, b = old.view(torch.int16), new.view(torch.int16)
+    changed = a != b
+    encoded = delta.encode(old, new, torch.int16, (0, 1))
+
+    def best(run: Any) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return round(min(times) * 1e3, 1)
+
+    def apply() -> None:
+        delta.apply(target, encoded)
+
+    target = old.clone()  # applying the same delta again rewrites the same words
+    return {
+        "changed_fraction": round(float(changed.float().mean()), 4),
+        "sampled_estimate_ms": best(lambda: delta._sampled_size(a, b)),
+        "encode_ms": best(lambda: delta.encode(old, new, torch.int16, (0, 1))),
+        "compare_ms": best(lambda: delta._changed(a, b)),
+        "changed_indices_ms": best(lambda: delta._where(changed)),
+        "apply_ms": best(apply),
+        "checksum_ms": best(lambda: checksum(new)),
+        "copy_ms": best(lambda: new.clone()),
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    parser = argparse.ArgumentParser(description="Each pass of a delta, timed alone.")
+    parser.add_argument("--words", type=int, default=141_000_000, help="bf16 words (150 M: ~141 M)")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    cli = parser.parse_args()
+    print(json.dumps(passes(cli.words, cli.lr)))

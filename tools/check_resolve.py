@@ -2,7 +2,7 @@
 has a solution on the package index. Installs nothing: `uv pip compile`, metadata only where the
 index serves it (PEP 658). uv's resolver answers pip's question (is there a set of versions that
 satisfies every requirement?) from the same metadata in seconds, where pip's `install --dry-run`
-took about five minutes of CPU on CI's two cores.
+took about five minutes on CI's two cores (CPU-bound, not waiting on the index).
 
   python tools/check_resolve.py            # every set, a few at a time; exit 1 if one fails
   python tools/check_resolve.py --list     # the sets and their requirements (no network)
@@ -168,14 +168,8 @@ def resolve(req: RequirementSet) -> tuple[bool, str]:
     if result.returncode != 0:
         lines = [ln for ln in result.stderr.splitlines() if not ln.startswith("warning")]
         return False, "\n    ".join(lines[-12:])
-    chosen = dict(
-        (re.sub(r"[-_.]+", "-", name).lower(), version.split(";")[0].strip())
-        for name, version in (
-            ln.split("==", 1)
-            for ln in result.stdout.splitlines()
-            if "==" in ln and not ln.startswith("#")
-        )
-    )
+    pins = (ln.split("==", 1) for ln in result.stdout.splitlines() if "==" in ln)
+    chosen = {re.sub(r"[-_.]+", "-", name).lower(): version.strip() for name, version in pins}
     versions = " ".join(f"{n}=={chosen[n]}" for n in SHOWN if n in chosen)
     return True, f"{versions} ({time.monotonic() - start:.0f} s)"
 
