@@ -12,7 +12,9 @@ Redis (`bench_async.run_mode`; each seed runs every arm before the next seed):
 - `sync`: `run.mode=sync` (η = 0; every step waits for its slowest group);
 - `drop`: async, `algo.stale_policy=drop` (groups staler than η dropped by trainer and workers);
 - `train`: async, `algo.stale_policy=train` (nothing dropped for staleness; old tokens masked);
-  `train@L` sets `algo.max_token_lag=L` (the default is 2η), to compare lag limits.
+  `train@L` sets `algo.max_token_lag=L` (the default is 2η), to compare lag limits, and
+  `train~E` sets η = `algo.max_staleness=E` (and a `rollout.max_inflight_episodes` the config
+  sets to (E + 1) × groups_per_step × n), to compare staleness windows.
 
 Every run checkpoints each `trainer.checkpoint_every` steps and keeps them all; afterwards each
 checkpoint's policy is scored on the held-out episodes (`bench_async.final_reward`: `rollout.n`
@@ -25,7 +27,7 @@ weighted by item counts — at the trainer's `wall_seconds` stored in it. Per ar
   `not_reached` and is left out of the mean;
 - `reward_at_equal_time` / `reward_hard_at_equal_time`: the held-out reward of the arm's last
   checkpoint at or before T, T = the shortest final wall time among the async arms' runs of
-  that seed (the drop-vs-train comparison at equal wall time);
+  that seed at the config's η (the drop-vs-train comparison at equal wall time);
 - `final_reward`, `final_reward_hard`, `wall_s`;
 - `length_bias_ks`: the last step's figure (generated vs trained episode lengths),
   `groups_dropped_stale`, and `tokens_lag_masked_fraction` (mean over steps).
@@ -51,7 +53,7 @@ import redis
 from bench_async import final_reward, run_mode
 from transformers import AutoTokenizer
 
-from asyncrl.config import load_config
+from asyncrl.config import Config, load_config
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.metrics.jsonl import read_jsonl
 from asyncrl.metrics.record import MISMATCH_LOG
@@ -67,11 +69,19 @@ ARMS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def arm_settings(arm: str) -> tuple[str, list[str]]:
-    """(run.mode, overrides) of an arm name: a key of `ARMS`, or `train@L`."""
-    name, _, lag = arm.partition("@")
+def arm_settings(arm: str, cfg: Config) -> tuple[str, list[str]]:
+    """(run.mode, overrides) of an arm name: a key of `ARMS`, `train@L` or `train~E`, on `cfg`."""
+    rest, _, eta = arm.partition("~")
+    name, _, lag = rest.partition("@")
     mode, extra = ARMS[name]
-    return mode, [*extra, f"algo.max_token_lag={int(lag)}"] if lag else extra
+    if lag:
+        extra = [*extra, f"algo.max_token_lag={int(lag)}"]
+    if eta:
+        extra = [*extra, f"algo.max_staleness={int(eta)}"]
+        if cfg.rollout.max_inflight_episodes is not None:
+            episodes = (int(eta) + 1) * cfg.trainer.groups_per_step * cfg.rollout.n
+            extra.append(f"rollout.max_inflight_episodes={episodes}")
+    return mode, extra
 
 
 def lag_gap(run_dir: Path) -> dict[str, tuple[int, float]]:
@@ -132,7 +142,9 @@ def main() -> None:
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.8, help="held-out reward to reach")
     ap.add_argument(
-        "--arms", default=",".join(ARMS), help="comma-separated: sync, drop, train, train@L"
+        "--arms",
+        default=",".join(ARMS),
+        help="sync, drop, train, train@L, train~E (comma-separated)",
     )
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
     args = ap.parse_args()
@@ -156,9 +168,9 @@ def run_arm(
     client: redis.Redis, url: str, args: argparse.Namespace, arm: str, seed: int, tmp: Path
 ) -> dict[str, Any]:
     """One run of `arm`, with the held-out curve of its checkpoints (and, async, its lag gap)."""
-    mode, extra = arm_settings(arm)
+    mode, extra = arm_settings(arm, load_config(args.config, args.overrides))
     overrides = [*args.overrides, *extra]
-    label = arm.replace("@", "-lag")
+    label = arm.replace("@", "-lag").replace("~", "-eta")
     run = run_mode(client, url, args.config, mode, overrides, tmp, seed, label=label)
     run["curve"] = curve(args.config, overrides, run["run_dir"])
     print(f"{arm} seed {seed}: curve (s, all, hard) {_rounded(run['curve'])}")
@@ -175,9 +187,11 @@ def _rounded(points: list[tuple[float, float, float]]) -> list[list[float]]:
 def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], target: float) -> None:
     figures: dict[str, dict[str, Any]] = {arm: {} for arm in arms}
     samples: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}
-    asyncs = [a for a in arms if arm_settings(a)[0] == "async"]
+    asyncs = [a for a in arms if a.partition("~")[0].partition("@")[0] != "sync"]
     for runs in per_seed.values():
-        equal_t = min((runs[a]["curve"][-1][0] for a in asyncs), default=math.inf)
+        # Arms of another η end at other times: T is that of the config's η.
+        same_eta = [a for a in asyncs if "~" not in a] or asyncs
+        equal_t = min((runs[a]["curve"][-1][0] for a in same_eta), default=math.inf)
         for arm in arms:
             run, points = runs[arm], runs[arm]["curve"]
             last = run["steps"][-1]
