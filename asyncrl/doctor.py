@@ -59,6 +59,8 @@ class RunFacts:
     max_staleness: int | None = None
     max_inflight_episodes: int | None = None
     """The effective value: the setting, or a batch's worth."""
+    samples_per_prompt: int | None = None
+    """`rollout.n`: the episodes of a group."""
     prefix_cache_tokens: int | None = None
     """None: the engine keeps no prefix cache of asyncrl's (SGLang)."""
     max_new_tokens: int | None = None
@@ -76,6 +78,7 @@ class RunFacts:
             max_staleness=cfg.algo.max_staleness,
             max_inflight_episodes=rollout.max_inflight_episodes
             or rollout.prompts_per_batch * rollout.n,
+            samples_per_prompt=rollout.n,
             prefix_cache_tokens=getattr(engine, "prefix_cache_tokens", None),
             max_new_tokens=rollout.sampling.max_new_tokens,
             micro_batch_tokens=trainer.micro_batch_tokens,
@@ -198,30 +201,39 @@ def _rollout_side(
     env, hold = _share(rollout, "env"), _share(rollout, "hold")
     waited = f"the trainer waited {wait:.0%} of its time for trajectories"
     if hold >= IDLE and hold >= max(generating, env):
-        changes = (
-            ["run.mode: sync → async (generation overlaps training)"]
-            if facts.mode == "sync"
-            else [
-                _now_then(
-                    "algo.max_staleness",
-                    facts.max_staleness,
-                    None if facts.max_staleness is None else facts.max_staleness + 2,
-                    "prompts may then start on older weights",
-                )
-            ]
-        )
         return Finding(
             Bottleneck.STALENESS,
             wait / STARVED,
             f"{waited}, and the rollout workers held prompts or waited for weights {hold:.0%} "
             "of theirs: the staleness bound keeps both waiting.",
-            changes,
+            _wider_window(facts, "prompts may then start on older weights"),
         )
     workers = facts.rollout_workers
     more = None if workers is None else math.ceil(workers / max(1.0 - wait, 0.05))
     fed = f"the trainer is fed {1 - wait:.0%} of what it trains"
+    faster_tool = (
+        "a faster environment or tool (or a lower tool timeout): each step of it is on the "
+        "episode's path"
+    )
+    inflight = facts.max_inflight_episodes
+    window = _window_episodes(facts)
+    can_run = None if inflight is None or workers is None else inflight * workers
+    if env >= generating and window is not None and can_run is not None and can_run >= window:
+        # Admission keeps (η + 1) × G groups released ahead of the steps, so episodes finish at
+        # most at window ÷ episode time (Little's law): more slots or workers change neither.
+        return Finding(
+            Bottleneck.STALENESS,
+            wait / STARVED,
+            f"{waited}, while the rollout workers waited on environments, tools or rewards "
+            f"{env:.0%} of their time with all the episodes the staleness bound admits in flight "
+            f"((η + 1) × groups_per_step × n = {window}; the workers may run {can_run}): "
+            "episodes finish at that window over their duration, whatever the slots.",
+            [
+                *_wider_window(facts, "more episodes in flight, their first tokens older"),
+                faster_tool,
+            ],
+        )
     if env >= generating:
-        inflight = facts.max_inflight_episodes
         return Finding(
             Bottleneck.ENVIRONMENT,
             wait / STARVED,
@@ -235,8 +247,7 @@ def _rollout_side(
                     "more episodes in flight keep the engine busy while tools run",
                 ),
                 _now_then("rollout.workers", workers, more, fed),
-                "a faster environment or tool (or a lower tool timeout): each step of it is on "
-                "the episode's path",
+                faster_tool,
             ],
         )
     changes = [_now_then("rollout.workers", workers, more, fed)]
@@ -263,6 +274,22 @@ def _rollout_side(
         f"{waited}, while the rollout workers generated {generating:.0%} of theirs.",
         changes,
     )
+
+
+def _window_episodes(facts: RunFacts) -> int | None:
+    """Episodes admission lets run at once: (η + 1) × groups_per_step × n (η = 0 in sync)."""
+    eta = 0 if facts.mode == "sync" else facts.max_staleness
+    if eta is None or facts.groups_per_step is None or facts.samples_per_prompt is None:
+        return None
+    return (eta + 1) * facts.groups_per_step * facts.samples_per_prompt
+
+
+def _wider_window(facts: RunFacts, why: str) -> list[str]:
+    """The change that lets more work start ahead of the trainer."""
+    if facts.mode == "sync":
+        return ["run.mode: sync → async (generation overlaps training)"]
+    eta = facts.max_staleness
+    return [_now_then("algo.max_staleness", eta, None if eta is None else eta + 2, why)]
 
 
 def _trainer_side(

@@ -136,6 +136,26 @@ def test_environment_bound_slow_tool() -> None:
     )
 
 
+def test_tools_waiting_with_the_whole_admission_window_in_flight_name_the_window() -> None:
+    # (η + 1) × G × n = 2 × 64 × 4 = 512 episodes admitted; two workers may run 256 each.
+    full = RunFacts(**{**FACTS.__dict__, "rollout_workers": 2, "samples_per_prompt": 4})
+    split = (steps(20, wait=0.7, forward_backward=0.25), workers(2, env=0.8, decode=0.05))
+    d = _diagnose(*split, full)
+    assert d.bottleneck is Bottleneck.STALENESS
+    first = d.findings[0]
+    assert "= 512; the workers may run 512" in first.headline
+    assert first.changes[0].startswith("algo.max_staleness: 1 → 3 ")
+    assert not any("max_inflight_episodes" in c or "rollout.workers" in c for c in first.changes)
+    # With slots for fewer episodes than admission allows, the slots are what to raise.
+    short = RunFacts(**{**full.__dict__, "max_inflight_episodes": 128})
+    d = _diagnose(*split, short)
+    assert d.bottleneck is Bottleneck.ENVIRONMENT
+    assert d.findings[0].changes[0].startswith("rollout.max_inflight_episodes: 128 → 256 ")
+    # Sync admits one step's groups: going async is the wider window.
+    sync = RunFacts(**{**full.__dict__, "mode": "sync", "max_inflight_episodes": 256})
+    assert _diagnose(*split, sync).findings[0].changes[0].startswith("run.mode: sync → async")
+
+
 def test_a_balanced_run_has_no_bottleneck_and_mfu_is_placed_in_its_range() -> None:
     d = _diagnose(
         steps(20, wait=0.1, forward_backward=0.8, publish=0.01, mfu=0.3),
