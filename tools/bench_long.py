@@ -1,8 +1,8 @@
 """Long episodes trained or starved: sync, async dropping stale groups and async training them
-(the default), side by side, to a target held-out reward.
+(the default), side by side, to target held-out rewards.
 
     python tools/bench_long.py [--config configs/agentic_long.yaml] [--seeds N] [--first-seed K]
-                               [--target R] [--arms sync,drop,train] [KEY=VALUE ...]
+                               [--target R[,R...]] [--arms sync,drop,train] [KEY=VALUE ...]
 
 The workload (`configs/agentic_long.yaml`): agentic episodes whose hard items — the first sum
 carries out of the top digit — wait `task.hard_tool_factor` times as long on their tool, so the
@@ -22,9 +22,10 @@ samples each, tools answering at once) — the hard class and the rest, the whol
 weighted by item counts — at the trainer's `wall_seconds` stored in it. Per arm, over seeds
 (mean ± standard error):
 
-- `time_to_target_s` / `time_to_target_hard_s`: wall seconds of the first checkpoint whose
-  held-out reward (all / hard class) is ≥ `--target`; a run that never reaches it counts in
-  `not_reached` and is left out of the mean;
+- `time_to_R_s` / `time_to_R_hard_s`, for each `--target` R: wall seconds of the first
+  checkpoint whose held-out reward (all / hard class) is ≥ R; a run that never reaches it
+  counts in `not_reached` and is left out of the mean (a target near where the curve levels off
+  measures its noise: name a lower one beside it);
 - `reward_at_equal_time` / `reward_hard_at_equal_time`: the held-out reward of the arm's last
   checkpoint at or before T, T = the shortest final wall time among the async arms' runs of
   that seed at the config's η (the drop-vs-train comparison at equal wall time);
@@ -36,7 +37,8 @@ For the async arms it also prints the trained tokens' mean |Δ log p| (trainer �
 lag bucket of their response, from the run's `mismatch.jsonl`: how far off-policy a token is at
 each staleness, the figure a lag limit trades against the tokens it masks.
 
-The last line is JSON with them, and `speedup_to_target` = sync / train time to the target.
+The last line is JSON with them, and `speedup_ARM_to_R` = sync / ARM mean time to R for each
+async arm.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/agentic_long.yaml")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--target", type=float, default=0.8, help="held-out reward to reach")
+    ap.add_argument("--target", default="0.8", help="held-out rewards to reach (comma-separated)")
     ap.add_argument(
         "--arms",
         default=",".join(ARMS),
@@ -161,7 +163,7 @@ def main() -> None:
                     per_seed[seed][arm] = run_arm(client, server.url, args, arm, seed, Path(tmp))
         finally:
             server.stop()
-    report(per_seed, arms, args.target)
+    report(per_seed, arms, [float(t) for t in args.target.split(",")])
 
 
 def run_arm(
@@ -184,7 +186,9 @@ def _rounded(points: list[tuple[float, float, float]]) -> list[list[float]]:
     return [[round(x, 3) for x in p] for p in points]
 
 
-def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], target: float) -> None:
+def report(
+    per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], targets: list[float]
+) -> None:
     figures: dict[str, dict[str, Any]] = {arm: {} for arm in arms}
     samples: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}
     asyncs = [a for a in arms if a.partition("~")[0].partition("@")[0] != "sync"]
@@ -195,9 +199,11 @@ def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], targ
         for arm in arms:
             run, points = runs[arm], runs[arm]["curve"]
             last = run["steps"][-1]
-            values = {
-                "time_to_target_s": first_at(points, target, 1),
-                "time_to_target_hard_s": first_at(points, target, 2),
+            values: dict[str, float | None] = {}
+            for target in targets:
+                values[f"time_to_{target}_s"] = first_at(points, target, 1)
+                values[f"time_to_{target}_hard_s"] = first_at(points, target, 2)
+            values |= {
                 "reward_at_equal_time": at_time(points, equal_t, 1) if asyncs else None,
                 "reward_hard_at_equal_time": at_time(points, equal_t, 2) if asyncs else None,
                 "final_reward": points[-1][1],
@@ -216,7 +222,7 @@ def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], targ
                     )
                 else:
                     samples[arm].setdefault(name, []).append(float(value))
-    result: dict[str, Any] = {"target": target, "seeds": len(per_seed)}
+    result: dict[str, Any] = {"targets": targets, "seeds": len(per_seed)}
     for arm in arms:
         for name, seen in samples[arm].items():
             mean, se = mean_se(seen)
@@ -225,10 +231,13 @@ def report(per_seed: dict[int, dict[str, dict[str, Any]]], arms: list[str], targ
                 figures[arm][f"{name}_se"] = se
         print(f"{arm}: {json.dumps(_round(figures[arm]))}")
         result |= {f"{arm}_{k}": v for k, v in figures[arm].items()}
-    for col in ("time_to_target_s", "time_to_target_hard_s"):
-        s, t = figures.get("sync", {}).get(col), figures.get("train", {}).get(col)
-        if s is not None and t:
-            result[f"speedup_{col.removesuffix('_s')}"] = s / t
+    for arm in asyncs:
+        for target in targets:
+            for cls in ("", "_hard"):
+                col = f"time_to_{target}{cls}_s"
+                s, t = figures.get("sync", {}).get(col), figures[arm].get(col)
+                if s is not None and t:
+                    result[f"speedup_{arm}_to_{target}{cls}"] = s / t
     print(json.dumps(_round(result)))
 
 
