@@ -142,7 +142,11 @@ def main() -> None:
     ap.add_argument("--config", default="configs/agentic_long.yaml")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--target", default="0.8", help="held-out rewards to reach (comma-separated)")
+    # 0.8 is where a fresh tiny-model build levels off on the committed config (docs/benchmarks.md):
+    # the targets below it are where every run arrives.
+    ap.add_argument(
+        "--target", default="0.8,0.75,0.7", help="held-out rewards to reach (comma-separated)"
+    )
     ap.add_argument(
         "--arms",
         default=",".join(ARMS),
