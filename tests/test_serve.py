@@ -22,6 +22,8 @@ from asyncrl.sglang.config import SglangEngineConfig, SglangWeightsConfig
 from asyncrl.sglang.engine import SglangEngine
 from asyncrl.sglang.publisher import SglangPublisher, SglangSubscriber
 
+from role_procs import wait_until
+
 PROMPTS = [[1, 4, 5, 13], [1, 7], [1, 3, 9, 13, 8, 8, 14], [1]]
 PARAMS = SamplingParams(max_new_tokens=10)
 KEYS = Keys("serve-test")
@@ -92,6 +94,9 @@ def test_weight_updates_through_the_publisher(
             publisher.publish(model, start + step)
             assert subscriber.wait_for_version(start + step, timeout_s=30) == start + step
             _check_exact(engine, model, start + step)
+        # The publisher counts a send once it has returned, which may be after the subscriber
+        # has the version.
+        wait_until(lambda: publisher.stats().sent >= len(steps), 30, "sends counted")
         stats = publisher.stats()
         assert stats.sent == len(steps) and stats.failed == 0
         assert stats.rebuilds == 0  # one group for both versions

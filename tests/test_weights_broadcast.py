@@ -317,6 +317,8 @@ def test_a_deferred_copy_sends_the_parameters_as_they_were_published(harness: Ha
     harness.hold(["a"], 3, expected[3])
     for report in got(harness.client, RUN, "a"):
         assert (report["checksum"], report["digest"]) == expected[report["version"]]
+    # The sender counts a version once its send has returned, which may be after `a` reported it.
+    wait_until(lambda: (s := pub.stats()).sent + s.coalesced >= 4, 30, "4 versions accounted")
     stats = pub.stats()
     assert stats.sent + stats.coalesced == 4 and stats.failed == 0
 
