@@ -81,7 +81,7 @@ def test_kill_restart_join_and_trainer_restart_keep_every_worker_exact(
     publish(0, ["a", "b"])
     sparse_step(params, 1)
     publish(1, ["a", "b"])
-    assert deliveries(0) == [full] and is_delta(deliveries(1)[0])  # an anchor, then a delta
+    assert deliveries(0)[0] == full and is_delta(deliveries(1)[0])  # an anchor, then a delta
 
     harness.kill("b")  # mid-run: the next send finds it gone
     sparse_step(params, 2)
