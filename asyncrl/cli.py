@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         "agent-server",
         help="run an agent per request over HTTP/JSON (task.agent.type: remote)",
         description="An agent runner: a python agent (--agent) or a command (after --), run "
-        "once per episode against the rollout worker's gateway (asyncrl.gateway.runner). "
+        "once per episode against the rollout worker's gateway (asyncrl.agents.runner). "
         "Every call needs the run's token (--token-env); without one it binds to loopback only.",
     )
     agent_server.add_argument("--agent", help='"package.module:fn", a python agent')
@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return env_server_main(args)
         if args.command == "agent-server":
-            from asyncrl.gateway.runner import main as agent_server_main
+            from asyncrl.agents.runner import main as agent_server_main
 
             return agent_server_main(args)
         if args.command == "plot":

@@ -22,7 +22,7 @@ from asyncrl.queue import QueueConfig
 from asyncrl.redis_conn import RedisConfig, redact_url
 from asyncrl.rollout.config import RolloutConfig
 from asyncrl.sglang.config import SglangWeightsConfig
-from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig
+from asyncrl.tasks.config import ArithmeticTaskConfig, TaskConfig, agent_of
 from asyncrl.trainer.config import TrainerConfig
 from asyncrl.weights.config import BroadcastWeightsConfig, StoreWeightsConfig
 
@@ -139,8 +139,7 @@ class Config(Section):
                 f"trainer.groups_per_step={self.trainer.groups_per_step} must be a multiple of "
                 f"trainer.ranks={self.trainer.ranks}: each rank trains an equal share"
             )
-        agent = getattr(self.task, "agent", None)
-        if agent is not None and self.task.environment is not None:
+        if agent_of(self.task) is not None and self.task.environment is not None:
             raise ValueError(
                 "task.agent and task.environment exclude each other: an agent runs its own loop"
             )

@@ -23,11 +23,12 @@ from asyncrl.engines.base import RolloutEngine
 from asyncrl.engines.config import SamplingParams, TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.items import PromptItem
-from asyncrl.rollout.episodes import EpisodeScheduler
+from asyncrl.rollout.scheduler import EpisodeScheduler
 from asyncrl.tasks.base import Task
+from asyncrl.tasks.config import agent_of
 
 if TYPE_CHECKING:
-    from asyncrl.gateway.agents import Agents
+    from asyncrl.agents.episode import AgentEpisodes
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def held_out_reward(
     items: Sequence[PromptItem],
     params: SamplingParams,
     samples: int = 1,
-    agents: Agents | None = None,
+    agents: AgentEpisodes | None = None,
     max_context: int | None = None,
 ) -> float | None:
     """Mean episode reward over `samples` episodes of each item (accuracy for 0/1 rewards).
@@ -81,7 +82,7 @@ class Evaluator:
         )
         self.tokenizer = tokenizer
         self.task = task
-        self.agent = getattr(cfg.task, "agent", None)
+        self.agent = agent_of(cfg.task)
         text = model.config.get_text_config()
         self.vocab_size = int(text.vocab_size)
         limits = (cfg.rollout.max_context_tokens, getattr(text, "max_position_embeddings", None))
@@ -106,12 +107,14 @@ class Evaluator:
             self.max_context,
         )
 
-    def _agents(self) -> Agents | None:
+    def _agents(self) -> AgentEpisodes | None:
         """The agent over a fresh loopback gateway (the scheduler closes both with it)."""
         if self.agent is None:
             return None
-        from asyncrl.gateway.agents import Agents
+        from asyncrl.agents.episode import AgentEpisodes
         from asyncrl.gateway.config import GatewayConfig
         from asyncrl.gateway.server import Gateway
+        from asyncrl.tasks.build import build_agent
 
-        return Agents(self.agent, Gateway(GatewayConfig(), self.tokenizer, self.vocab_size))
+        gateway = Gateway(GatewayConfig(), self.tokenizer, self.vocab_size)
+        return AgentEpisodes(build_agent(self.agent), self.agent, gateway)

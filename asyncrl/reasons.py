@@ -50,7 +50,7 @@ takes members only (Python 3.11)."""
 
 class GroupReason(StrEnum):
     """Why the rollout side gave a prompt's group up: every `FailedGroup.reason`
-    (`asyncrl.rollout.episodes`) but `stale` (counted by
+    (`asyncrl.rollout.scheduler`) but `stale` (counted by
     `asyncrl_rollout_groups_dropped_stale_total`); the label of
     `asyncrl_rollout_groups_failed_total` and the group's dead-letter reason. Each
     `EngineReason` and `EnvReason` has its member here (`tests/test_metrics.py`)."""

@@ -10,7 +10,8 @@ import numpy as np
 
 from asyncrl.engines.base import EngineError, Generation
 from asyncrl.engines.config import SamplingParams
-from asyncrl.rollout.episodes import EpisodeScheduler, FailedGroup, FinishedGroup
+from asyncrl.rollout.groups import FailedGroup, FinishedGroup
+from asyncrl.rollout.scheduler import EpisodeScheduler
 from asyncrl.tiny_model import EOS_ID
 
 PARAMS = SamplingParams(max_new_tokens=4)

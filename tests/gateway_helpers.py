@@ -10,11 +10,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.gateway.agents import Agents
-from asyncrl.gateway.config import AgentConfig, GatewayConfig, PythonAgentConfig
+from asyncrl.agents.config import AgentConfig, PythonAgentConfig
+from asyncrl.agents.episode import AgentEpisodes
+from asyncrl.gateway.config import GatewayConfig
 from asyncrl.gateway.server import Gateway
 from asyncrl.items import PromptItem
-from asyncrl.rollout.episodes import EpisodeScheduler, FailedGroup, FinishedGroup
+from asyncrl.rollout.groups import FailedGroup, FinishedGroup
+from asyncrl.rollout.scheduler import EpisodeScheduler
+from asyncrl.tasks.build import build_agent
 
 CHARS = ' abcdefghijklmnopqrstuvwxyz0123456789+=.,:?!<>/{}"_[]\n'
 TEMPLATE = (
@@ -108,7 +111,7 @@ def config_scheduler(
     """An `EpisodeScheduler` (`scheduler`: its keyword arguments) running the agent of `cfg`
     over a real gateway."""
     gateway = Gateway(GatewayConfig(), tokenizer, len(tokenizer))
-    agents = Agents(cfg, gateway)
+    agents = AgentEpisodes(build_agent(cfg), cfg, gateway)
     task = ExactTask(tokenizer)
     sched: EpisodeScheduler[str] = EpisodeScheduler(
         engine, task, tokenizer, params, agents=agents, **scheduler

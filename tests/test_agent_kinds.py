@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from asyncrl.agents.config import CommandAgentConfig
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import SamplingParams
-from asyncrl.gateway.config import CommandAgentConfig
 from asyncrl.reasons import GroupReason
-from asyncrl.rollout.episodes import FinishedGroup
+from asyncrl.rollout.groups import FinishedGroup
 
 from episode_helpers import ScriptedEngine
 from gateway_helpers import (

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from asyncrl.agents.config import PythonAgentConfig, RemoteAgentConfig
+from asyncrl.agents.runner import make_server
 from asyncrl.engines.config import SamplingParams
-from asyncrl.gateway.config import PythonAgentConfig, RemoteAgentConfig
-from asyncrl.gateway.runner import make_server
 
 from episode_helpers import ScriptedEngine
 from gateway_helpers import ExactTask, agent_module, config_scheduler, run_groups, tool_model

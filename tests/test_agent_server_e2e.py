@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from asyncrl.environments.server import spawn_cli
 from asyncrl.launch.redis_server import RedisServer
 from asyncrl.launch.status import collect_status
 from asyncrl.runstate import Counter, Keys
+from asyncrl.web.serving import spawn_cli
 
 from gateway_helpers import agent_module, agent_run_settings, tool_model
 from role_procs import Role, dead_letters, stop_all, wait_until, write_role_config

@@ -14,7 +14,7 @@ from asyncrl.environments.base import Environment, StepResult
 from asyncrl.evaluate import held_out_reward
 from asyncrl.items import PromptItem
 from asyncrl.protocol import TrajectoryGroup, decode_group, encode_group
-from asyncrl.rollout.episodes import EpisodeScheduler
+from asyncrl.rollout.scheduler import EpisodeScheduler
 from asyncrl.tasks.agentic import AgenticTask, ArithmeticToolEnvironment, LogNormalLatency
 from asyncrl.tasks.base import ArithmeticTask
 from asyncrl.tasks.build import build_task
@@ -368,7 +368,7 @@ def test_generate_calls_report_prompt_tokens_from_the_prefix_cache(random_model:
 
     from asyncrl.engines.config import TorchEngineConfig
     from asyncrl.rollout.backends import build_engine
-    from asyncrl.rollout.episodes import GenerateCall
+    from asyncrl.rollout.turns import GenerateCall
 
     tok = AutoTokenizer.from_pretrained(random_model)
     task = AgenticTask(

@@ -331,8 +331,8 @@ def _check_env_server(args: list[str]) -> dict[str, str]:
 def _check_agent_server(args: list[str], agent_dir: str) -> argparse.Namespace:
     """An `asyncrl agent-server` command line that parses, off loopback, whose agent is the
     example's (mounted or built in at `agent_dir`) and takes the call; its options."""
+    from asyncrl.agents.config import PythonAgentConfig
     from asyncrl.cli import _parser
-    from asyncrl.gateway.config import PythonAgentConfig
 
     opts = _parser().parse_args(args)
     assert opts.command == "agent-server" and opts.host == "0.0.0.0"

@@ -474,10 +474,16 @@ class _Scripted:
         ]
 
 
-def _scheduler(tmp_path: Path, mode: str, errors: list[str], max_context: int | None = None) -> Any:
+def _scheduler(
+    tmp_path: Path,
+    mode: str,
+    errors: list[str],
+    max_context: int | None = None,
+    engine: _Scripted | None = None,
+) -> Any:
     from asyncrl.engines.config import SamplingParams
     from asyncrl.environments.config import PythonEnvironmentConfig
-    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.rollout.scheduler import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
     from asyncrl.tasks.build import build_environments
     from asyncrl.tasks.config import ArithmeticTaskConfig
@@ -493,7 +499,7 @@ def _scheduler(tmp_path: Path, mode: str, errors: list[str], max_context: int | 
         build_environments(cfg),
     )
     return EpisodeScheduler(
-        _Scripted(),
+        engine or _Scripted(),
         task,
         tok,
         SamplingParams(max_new_tokens=4),
@@ -601,7 +607,8 @@ def test_an_observation_past_the_context_bound_ends_the_episode_as_truncated(
     """A 20,000-token observation for a 128-position model: the episode ends before it is
     prefilled, its first turn kept and scored by the task, as `length`; the engine never sees
     a context its next turn would take past the bound."""
-    sched = _scheduler(tmp_path, "flood", [], max_context=128)
+    engine = _Scripted()
+    sched = _scheduler(tmp_path, "flood", [], max_context=128, engine=engine)
     sched.start("g", ITEM, 2, "g")
     sched.start("h", OTHER, 2, "h")
     finished, failed = _drive(sched)
@@ -612,7 +619,7 @@ def test_an_observation_past_the_context_bound_ends_the_episode_as_truncated(
         assert s.loss_mask.tolist() == [0, 0, 1, 1, 1]
         assert (s.finish, s.reward, s.meta) == ("length", 1.0, {"turns": 1})
     assert all(len(s.response_ids) == 13 for s in by_tag["h"].samples)  # two turns, as usual
-    assert sched._engine.longest <= 128 - 4
+    assert engine.longest <= 128 - 4
 
 
 def test_a_first_turn_past_the_context_bound_fails_its_group_with_the_reason(
@@ -620,19 +627,20 @@ def test_a_first_turn_past_the_context_bound_fails_its_group_with_the_reason(
 ) -> None:
     """Nothing generated yet, nothing to keep: the group fails, by rule and with the reason; a
     plain task's prompt too long for the bound fails the same way."""
-    sched = _scheduler(tmp_path, "flood_first", [], max_context=128)
+    engine = _Scripted()
+    sched = _scheduler(tmp_path, "flood_first", [], max_context=128, engine=engine)
     sched.start("g", ITEM, 2, "g")
     finished, failed = _drive(sched)
     assert not finished and [(f.tag, f.reason) for f in failed] == [("g", "context_too_long")]
     assert failed[0].detail == (
         "20007 tokens of prompt and first observation and 4 new ones pass the 128 positions"
     )
-    assert sched._engine.longest == 0
+    assert engine.longest == 0
 
 
 def test_a_plain_prompt_past_the_context_bound_fails_its_group() -> None:
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.rollout.scheduler import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask
     from asyncrl.tasks.config import ArithmeticTaskConfig
     from asyncrl.tiny_model import build_tokenizer
@@ -651,7 +659,7 @@ def test_a_plain_prompt_past_the_context_bound_fails_its_group() -> None:
 def _remote_scheduler(url: str, timeout_s: float = 60.0) -> Any:
     """A scheduler whose episodes hold sessions on the env-server at `url`."""
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.rollout.scheduler import EpisodeScheduler
     from asyncrl.tasks.base import ArithmeticTask, WithEnvironment
     from asyncrl.tasks.build import build_environments
     from asyncrl.tasks.config import ArithmeticTaskConfig

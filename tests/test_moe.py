@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.algo.mismatch import RoutingAgreement, same_sets
+from asyncrl.api.native import Model, parse_generate
 from asyncrl.engines.config import SamplingParams
 from asyncrl.engines.routing import MoeShape, moe_shape, moe_shape_of_config, routing_hooks
 from asyncrl.engines.torch_engine import TorchEngine
@@ -29,7 +30,6 @@ from asyncrl.protocol import (
     decode_group,
     encode_group,
 )
-from asyncrl.serve.native import ApiError, Model, parse_generate
 from asyncrl.serve.server import make_server
 from asyncrl.sglang.client import RequestFailure
 from asyncrl.sglang.config import SglangEngineConfig
@@ -37,6 +37,7 @@ from asyncrl.sglang.engine import SglangEngine, parse_routed_experts
 from asyncrl.tiny_model import new_tiny_model, new_tiny_moe
 from asyncrl.trainer.batch import collate, group_rows
 from asyncrl.trainer.step import token_logprobs, train_step
+from asyncrl.web.threaded import ApiError
 
 from sample_groups import group_of
 

@@ -1,4 +1,4 @@
-"""The Responses API translation (`asyncrl.serve.responses`): requests into chat requests, chat
+"""The Responses API translation (`asyncrl.api.responses`): requests into chat requests, chat
 replies and chunks into `Response` objects and stream events that the `openai` package's own
 types accept."""
 
@@ -10,8 +10,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from asyncrl.serve.native import ApiError
-from asyncrl.serve.responses import from_chat, stream_events, to_chat
+from asyncrl.api.responses import from_chat, stream_events, to_chat
+from asyncrl.web.threaded import ApiError
 
 ADD = {
     "type": "function",

@@ -13,9 +13,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from asyncrl.serve.http import MAX_BODY_BYTES
-from asyncrl.serve.native import MAX_JOBS, MAX_N
-from asyncrl.serve.openai_api import MAX_MESSAGES
+from asyncrl.api.native import MAX_JOBS, MAX_N
+from asyncrl.api.openai import MAX_MESSAGES
+from asyncrl.web.threaded import MAX_BODY_BYTES
 
 CHAT = "/v1/chat/completions"
 ONE = {"max_new_tokens": 1}

@@ -538,7 +538,7 @@ def test_the_scheduler_runs_tool_episodes_of_a_task(tool_dir: Path, template: st
 
     from asyncrl.config import load_config
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.rollout.scheduler import EpisodeScheduler
     from asyncrl.tasks.build import build_task
 
     tokenizer = _tokenizer(template)

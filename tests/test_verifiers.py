@@ -271,11 +271,12 @@ def test_a_runner_killed_mid_episode_fails_its_group_and_is_restarted(
 
     from transformers import AutoTokenizer
 
+    from asyncrl.agents.episode import AgentEpisodes
     from asyncrl.engines.config import SamplingParams
-    from asyncrl.gateway.agents import Agents
     from asyncrl.gateway.config import GatewayConfig
     from asyncrl.gateway.server import Gateway
-    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.rollout.scheduler import EpisodeScheduler
+    from asyncrl.tasks.build import build_agent
     from asyncrl.tasks.config import VerifiersTaskConfig
     from asyncrl.tasks.verifiers import VerifiersTask
 
@@ -299,7 +300,7 @@ def test_a_runner_killed_mid_episode_fails_its_group_and_is_restarted(
         task,
         tokenizer,
         SamplingParams(max_new_tokens=6),
-        agents=Agents(cfg, gateway),
+        agents=AgentEpisodes(build_agent(cfg), cfg, gateway),
     )
     deadline = time.monotonic() + 400
     try:

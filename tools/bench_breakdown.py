@@ -112,7 +112,7 @@ def _engine_cfg(**kw: Any) -> Any:
 def _agentic_episodes(model_dir: Path) -> Callable[[], None]:
     from transformers import AutoTokenizer
 
-    from asyncrl.rollout.episodes import EpisodeScheduler
+    from asyncrl.rollout.scheduler import EpisodeScheduler
     from asyncrl.tasks.build import build_task
     from asyncrl.tasks.config import AgenticTaskConfig
 

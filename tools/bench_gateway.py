@@ -24,13 +24,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from asyncrl.agents.config import PythonAgentConfig
+from asyncrl.agents.episode import AgentEpisodes
 from asyncrl.engines.config import SamplingParams, TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.gateway.agents import Agents
-from asyncrl.gateway.config import GatewayConfig, PythonAgentConfig
+from asyncrl.gateway.config import GatewayConfig
 from asyncrl.gateway.server import Gateway
 from asyncrl.items import PromptItem
-from asyncrl.rollout.episodes import EpisodeScheduler
+from asyncrl.rollout.scheduler import EpisodeScheduler
+from asyncrl.tasks.build import build_agent
 from asyncrl.tiny_model import save_random_tiny_model
 
 MESSAGES = [{"role": "system", "content": "1+1=2"}, {"role": "user", "content": "12+34="}]
@@ -88,7 +90,7 @@ def gateway(
         _NoTask(),
         tokenizer,
         params,
-        agents=Agents(cfg, gw),  # type: ignore[arg-type]
+        agents=AgentEpisodes(build_agent(cfg), cfg, gw),
     )
     try:
         sched.start("b", PromptItem("b", json.dumps(MESSAGES), [1], None), 1, "b")

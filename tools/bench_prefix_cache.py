@@ -27,7 +27,8 @@ from transformers import AutoTokenizer
 from asyncrl.config import load_config
 from asyncrl.model import ensure_model
 from asyncrl.rollout.backends import build_engine
-from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
+from asyncrl.rollout.scheduler import EpisodeScheduler
+from asyncrl.rollout.turns import GenerateCall
 from asyncrl.tasks.build import build_task
 
 MODES = {

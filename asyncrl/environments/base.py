@@ -3,16 +3,16 @@
 Users implement `Environment` (three coroutines) and name the class by import path in
 `task.environment` (`type: python`), or serve it with `asyncrl env-server` and point
 `task.environment` (`type: remote`) at the servers; or they name tools the policy calls in its
-output (`type: tools`, `asyncrl.environments.tools`). The rollout worker's scheduler
-(`asyncrl.rollout.episodes`) drives every episode through it, on one event loop beside the
-generating thread:
+output (`type: tools`, `asyncrl.environments.tools`). Each episode is one coroutine
+(`asyncrl.episodes.environment`) on the rollout worker's event loop beside the generating
+thread:
 
     obs = await env.reset(item)           # appended after the prompt (may be None)
     loop: policy turn → text
           result = await env.step(text)   # result.observation appended, until result.done
     await env.close()
 
-Observations are rendered to token ids by the scheduler (`render_observation`), always with the
+Observations are rendered to token ids by the episode (`render_observation`), always with the
 run's tokenizer, and join the response loss-masked. A failure of the environment's code, a call
 past its timeout or a reply that does not fit this protocol raises `EnvironmentFailure` with a
 stable reason; the episode's group then fails (dead letter, counted by reason), the worker goes
@@ -99,6 +99,11 @@ class Escaped(Exception):
 
     def __init__(self, exc: BaseException) -> None:
         super().__init__(f"{type(exc).__name__}: {exc}")
+
+
+def describe(exc: BaseException) -> str:
+    """What a failure of user code says in a dead letter (an `Escaped` says its own type)."""
+    return str(exc) if isinstance(exc, Escaped) else f"{type(exc).__name__}: {exc}"
 
 
 T = TypeVar("T")

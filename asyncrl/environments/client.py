@@ -41,9 +41,10 @@ from asyncrl.environments.base import (
     check_step,
     malformed,
 )
-from asyncrl.environments.httpd import KEEP_ALIVE_S
-from asyncrl.environments.server import PROTOCOL, TIMEOUT_HEADER, read_token
+from asyncrl.environments.server import PROTOCOL, TIMEOUT_HEADER
 from asyncrl.reasons import ENV_REASONS
+from asyncrl.web.aio import KEEP_ALIVE_S
+from asyncrl.web.auth import token_of
 
 if TYPE_CHECKING:
     from asyncrl.environments.config import RemoteEnvironmentConfig
@@ -84,12 +85,7 @@ class RemotePool:
 
     def __init__(self, cfg: RemoteEnvironmentConfig) -> None:
         self.cfg = cfg
-        try:
-            token = read_token(cfg.token_file, cfg.token_env)
-        except OSError as exc:
-            raise ValueError(
-                f"task.environment.token_file {cfg.token_file}: {exc.strerror}"
-            ) from None
+        token = token_of(cfg.token_file, cfg.token_env, "task.environment.token_file")
         self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self._next = itertools.count()
         self._servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Server]] = (

@@ -35,7 +35,7 @@ server binds to loopback only. A request must arrive whole within `--read-timeou
 first byte; a connection idle for `KEEP_ALIVE_S` is closed.
 
 One asyncio event loop does everything: it accepts connections, reads requests (the HTTP layer,
-`asyncrl.environments.httpd`, with these limits) and runs the environments' coroutines (the
+`asyncrl.web.aio`, with these limits) and runs the environments' coroutines (the
 sessions and protocol v1, here), so a waiting session costs a timer, not a thread. An
 environment that blocks the loop stalls every session of the server (`Environment` says to
 move blocking work to a thread).
@@ -45,20 +45,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import math
 import os
 import socket
-import subprocess
 import sys
-import threading
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from http import HTTPStatus
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -70,11 +67,16 @@ from asyncrl.environments.base import (
     contained,
     malformed,
 )
-from asyncrl.environments.httpd import HTTPServer, Limits, Refused, Reply, Request, error_body
 from asyncrl.environments.local import check_class
-from asyncrl.httpserve import serve_until_interrupted
 from asyncrl.metrics.roles import REGISTRY, RoleMetrics
 from asyncrl.reasons import ENV_REASONS
+from asyncrl.web import aio
+from asyncrl.web.aio import Refused, Reply, Request, error_body
+from asyncrl.web.auth import token_of
+from asyncrl.web.serving import serve_until_interrupted, spawn_cli
+
+if TYPE_CHECKING:
+    import subprocess
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +86,6 @@ TOKEN_ENV = "ASYNCRL_ENV_SERVER_TOKEN"
 TIMEOUT_HEADER = "x-asyncrl-timeout-s"
 _DETAIL_CHARS = 2000
 _CLOSE_TIMEOUT_S = 5.0
-DEFAULT_MAX_BODY_BYTES = 4 << 20
-DEFAULT_MAX_CONNECTIONS = 4096
-DEFAULT_READ_TIMEOUT_S = 30.0
 
 
 async def _contained(start: Callable[[], Awaitable[Any]]) -> Any:
@@ -393,33 +392,16 @@ def make_server(
     python_path: Sequence[str] = (),
     idle_timeout_s: float = 0.0,
     token: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-) -> HTTPServer:
+    max_body_bytes: int = aio.DEFAULT_MAX_BODY_BYTES,
+    max_connections: int = aio.DEFAULT_MAX_CONNECTIONS,
+    read_timeout_s: float = aio.DEFAULT_READ_TIMEOUT_S,
+) -> aio.HTTPServer:
     """The server of `path` (checked first: ValueError with a one-line reason), bound. Without
     `token` it serves loopback only: nothing beyond this host may reach it unauthenticated."""
-    check_host(host, token, TOKEN_ENV)
     env = EnvServer(path, kwargs, max_sessions, python_path, idle_timeout_s)
-    limits = Limits(token, max_body_bytes, read_timeout_s)
-    return HTTPServer(env, host, port, limits, max_connections)
-
-
-def check_host(host: str, token: str | None, token_env: str) -> None:
-    """ValueError unless `host` is loopback or there is a token: nothing beyond this host may
-    reach a server unauthenticated."""
-    if not token and not _loopback(host):
-        raise ValueError(
-            f"--host {host} without a token: set ${token_env} (or --token-env/--token-file) "
-            "to a secret shared by the run, or bind to 127.0.0.1"
-        )
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    return aio.bind(
+        env, host, port, token, TOKEN_ENV, max_body_bytes, read_timeout_s, max_connections
+    )
 
 
 def spawn(
@@ -429,44 +411,6 @@ def spawn(
     listens: (the process, its URL). `environ`: the child's environment (default: this one's);
     `quiet` drops its log. RuntimeError with its first line when it does not start."""
     return spawn_cli(["env-server", "--env", env, "--port", "0", *args], environ, quiet)
-
-
-def spawn_cli(
-    args: Sequence[str], environ: Mapping[str, str] | None = None, quiet: bool = False
-) -> tuple[subprocess.Popen[str], str]:
-    """`asyncrl ARGS` (a server that prints where it listens) as `spawn` starts it."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if quiet else None,
-        text=True,
-        env=dict(environ) if environ is not None else None,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"asyncrl {' '.join(args)} did not start: {line!r}")
-    # What the servers' user code prints must go somewhere: a full pipe would stop the server.
-    sink = None if quiet else sys.stdout
-    threading.Thread(target=_drain, args=(proc.stdout, sink), daemon=True).start()
-    return proc, line.split()[-1]
-
-
-def _drain(source: IO[str], sink: IO[str] | None) -> None:
-    for line in source:
-        if sink is not None:
-            sink.write(line)
-
-
-def read_token(token_file: str | os.PathLike[str] | None, token_env: str) -> str | None:
-    """The run's env-server token: the file's content when given (a mounted Secret), else the
-    environment variable's; None when neither holds one. OSError for an unreadable file."""
-    if token_file is not None:
-        with open(token_file) as f:
-            return f.read().strip() or None
-    return os.environ.get(token_env) or None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -484,10 +428,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--max-body-bytes and --max-connections: must be at least 1")
         if not 0 < args.read_timeout_s < math.inf:
             raise ValueError("--read-timeout-s: must be a positive number of seconds")
-        try:
-            token = read_token(args.token_file, args.token_env)
-        except OSError as exc:
-            raise ValueError(f"--token-file {args.token_file}: {exc.strerror}") from None
+        token = token_of(args.token_file, args.token_env, "--token-file")
         httpd = make_server(
             args.env,
             kwargs,

@@ -1,16 +1,19 @@
 """The gateway's sessions: one per agent episode, each with its own credential, its transcript
 and the calls it has waiting on the engine.
 
-A call's HTTP thread hands its prompt to the episode scheduler (`post`) and waits; the
-scheduler batches it with every other ready turn and resolves it with the engine's
-`Generation`, or refuses it. Ending a session (its episode returned, failed or was given up)
-refuses what waits at once and every later call with the reason, so an agent's call never
-hangs on an episode that is gone. Calls of one session run one at a time, in arrival order:
-its transcript needs each call recorded before the next is planned.
+A call's HTTP thread hands its prompt to its episode (`post`, given when the session opened)
+and waits; the episode bounds it by its budget and awaits it as a turn, batched with every
+other ready turn, and the call is resolved with the engine's `Generation`, or refused. Ending
+a session (its episode returned, failed or was given up) refuses what waits at once and every
+later call with the reason, so an agent's call never hangs on an episode that is gone. Calls of
+one session run one at a time, in arrival order: its transcript needs each call recorded
+before the next is planned.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import secrets
 import threading
 from collections import OrderedDict
@@ -21,15 +24,18 @@ from typing import TYPE_CHECKING
 from asyncrl.engines.base import Generation
 
 if TYPE_CHECKING:
-    from asyncrl.gateway.outcome import AgentEnded
     from asyncrl.gateway.transcript import Transcript
+
+Reward = float | list[float] | None
+"""What an agent's episode may be rewarded with: a number, one per call, or None (the task's
+reward then scores its last answer)."""
 
 _ENDED_KEPT = 4096
 """Ended sessions remembered, so that a late call hears why rather than an unknown key."""
 
 
 class SessionEnded(Exception):
-    """A call of a session that is over (or refused by the scheduler): `str()` says why."""
+    """A call of a session that is over (or refused by its episode): `str()` says why."""
 
 
 @dataclass(eq=False)
@@ -38,7 +44,7 @@ class PendingCall:
 
     prompt_ids: list[int]
     max_new_tokens: int
-    """The call's own bound (`max_tokens`); the scheduler cuts it to what the run's sampling,
+    """The call's own bound (`max_tokens`); its episode cuts it to what the run's sampling,
     the episode's budget and the context leave."""
     _done: threading.Event = field(default_factory=threading.Event)
     _gen: Generation | None = None
@@ -62,7 +68,7 @@ class PendingCall:
 
 @dataclass(eq=False)
 class Session:
-    """One episode's credential and transcript; `post` hands a call to the scheduler."""
+    """One episode's credential and transcript; `post` hands a call to its episode."""
 
     token: str
     transcript: Transcript
@@ -73,14 +79,14 @@ class Session:
     last_content: str = ""
     """The content of the last reply, which the task's reward scores when the agent returns
     no reward."""
-    posted: AgentEnded | None = None
+    posted: Reward = None
     """The reward the agent POSTed to `{base_url}/reward`, used when it returns none."""
     _waiting: set[PendingCall] = field(default_factory=set)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
     def generate(self, call: PendingCall) -> Generation:
-        """Hand `call` to the scheduler and wait for its generation (`SessionEnded` if the
-        session ends first or the scheduler refuses it)."""
+        """Hand `call` to its episode and wait for its generation (`SessionEnded` if the
+        session ends first or the episode refuses it)."""
         with self._guard:
             if self.ended is not None:
                 raise SessionEnded(self.ended)
@@ -138,3 +144,16 @@ class Sessions:
     def __len__(self) -> int:
         with self._lock:
             return len(self._live)
+
+
+def parse_reward(value: object) -> Reward:
+    """`value` if it is a reward an agent may give, else ValueError saying why."""
+
+    def number(x: object) -> bool:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+    if value is None or number(value):
+        return None if value is None else float(value)  # type: ignore[arg-type]
+    if isinstance(value, list | tuple) and value and all(number(x) for x in value):
+        return [float(x) for x in value]
+    raise ValueError(f"returned {value!r:.200}: expected a finite number, a list of them or None")

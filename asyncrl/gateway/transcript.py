@@ -10,7 +10,7 @@ reply rendered back through the template is not what was sampled (Qwen2.5 re-ser
 `<tool_call>` JSON, Qwen3 drops earlier `<think>` blocks, and any BPE tokenizes a word
 differently in context), so a conversation re-rendered at each call would train on tokens the
 model never produced. The new turns' ids are loss-masked observation tokens with log-prob 0 and
-the version of the token before them, as `asyncrl.rollout.episodes` writes an environment's
+the version of the token before them, as `asyncrl.episodes.record` writes an environment's
 observations.
 
 **The ids of only the new turns.** The template renders the conversation with the reply
@@ -211,7 +211,7 @@ class Segment:
         """The same tokens over a prompt of only the first `n` prompt ids (e.g. the part a
         group's published prompt shares): the rest of the prompt opens the response as
         observation tokens, loss-masked, with log-prob 0 and the first generated id's version
-        (no id comes before them), as a first observation is in `asyncrl.rollout.episodes`."""
+        (no id comes before them), as a first observation is in `asyncrl.episodes.record`."""
         if not 0 <= n <= len(self.prompt_ids):
             raise ValueError(f"rebase at {n}: the prompt has {len(self.prompt_ids)} ids")
         moved = self.prompt_ids[n:]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.engines.base import InProcessWeights
 from asyncrl.protocol import PromptGroup, decode_prompt
-from asyncrl.rollout.episodes import EpisodeScheduler, GenerateCall
+from asyncrl.rollout.scheduler import EpisodeScheduler
 from asyncrl.rollout.timing import WorkerTiming
 from asyncrl.runstate import PROMPTS_GROUP
 from asyncrl.runtime import RoleRuntime, open_runtime
@@ -27,13 +27,14 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
+    from asyncrl.agents.episode import AgentEpisodes
     from asyncrl.config import Config
     from asyncrl.engines.base import RolloutEngine
-    from asyncrl.gateway.agents import Agents
     from asyncrl.heartbeat import Heartbeat
     from asyncrl.metrics.roles import RoleMetrics
     from asyncrl.model_identity import ModelIdentity
     from asyncrl.queue import Consumer, Delivery
+    from asyncrl.rollout.turns import GenerateCall
     from asyncrl.tasks.base import Task
     from asyncrl.weights.base import WeightSubscriber
 
@@ -168,15 +169,17 @@ def build_episodes(
 
 def build_agents(
     rt: RoleRuntime, tokenizer: PreTrainedTokenizerBase, model_dir: Path
-) -> Agents | None:
+) -> AgentEpisodes | None:
     """The task's agent over a gateway of this worker's; None when the task has no agent."""
-    agent = getattr(rt.cfg.task, "agent", None)
-    if agent is None:
-        return None
-    from asyncrl.gateway.agents import Agents
+    from asyncrl.agents.episode import AgentEpisodes
     from asyncrl.gateway.server import CallStats, Gateway
     from asyncrl.model import vocab_size
+    from asyncrl.tasks.build import build_agent
+    from asyncrl.tasks.config import agent_of
 
+    agent = agent_of(rt.cfg.task)
+    if agent is None:
+        return None
     metrics = rt.metrics
 
     def on_call(call: CallStats) -> None:
@@ -189,7 +192,7 @@ def build_agents(
 
     gateway = Gateway(rt.cfg.rollout.gateway, tokenizer, vocab_size(model_dir), on_call)
     log.info("gateway for task.agent at %s", gateway.url)
-    return Agents(agent, gateway, on_session=metrics.gateway_sessions.inc)
+    return AgentEpisodes(build_agent(agent), agent, gateway, metrics.gateway_sessions.inc)
 
 
 def _least(*limits: int | None) -> int | None:

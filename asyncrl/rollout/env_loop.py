@@ -1,11 +1,12 @@
-"""The event loop thread an `EpisodeScheduler`'s environments run on.
+"""The event loop thread episodes run on.
 
-Environment calls (`reset`, `step`, `close`) are tasks on one event loop in a thread of its own:
+Every episode but a one-turn one is a task on one event loop in a thread of its own (`spawn`):
 an episode waiting on its tools costs a timer, where a thread each would cost a millisecond of
-CPU per step in switching. The generating thread sends calls in batches (one wakeup of the loop
-per generate call) and takes their results back from a queue, each with the key it sent. User
-code that ends the loop itself, past every guard, is heard of at once (`EnvironmentLoopDied`),
-where the generating thread would otherwise wait forever for the calls in flight.
+CPU per step in switching. What the loop hands the generating thread — an episode's turn to
+generate, a score to compute, the end of an episode — goes through one queue (`post`,
+`take_back`), each with the key its episode was spawned with. User code that ends the loop
+itself, past every guard, is heard of at once (`EnvironmentLoopDied`), where the generating
+thread would otherwise wait forever for the episodes in flight.
 """
 
 from __future__ import annotations
@@ -14,20 +15,10 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
-from asyncrl.environments.base import (
-    Environment,
-    Escaped,
-    Observation,
-    StepResult,
-    contained,
-    reset_checked,
-    step_checked,
-)
-from asyncrl.items import PromptItem
+from asyncrl.environments.base import Environment, contained, describe
 
 K = TypeVar("K")
 log = logging.getLogger(__name__)
@@ -37,85 +28,63 @@ _REVIVALS = 100
 """Runs of a dead event loop `close` tries before it gives up on its environments."""
 
 
-def describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, Escaped) else f"{type(exc).__name__}: {exc}"
-
-
 class EnvironmentLoopDied(RuntimeError):
-    """The event loop that runs the environments ended by itself: user code got past what
-    guards its calls (a task or callback it started raised SystemExit, it stopped the loop).
-    Every episode inside an environment is lost with it, so the scheduler cannot go on."""
+    """The event loop that runs the episodes ended by itself: user code got past what guards
+    its calls (a task or callback it started raised SystemExit, it stopped the loop). Every
+    episode in flight is lost with it, so the scheduler cannot go on."""
 
 
-@dataclass(frozen=True)
-class Reset:
-    first: Observation
+class Spawned:
+    """An episode handed to the loop; its task exists once the loop has started it."""
 
+    __slots__ = ("task",)
 
-@dataclass(frozen=True)
-class Posted:
-    """Handed in from another thread, outside any call sent (an agent's call, from the
-    gateway's HTTP thread): it wakes `take_back` but is no call's result."""
-
-    value: Any
-
-
-Returned = Reset | StepResult | Exception | Any
-"""What an environment call hands back to the generating thread: its failure too (a failing
-environment fails its group, never the worker); or what other work `spawn`ed returned, or
-something `post`ed."""
-
-Call = tuple[K, Environment, PromptItem | str]
-"""An environment call to make: `reset` of the item, or `step` of the text; the key comes back
-with its result."""
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
 
 
 class EnvironmentLoop(Generic[K]):
-    """Environment calls run on one event loop thread, started on first use; every method but
-    the coroutines is called from the generating thread."""
+    """Episodes as tasks on one event loop thread, started on first use; every method but
+    `close_env` (an episode's, on the loop) is called from the generating thread."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.steps: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+        """The episodes running."""
         self._closing: set[asyncio.Task[None]] = set()  # environments being closed
-        # Environments not yet handed to `_spawn_close`, by id (an environment need not be
-        # hashable): what `close` ends when it cuts episodes short.
-        self._open: dict[int, Environment] = {}
-        self._returned: queue.SimpleQueue[tuple[K, Returned] | EnvironmentLoopDied] = (
+        self._returned: queue.SimpleQueue[tuple[K, object] | EnvironmentLoopDied] = (
             queue.SimpleQueue()
         )
         self._died: EnvironmentLoopDied | None = None
         self._stopping = False  # `close` ends the loop: its end is no death
-        self.pending = 0
-        """Calls sent whose results are not taken back yet."""
 
-    def opened(self, env: Environment) -> None:
-        """`env` is one to close, at the latest when the loop closes."""
-        self._open[id(env)] = env
+    def spawn(self, key: K, episode: Coroutine[Any, Any, object]) -> Spawned:
+        """Run `episode` on the loop; what it returns, or the Exception it raised, comes back
+        with `key` (nothing when it was cancelled)."""
+        handle = Spawned()
+        self._event_loop().call_soon_threadsafe(self._start, handle, key, episode)
+        return handle
 
-    def send(self, calls: Sequence[Call[K]]) -> None:
-        self.pending += len(calls)
-        self._event_loop().call_soon_threadsafe(self._spawn, calls)
+    def cancel(self, handles: Sequence[Spawned], why: str) -> None:
+        """Cancel these episodes (with `why` as the CancelledError's message)."""
+        if handles:
+            self._event_loop().call_soon_threadsafe(self._cancel, handles, why)
 
-    def spawn(self, key: K, work: Callable[[], Awaitable[Any]]) -> None:
-        """Run `work()` on the loop; its value (or the Exception it raised) comes back with
-        `key`. Cancelled by `close`, like environment steps."""
-        self.pending += 1
-        self._event_loop().call_soon_threadsafe(
-            lambda: self._track(self._run(key, work), self.steps)
-        )
+    def call_soon(self, callback: Callable[..., object], *args: object) -> None:
+        """Run `callback(*args)` on the loop (from any thread)."""
+        self._event_loop().call_soon_threadsafe(callback, *args)
 
-    def post(self, key: K, value: Any) -> None:
-        """Hand `value` to the generating thread as `Posted` (from any thread)."""
-        self._returned.put((key, Posted(value)))
+    def post(self, key: K, value: object) -> None:
+        """Hand `value` to the generating thread (from the loop: a turn, a score)."""
+        self._returned.put((key, value))
 
     def close_env(self, env: Environment) -> None:
-        self._open.pop(id(env), None)
-        self._event_loop().call_soon_threadsafe(self._spawn_close, env)
+        """On the loop: close `env` on a task of its own, which `close` waits for."""
+        self._track(self._close(env), self._closing)
 
-    def take_back(self, wait_s: float) -> list[tuple[K, Returned]]:
-        """The results returned so far, waiting up to `wait_s` for a first one;
+    def take_back(self, wait_s: float) -> list[tuple[K, object]]:
+        """What was handed back so far, waiting up to `wait_s` for a first one;
         `EnvironmentLoopDied` (now and on every later call) once the loop ended by itself."""
         if self._died is not None:
             raise self._died
@@ -134,25 +103,22 @@ class EnvironmentLoop(Generic[K]):
         if len(returned) < len(got):
             self._died = next(r for r in got if isinstance(r, EnvironmentLoopDied))
             raise self._died
-        self.pending -= sum(not isinstance(r, Posted) for _, r in returned)
         return returned
 
     def close(self) -> None:
-        """Cancel the environment steps still awaiting their tools, close every environment
-        still open (episodes cut short: a session on an env-server is deleted), best effort
-        within a few seconds, and end the loop thread."""
+        """Cancel the episodes in flight (their environments close: a session on an
+        env-server is deleted), best effort within a few seconds, and end the loop thread."""
         if self._loop is None:
             return
-        left, self._open = list(self._open.values()), {}
         assert self._thread is not None
         if self._thread.is_alive():
-            cancelled = asyncio.run_coroutine_threadsafe(self._cancel_steps(left), self._loop)
+            cancelled = asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop)
             try:
                 cancelled.result(timeout=_CLOSE_TIMEOUT_S)
             except TimeoutError:
-                log.warning("environment steps ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
+                log.warning("episodes ignored cancellation for %.0fs", _CLOSE_TIMEOUT_S)
         else:
-            self._close_on_dead_loop(left)
+            self._close_on_dead_loop()
         self._stopping = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
@@ -161,12 +127,12 @@ class EnvironmentLoop(Generic[K]):
             self._loop.close()
         self._loop = self._thread = None
 
-    def _close_on_dead_loop(self, left: list[Environment]) -> None:
-        """`close` after the loop's thread died: its tasks (the steps, sessions to delete) are
-        wound up on this thread instead, bounded as there."""
+    def _close_on_dead_loop(self) -> None:
+        """`close` after the loop's thread died: its tasks (the episodes, sessions to delete)
+        are wound up on this thread instead, bounded as there."""
         loop = self._loop
         assert loop is not None
-        wound_up = loop.create_task(asyncio.wait_for(self._cancel_steps(left), _CLOSE_TIMEOUT_S))
+        wound_up = loop.create_task(asyncio.wait_for(self._cancel_all(), _CLOSE_TIMEOUT_S))
         # The code that ended the loop may have left more of the same in its queue: each run
         # past one goes on from the next callback.
         for _ in range(_REVIVALS):
@@ -177,12 +143,11 @@ class EnvironmentLoop(Generic[K]):
                 last = exc
         log.warning("environments not closed after their event loop died: %s", describe(last))
 
-    async def _cancel_steps(self, left: list[Environment]) -> None:
+    async def _cancel_all(self) -> None:
+        await asyncio.sleep(0)  # episodes spawned but not started yet start (see `_cancel`)
         for task in self.steps:
             task.cancel()
         await asyncio.gather(*self.steps, return_exceptions=True)
-        for env in left:
-            self._spawn_close(env)
         # Episodes release what they hold (a session on an env-server) before the loop goes; a
         # close that hangs is cut off.
         if self._closing:
@@ -203,7 +168,7 @@ class EnvironmentLoop(Generic[K]):
     def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop thread. Should user code end the loop anyway, the generating thread hears
         of it at once (`EnvironmentLoopDied` from `take_back`), where it would wait forever for
-        the steps in flight."""
+        the episodes in flight."""
         try:
             loop.run_forever()
         except BaseException as exc:
@@ -214,34 +179,31 @@ class EnvironmentLoop(Generic[K]):
             died = "the environments' event loop was stopped (by an environment's code)"
         self._returned.put(EnvironmentLoopDied(died))
 
-    def _spawn(self, calls: Sequence[Call[K]]) -> None:
-        """On the loop thread: start the environment calls of one generate call."""
-        for key, env, what in calls:
-            self._track(self._call(key, env, what), self.steps)
+    def _start(self, handle: Spawned, key: K, episode: Coroutine[Any, Any, object]) -> None:
+        handle.task = self._track(self._run(key, episode), self.steps)
 
-    def _spawn_close(self, env: Environment) -> None:
-        self._track(self._close(env), self._closing)
+    def _cancel(self, handles: Sequence[Spawned], why: str) -> None:
+        assert self._loop is not None
+        for handle in handles:
+            # A turn of the loop later: a task not started yet starts first, so that it enters
+            # its `try` and releases what it holds (its environment) when the cancel lands.
+            if handle.task is not None:
+                self._loop.call_soon(handle.task.cancel, why)
 
-    def _track(self, call: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+    def _track(
+        self, call: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]
+    ) -> asyncio.Task[None]:
         assert self._loop is not None
         task = self._loop.create_task(call)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        return task
 
-    async def _call(self, key: K, env: Environment, what: PromptItem | str) -> None:
-        result: Returned
+    async def _run(self, key: K, episode: Coroutine[Any, Any, object]) -> None:
         try:
-            if isinstance(what, str):
-                result = await step_checked(env, what)
-            else:
-                result = Reset(await reset_checked(env, what))
-        except Exception as exc:  # a failing environment fails its group, never the worker
-            result = exc
-        self._returned.put((key, result))
-
-    async def _run(self, key: K, work: Callable[[], Awaitable[Any]]) -> None:
-        try:
-            result = await contained(work())
+            result = await contained(episode)
+        except asyncio.CancelledError:
+            raise  # given up (its group failed, the loop closing): nothing to hand back
         except Exception as exc:
             result = exc
         self._returned.put((key, result))

@@ -1,6 +1,6 @@
 """The rollout role: take prompt groups, run n episodes each, score, publish, then ack.
 
-Up to `rollout.max_inflight_episodes` episodes run at once (`asyncrl.rollout.episodes`): while
+Up to `rollout.max_inflight_episodes` episodes run at once (`asyncrl.rollout.scheduler`): while
 some wait on their environment, the engine generates for the others, and prompts are read as
 room frees up. Each group is published as soon as its n episodes have ended. Publishing a
 trajectory group and acking its prompt happen in one Redis transaction, so a worker killed at
@@ -40,7 +40,7 @@ from asyncrl.protocol import PromptGroup, TrajectoryGroup, stream_fields
 from asyncrl.redis_conn import Stopped
 from asyncrl.rollout.builder import build
 from asyncrl.rollout.env_loop import EnvironmentLoopDied
-from asyncrl.rollout.episodes import STALE, FailedGroup, FinishedGroup
+from asyncrl.rollout.groups import STALE, FailedGroup, FinishedGroup
 from asyncrl.runstate import Counter
 
 if TYPE_CHECKING:

@@ -3,9 +3,9 @@
 Same endpoints and JSON shapes as an SGLang 0.5.23 server, so the SGLang engine client, the
 SGLang weight publisher, SGLang's own client code (`RuntimeEndpoint`, the `sgl.function`
 frontend) and the `openai` package can be run against it on a CPU. The endpoints are the
-`ROUTES` table: /generate (`asyncrl.serve.native`: text or ids, batches, `n`, stop strings and
-ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.serve.openai_api`; /v1/responses
-through `asyncrl.serve.responses`),
+`ROUTES` table: /generate (`asyncrl.api.native`: text or ids, batches, `n`, stop strings and
+ids, log-prob options, SSE), the OpenAI-compatible /v1/* (`asyncrl.api.openai`; /v1/responses
+through `asyncrl.api.responses`),
 /health, /health_generate, /model_info and /server_info (and their deprecated names /get_*),
 /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
 /update_weights_from_distributed, /update_weights_from_disk, /destroy_weights_update_group,
@@ -30,8 +30,8 @@ Where it differs from SGLang, by design of the builtin engine:
 - One request is generated at a time (the engine serialises `generate`); concurrent requests
   queue. It serves tests and small models, not throughput.
 - Requests are bounded beyond the model's context, each a 400 naming the key: `n` (`native.MAX_N`),
-  prompts × `n` (`native.MAX_JOBS`), chat messages (`openai_api.MAX_MESSAGES`); a body over
-  `http.MAX_BODY_BYTES` is a 413, refused unread.
+  prompts × `n` (`native.MAX_JOBS`), chat messages (`openai.MAX_MESSAGES`); a body over
+  `asyncrl.web.threaded.MAX_BODY_BYTES` is a 413, refused unread.
 
 Binds to loopback by default: the API can replace the model's weights and has no auth.
 """
@@ -56,13 +56,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from asyncrl import __version__
+from asyncrl.api import native, openai, responses
+from asyncrl.api.native import Job, Output, Spec
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import TorchEngineConfig
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.httpserve import serve_until_interrupted
-from asyncrl.serve import native, openai_api, responses
-from asyncrl.serve.http import JsonHandler, Stream
-from asyncrl.serve.native import ApiError, Body, Job, Output, Spec
+from asyncrl.web.serving import serve_until_interrupted
+from asyncrl.web.threaded import ApiError, Body, JsonHandler, Stream
 from asyncrl.weights.groups import broadcast_all, join_update_group
 
 log = logging.getLogger(__name__)
@@ -190,19 +190,19 @@ class ServeApp:
     # -- OpenAI ----------------------------------------------------------------------------------
 
     def v1_models(self, body: Body) -> Any:
-        return openai_api.models(self.model_path)
+        return openai.models(self.model_path)
 
     def v1_completions(self, body: Body) -> Any:
-        return self._openai(openai_api.parse_completion(body, self.model))
+        return self._openai(openai.parse_completion(body, self.model))
 
     def v1_chat_completions(self, body: Body) -> Any:
-        return self._openai(openai_api.parse_chat(body, self.model))
+        return self._openai(openai.parse_chat(body, self.model))
 
     def v1_responses(self, body: Body) -> Any:
         return responses.respond(body, self.v1_chat_completions)
 
-    def _openai(self, req: openai_api.OpenAIRequest) -> Any:
-        out = openai_api.reply(req, self.run(req.jobs), self.model, self.model_path)
+    def _openai(self, req: openai.OpenAIRequest) -> Any:
+        out = openai.reply(req, self.run(req.jobs), self.model, self.model_path)
         return Stream(out) if req.stream else out
 
     def flush_cache(self, body: Body) -> str:

@@ -1,12 +1,24 @@
-"""The task an episode runs, with its environment, built from config: the one place that
-names task and environment classes (the `match` on each config's `type`). Roles and tools call
-`build_task`; the seams it builds from (`tasks.base`, `environments.base`) name no member."""
+"""The task an episode runs, with its environment or its agent, built from config: the one place
+that names task, environment and agent classes (the `match` on each config's `type`). Roles and
+tools call `build_task` (and `build_agent`); the seams it builds from (`tasks.base`,
+`environments.base`, `agents.base`) name no member."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, assert_never
 
+from asyncrl.agents.command import CommandAgent
+from asyncrl.agents.config import (
+    AgentConfig,
+    CommandAgentConfig,
+    PythonAgentConfig,
+    RemoteAgentConfig,
+    VerifiersConfig,
+)
+from asyncrl.agents.python import PythonAgent
+from asyncrl.agents.remote import RemoteAgent
+from asyncrl.agents.verifiers import VerifiersAgent
 from asyncrl.environments.client import RemotePool
 from asyncrl.environments.config import (
     EnvironmentConfig,
@@ -43,6 +55,7 @@ from asyncrl.tasks.verifiers import VerifiersTask
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from asyncrl.agents.base import Agent
     from asyncrl.environments.base import EnvironmentFactory
 
 
@@ -121,3 +134,18 @@ def build_prompt(
     if not isinstance(cfg, ToolEnvironmentConfig):
         return None
     return tool_prompt(cfg, tokenizer)
+
+
+def build_agent(cfg: AgentConfig | VerifiersConfig) -> Agent:
+    """The agent of `cfg` (`tasks.config.agent_of` finds a task's)."""
+    match cfg:
+        case PythonAgentConfig():
+            return PythonAgent(cfg)
+        case CommandAgentConfig():
+            return CommandAgent(cfg)
+        case RemoteAgentConfig():
+            return RemoteAgent(cfg)
+        case VerifiersConfig():
+            return VerifiersAgent(cfg)
+        case _:
+            assert_never(cfg)

@@ -6,9 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from asyncrl.agents.config import AgentConfig, VerifiersConfig
 from asyncrl.configbase import PluginConfig, Section
 from asyncrl.environments.config import EnvironmentConfig
-from asyncrl.gateway.config import AgentConfig, AgentLimits
 from asyncrl.plugins import call_shape, check_signature, factory_kwargs, load_object
 
 
@@ -292,7 +292,7 @@ class ReasoningGymTaskConfig(Section):
     See docs/agents.md."""
 
 
-class VerifiersTaskConfig(AgentLimits):
+class VerifiersTaskConfig(VerifiersConfig):
     """A verifiers environment (prime-rl's library, `verifiers>=0.4,<0.5`) trained as it is: its
     taskset's tasks are the items, each episode runs through verifiers' own machinery
     (`Env.run_slot`, its harness and interception server) in a runner process of the
@@ -300,49 +300,6 @@ class VerifiersTaskConfig(AgentLimits):
     what the engine sampled; the reward is the rubric's (`Trace.reward`). Held-out evaluation
     runs the eval split the same way. See docs/tutorials/verifiers.md. The limits (`timeout_s`,
     `max_calls`, `max_tokens`) are an agent's, per episode."""
-
-    type: Literal["verifiers"] = "verifiers"
-    """Task backend."""
-
-    env: str = Field(min_length=1)
-    """The environment: a taskset id as verifiers resolves it, i.e. an importable package
-    (installed in `python`'s venv, or found on `python_path`) exporting its `vf.Taskset`
-    (and optionally an `Env`) via `__all__`."""
-
-    python: str
-    """Interpreter of the venv verifiers is installed in (`pip install 'asyncrl[verifiers]'`
-    there): verifiers 0.4 needs `openai<3`, the Agents SDK `openai>=3`, so it is a venv of its
-    own. Checked when a role starts."""
-
-    python_path: list[str] = Field(default_factory=list)
-    """Directories put first on the runner's `sys.path` (a local environment package's parent)."""
-
-    env_args: dict[str, Any] = Field(default_factory=dict)
-    """verifiers' own env config (what `--env.*` sets on `vf-eval`): e.g. `{taskset: {num_tasks:
-    50}, agent: {max_turns: 4}}`; `taskset.id` is `env`."""
-
-    runtime: str = "subprocess"
-    """Where the harness program runs (verifiers' `agent.runtime.type`): `subprocess`, the
-    local machine (verifiers' own default is `prime`, a hosted sandbox that needs a login), or
-    `docker`, `podman`, `prime`, ... as verifiers knows them."""
-
-    train_select: dict[str, Any] = Field(default_factory=dict)
-    """The train split: verifiers' `SelectConfig` over the taskset (`include`/`exclude` by
-    `idx` ranges, ids or names, `shuffle`, `seed`, `skip`, `limit`), e.g. `{exclude: {idx:
-    ["0:20"]}}`; {}: every task."""
-
-    eval_select: dict[str, Any] | None = None
-    """The held-out split, the same way (e.g. `{include: {idx: ["0:20"]}}`); None: none."""
-
-    traces_dir: str | None = None
-    """Where every episode is also saved as verifiers saves an eval's (`traces.jsonl`, by its
-    own writer; a subdirectory per runner process): the messages, rewards and errors verifiers
-    saw. None: not saved. The ids and log-probs trained on are the gateway's, never these."""
-
-    @property
-    def agent(self) -> "VerifiersTaskConfig":
-        """The task is its own agent: its episodes run through the gateway like one."""
-        return self
 
     @property
     def environment(self) -> None:
@@ -359,3 +316,15 @@ TaskConfig = Annotated[
     | VerifiersTaskConfig,
     Field(discriminator="type"),
 ]
+
+
+def agent_of(task: TaskConfig) -> AgentConfig | VerifiersConfig | None:
+    """The agent a task's episodes run, by the task's type: its `agent` key, or the task itself
+    (a verifiers environment is its own agent); None: its episodes are its own."""
+    match task:
+        case VerifiersTaskConfig():
+            return task
+        case AgenticTaskConfig():
+            return None
+        case _:
+            return task.agent

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgpack
 
+from asyncrl.episodes.base import EpisodeFailed
 from asyncrl.plugins import load_object
 from asyncrl.reasons import GroupReason
 
@@ -39,14 +40,10 @@ _DETAIL_CHARS = 2000
 _EXIT_WAIT_S = 5.0  # a child that died by itself is reaped a moment after its pipe closes
 
 
-class RewardFailure(Exception):
+class RewardFailure(EpisodeFailed):
     """A reward call that produced no usable number; `reason` is `GroupReason.REWARD_ERROR`,
-    `REWARD_TIMEOUT` or `REWARD_INVALID` (the group's dead-letter reason)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+    `REWARD_TIMEOUT` or `REWARD_INVALID` (the group's dead-letter reason), wherever it was
+    called (the scheduler's score, an environment's step)."""
 
 
 def unsendable(kwargs: dict[str, Any]) -> str | None:

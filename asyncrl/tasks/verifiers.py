@@ -1,5 +1,5 @@
 """verifiers environments as tasks (`task.type: verifiers`): the items are the taskset's tasks,
-read once per role by a verifiers runner (`asyncrl.gateway.verifiers`) from the train and eval
+read once per role by a verifiers runner (`asyncrl.agents.verifiers`) from the train and eval
 selections; an item's `answer` is the task's wire data, from which the runner rebuilds the task
 of each episode, as verifiers' own env server does. Episodes and rewards are the runner's:
 the task scores no text itself.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncrl.gateway.verifiers import list_tasks, runner_env
+from asyncrl.agents.verifiers import list_tasks, runner_env
 from asyncrl.items import PromptItem
 from asyncrl.tasks.base import LazyItems, encode_prompt, epoch_order, use_chat
 from asyncrl.tasks.config import TaskConfig, VerifiersTaskConfig

@@ -1,6 +1,7 @@
-"""OpenAI-compatible `/v1/models`, `/v1/completions` and `/v1/chat/completions` for `asyncrl serve`.
+"""OpenAI-compatible `/v1/models`, `/v1/completions` and `/v1/chat/completions`: `asyncrl serve`'s,
+and the agent gateway's chat (its prompts planned by the session's transcript).
 
-Requests become the same jobs as SGLang's native `/generate` (`asyncrl.serve.native`), with
+Requests become the same jobs as SGLang's native `/generate` (`asyncrl.api.native`), with
 OpenAI's names mapped onto SGLang's (`max_tokens` → `max_new_tokens`, `min_tokens` →
 `min_new_tokens`) and SGLang's extensions accepted as its OpenAI server does (`top_k`,
 `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`). Chat prompts are made
@@ -23,10 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from asyncrl.environments.tools import OPEN, ToolCall, parse_tool_calls
-from asyncrl.serve.native import (
-    ApiError,
-    Body,
+from asyncrl.api.native import (
     Job,
     Logprobs,
     Model,
@@ -39,6 +37,8 @@ from asyncrl.serve.native import (
     request_id,
     typed,
 )
+from asyncrl.environments.tools import OPEN, ToolCall, parse_tool_calls
+from asyncrl.web.threaded import ApiError, Body
 
 COMMON_KEYS = {
     "model",

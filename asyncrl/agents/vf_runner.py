@@ -2,7 +2,7 @@
 asyncrl's, so it imports nothing of asyncrl: only the standard library and `verifiers.v1`.
 
 One long-lived process per rollout worker (and one per held-out evaluation), started as
-`PYTHON -c RUN vf_runner.py SPEC` (`asyncrl.gateway.verifiers.runner_argv`), SPEC a JSON map
+`PYTHON -c RUN vf_runner.py SPEC` (`asyncrl.agents.verifiers.runner_argv`), SPEC a JSON map
 (`env`, `python_path`, `env_args`, `runtime`, `splits`, `traces_dir`). It loads the
 environment once (`load_environment`, verifiers' own path for every construction site),
 enters `env.serving()` (its interception server) once, then

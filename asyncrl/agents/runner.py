@@ -19,7 +19,7 @@ else the task's). An error is `{"error": reason, "detail": text}`: 500 with `age
 `timeout_s` (then it is stopped: a command's process group killed); 400 for a request that does
 not fit, 401 without the token, 503 with `unavailable` when `--max-episodes` run already.
 
-Authentication and limits are `asyncrl env-server`'s (`asyncrl.environments.httpd`): a shared
+Authentication and limits are `asyncrl env-server`'s (`asyncrl.web.aio`): a shared
 secret from `--token-env` (default `ASYNCRL_AGENT_SERVER_TOKEN`) or `--token-file` on every
 request but `/health` and `/metrics`; without one the server binds to loopback only.
 """
@@ -38,18 +38,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from asyncrl import __version__
-from asyncrl.environments.httpd import HTTPServer, Limits, Refused, Reply, Request, error_body
-from asyncrl.environments.server import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_READ_TIMEOUT_S,
-    check_host,
-    read_token,
-)
-from asyncrl.gateway.agents import LocalAgent, bounded
-from asyncrl.gateway.config import CommandAgentConfig, PythonAgentConfig
-from asyncrl.gateway.outcome import AgentFailure, reward_of
-from asyncrl.httpserve import serve_until_interrupted
+from asyncrl.agents.base import AgentFailure
+from asyncrl.agents.command import CommandAgent
+from asyncrl.agents.config import CommandAgentConfig, PythonAgentConfig
+from asyncrl.agents.episode import bounded, reward_of
+from asyncrl.agents.python import PythonAgent
+from asyncrl.web.aio import HTTPServer, Refused, Reply, Request, bind, error_body
+from asyncrl.web.auth import token_of
+from asyncrl.web.serving import serve_until_interrupted
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +57,11 @@ class AgentRunner:
     """One agent's episodes, served as protocol v1 (the HTTP server's app)."""
 
     def __init__(self, cfg: PythonAgentConfig | CommandAgentConfig, max_episodes: int) -> None:
-        self.agent = LocalAgent(cfg)
-        self.what = cfg.path if cfg.type == "python" else " ".join(cfg.argv)
+        self.agent: PythonAgent | CommandAgent
+        if isinstance(cfg, PythonAgentConfig):
+            self.agent, self.what = PythonAgent(cfg), cfg.path
+        else:
+            self.agent, self.what = CommandAgent(cfg), " ".join(cfg.argv)
         self.max_episodes = max_episodes
         self.episodes = 0
 
@@ -133,9 +132,7 @@ def make_server(
     max_episodes: int = 256,
 ) -> HTTPServer:
     """The runner of `cfg`'s agent, bound; off loopback only with a token (ValueError)."""
-    check_host(host, token, TOKEN_ENV)
-    limits = Limits(token, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S)
-    return HTTPServer(AgentRunner(cfg, max_episodes), host, port, limits, DEFAULT_MAX_CONNECTIONS)
+    return bind(AgentRunner(cfg, max_episodes), host, port, token, TOKEN_ENV)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -154,10 +151,7 @@ def main(args: argparse.Namespace) -> int:
             cfg = PythonAgentConfig(path=args.agent, kwargs=kwargs, python_path=python_path)
         else:
             cfg = CommandAgentConfig(type="command", argv=argv)
-        try:
-            token = read_token(args.token_file, args.token_env)
-        except OSError as exc:
-            raise ValueError(f"--token-file {args.token_file}: {exc.strerror}") from None
+        token = token_of(args.token_file, args.token_env, "--token-file")
         httpd = make_server(cfg, args.host, args.port, token, args.max_episodes)
     except ValidationError as exc:  # the agent does not import or take the call
         print(f"asyncrl agent-server: {exc.errors()[0]['msg']}", file=sys.stderr)

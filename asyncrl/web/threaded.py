@@ -1,6 +1,7 @@
-"""The JSON-over-HTTP plumbing `asyncrl serve` and the agent gateway (`asyncrl.gateway`) share:
-a request's JSON body read within a bound, a reply as JSON, text or server-sent events, errors
-in OpenAI's shape under /v1 and SGLang's elsewhere. A subclass says what a path does (`route`)."""
+"""JSON over the standard library's threaded HTTP server, which `asyncrl serve` and the agent
+gateway (`asyncrl.gateway`) run on: a request's JSON body read within a bound, a reply as JSON,
+text or server-sent events, errors (`ApiError`) in OpenAI's shape under /v1 and SGLang's
+elsewhere. A subclass says what a path does (`route`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,25 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from asyncrl.serve.native import ApiError, Body
-
 log = logging.getLogger(__name__)
+
+Body = dict[str, Any]
+"""A request's JSON object."""
 
 MAX_BODY_BYTES = 32 << 20
 """The largest request body read: a batch of long prompts fits many times over (weights never
 travel in a body), and parsing one costs a few hundred MB at most."""
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP 400 (or `status`); `param` names the offending key."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
 
 
 class Stream:

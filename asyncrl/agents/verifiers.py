@@ -1,5 +1,5 @@
 """verifiers environments' episodes (`task.type: verifiers`), run by the verifiers runner
-(`asyncrl/gateway/vf_runner.py`) in the verifiers venv.
+(`asyncrl/agents/vf_runner.py`) in the verifiers venv.
 
 Why a process of its own with JSON lines over pipes, not `asyncrl agent-server`: the runner
 lives in another venv (verifiers 0.4 needs `openai<3`), so it cannot import asyncrl, and an
@@ -26,14 +26,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.gateway.command import die_with_parent, kill_group
-from asyncrl.gateway.outcome import AgentFailure
+from asyncrl.agents.base import AgentFailure
+from asyncrl.agents.command import die_with_parent, kill_group
 from asyncrl.reasons import GroupReason
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from asyncrl.tasks.config import VerifiersTaskConfig
+    from asyncrl.agents.config import VerifiersConfig
 
 RUNNER = Path(__file__).with_name("vf_runner.py")
 _LINE_LIMIT = 1 << 26
@@ -42,7 +40,7 @@ _REAP_S = 5.0
 """Seconds `shutdown` waits for the killed runner to be reaped."""
 
 
-def runner_argv(cfg: VerifiersTaskConfig) -> list[str]:
+def runner_argv(cfg: VerifiersConfig) -> list[str]:
     spec = {
         "env": cfg.env,
         "python_path": [str(Path(p).resolve()) for p in cfg.python_path],
@@ -57,14 +55,14 @@ def runner_argv(cfg: VerifiersTaskConfig) -> list[str]:
     return [cfg.python, "-c", run, str(RUNNER), json.dumps(spec)]
 
 
-def runner_env(cfg: VerifiersTaskConfig) -> dict[str, str]:
+def runner_env(cfg: VerifiersConfig) -> dict[str, str]:
     """The worker's environment with the venv's `bin` first on PATH: verifiers runs harness
     scripts with `uv`, which it reuses from PATH (installing none) when the venv has it."""
     bin_dir = str(Path(cfg.python).absolute().parent)  # not resolve(): a venv links its python
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def list_tasks(cfg: VerifiersTaskConfig, timeout_s: float = 600) -> dict[str, list[Any]]:
+def list_tasks(cfg: VerifiersConfig, timeout_s: float = 600) -> dict[str, list[Any]]:
     """Each split's tasks (`idx`, `prompt`, `data`; "eval" only with `eval_select`), read by
     one runner started for them; ValueError, one line naming the key, when verifiers cannot
     load the environment."""
@@ -95,9 +93,9 @@ def list_tasks(cfg: VerifiersTaskConfig, timeout_s: float = 600) -> dict[str, li
 
 
 class VerifiersAgent:
-    """A worker's runner process and the episodes it runs (an agent of `asyncrl.gateway.agents`)."""
+    """A worker's runner process and the episodes it runs (an agent of `asyncrl.agents.base`)."""
 
-    def __init__(self, cfg: VerifiersTaskConfig) -> None:
+    def __init__(self, cfg: VerifiersConfig) -> None:
         self.cfg = cfg
         self._proc: asyncio.subprocess.Process | None = None
         self._waiting: dict[int, tuple[asyncio.subprocess.Process, asyncio.Future[Any]]] = {}
@@ -107,13 +105,7 @@ class VerifiersAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
 
-    async def run(
-        self,
-        given: dict[str, Any],
-        base_url: str,
-        api_key: str,
-        started: Callable[[int], None] = lambda pid: None,
-    ) -> Any:
+    async def run(self, given: dict[str, Any], base_url: str, api_key: str) -> Any:
         """The episode's rubric reward; `AgentFailure` when verifiers failed it or the runner
         died under it."""
         proc = await self._runner()

@@ -1,5 +1,5 @@
-"""The HTTP/1.1 server `asyncrl env-server` runs on: written for its own client (and httpx),
-hardened against every other, on one asyncio event loop.
+"""The asyncio HTTP/1.1 server `asyncrl env-server` and `asyncrl agent-server` run on: written for
+their own clients (and httpx), hardened against every other, on one asyncio event loop.
 
 It reads requests with keep-alive and `Content-Length` bodies, enough for those clients and no
 general server. What one request may cost is bounded (`Limits`): a request must arrive whole
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hmac
 import json
 import logging
 import math
@@ -28,7 +27,13 @@ import time
 from http import HTTPStatus
 from typing import Any, NamedTuple, Protocol
 
+from asyncrl.web.auth import Token, check_host
+
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_READ_TIMEOUT_S = 30.0
 
 # A pooled connection idle for this long is closed; clients reuse one only well within it.
 KEEP_ALIVE_S = 120.0
@@ -121,15 +126,13 @@ class Limits:
     """What one request may cost the server: a shared secret, a body size, read deadlines."""
 
     def __init__(self, token: str | None, max_body_bytes: int, read_timeout_s: float) -> None:
-        self.token = f"Bearer {token}".encode() if token else None
+        self.token = Token(token)
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
         self.large_bodies = asyncio.Semaphore(_LARGE_BODIES_AT_ONCE)
 
     def authorized(self, headers: dict[str, str]) -> bool:
-        if self.token is None:
-            return True
-        return hmac.compare_digest(headers.get("authorization", "").encode(), self.token)
+        return self.token.admits(headers.get("authorization"))
 
 
 class _Deadline:
@@ -374,6 +377,23 @@ class HTTPServer:
             async with asyncio.timeout(1.0):
                 while await reader.read(_MAX_HEAD_BYTES):
                     pass
+
+
+def bind(
+    app: App,
+    host: str,
+    port: int,
+    token: str | None,
+    token_env: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+) -> HTTPServer:
+    """`app` served on `host:port`, bound; off loopback only with a token (ValueError naming
+    `token_env`): nothing beyond this host may reach it unauthenticated."""
+    check_host(host, token, token_env)
+    limits = Limits(token, max_body_bytes, read_timeout_s)
+    return HTTPServer(app, host, port, limits, max_connections)
 
 
 def _fd_limit() -> int:

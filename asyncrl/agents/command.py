@@ -16,11 +16,10 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncrl.gateway.config import CommandAgentConfig
+    from asyncrl.agents.config import CommandAgentConfig
 
 _TAIL_CHARS = 600
 """Of an agent's stderr, the end that a failure's detail carries (whole within a dead
@@ -44,17 +43,23 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+class CommandAgent:
+    def __init__(self, cfg: CommandAgentConfig) -> None:
+        self.cfg = cfg
+
+    async def run(self, item: dict[str, Any], base_url: str, api_key: str) -> Any:
+        return await run_command(self.cfg, item, base_url, api_key)
+
+    def shutdown(self) -> None:
+        return  # each episode's process group ends with its episode
+
+
 async def run_command(
-    cfg: CommandAgentConfig,
-    item: dict[str, Any],
-    base_url: str,
-    api_key: str,
-    started: Callable[[int], None],
+    cfg: CommandAgentConfig, item: dict[str, Any], base_url: str, api_key: str
 ) -> Any:
     """Run the agent once for `item`; its last stdout line parsed as JSON (None for no
-    output). `started(pid)` is
-    told its process group as soon as it exists; the group is killed when this returns or is
-    cancelled (a timeout, the worker stopping)."""
+    output). Its process group is killed when this returns or is cancelled (the episode
+    given up: a timeout, its group failed, the worker stopping)."""
     given = json.dumps(item)
     env = {
         **os.environ,
@@ -73,7 +78,6 @@ async def run_command(
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
-    started(proc.pid)
     try:
         out, err = await proc.communicate(given.encode())
     finally:

@@ -5,7 +5,7 @@ request in other words: `instructions` is a system turn, `input` items are turns
 items with text parts, `function_call` items are an assistant turn's tool calls,
 `function_call_output` items `tool` turns), `tools` are function tools with their schema one
 level up. So `to_chat` rewrites the request into a Chat Completions body, the one chat layer
-(`asyncrl.serve.openai_api`) renders, generates and parses tool calls, and `from_chat` /
+(`asyncrl.api.openai`) renders, generates and parses tool calls, and `from_chat` /
 `stream_events` rewrite its reply or its SSE chunks into a `Response` object or Responses
 stream events. Whatever the chat layer records (the gateway's token-exact capture) is recorded
 the same way for both APIs.
@@ -28,8 +28,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from asyncrl.serve.http import Stream
-from asyncrl.serve.native import ApiError, Body, refuse_unknown, typed
+from asyncrl.api.native import refuse_unknown, typed
+from asyncrl.web.threaded import ApiError, Body, Stream
 
 KEYS = {
     "model",

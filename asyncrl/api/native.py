@@ -1,4 +1,5 @@
-"""SGLang 0.5.23's `/generate` for `asyncrl serve`: requests parsed into jobs, replies and SSE.
+"""SGLang 0.5.23's `/generate` (`asyncrl serve`): requests parsed into jobs, replies and SSE; the
+jobs, outputs and model facts the OpenAI layer (`asyncrl.api.openai`) builds on too.
 
 Field names and shapes follow SGLang's `GenerateReqInput` and `SamplingParams`
 (`srt/managers/io_struct.py`, `srt/sampling/sampling_params.py`) and the reply its tokenizer
@@ -26,15 +27,13 @@ import base64
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from http import HTTPStatus
 from typing import Any
 
 import torch
 
 from asyncrl.engines.base import Generation
 from asyncrl.engines.config import SamplingParams
-
-Body = dict[str, Any]
+from asyncrl.web.threaded import ApiError, Body
 
 GENERATE_KEYS = {
     "text",
@@ -103,17 +102,6 @@ MAX_N = 128
 MAX_JOBS = 1024
 """The most generations (prompts × `n`) one request may ask for: a request's jobs are held, and
 those of one sampling generated as one batch, until all are done."""
-
-
-class ApiError(Exception):
-    """A request the server refuses: HTTP 400 (or `status`); `param` names the offending key."""
-
-    def __init__(
-        self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST
-    ) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
 
 
 def refuse_unknown(body: Body, known: set[str], neutral: dict[str, Any], where: str) -> None:

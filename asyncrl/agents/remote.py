@@ -1,6 +1,6 @@
 """The rollout worker's side of `asyncrl agent-server` (`task.agent.type: remote`): an episode
 is one `POST /v1/episodes` to one runner, which runs its agent against the episode's gateway
-session and answers its reward (protocol: `asyncrl.gateway.runner`).
+session and answers its reward (protocol: `asyncrl.agents.runner`).
 
 New episodes go round `urls`. A runner that cannot be reached, or answers 503 (full, stopping),
 has not begun the episode: the next is tried, and the round again after a pause, until one
@@ -18,16 +18,14 @@ import itertools
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from asyncrl.environments.server import read_token
-from asyncrl.gateway.outcome import AgentFailure
+from asyncrl.agents.base import AgentFailure
 from asyncrl.reasons import GroupReason
+from asyncrl.web.auth import token_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    import httpx
 
-    from asyncrl.gateway.config import RemoteAgentConfig
+    from asyncrl.agents.config import RemoteAgentConfig
 
 _AGENT_REASONS = {r.value: r for r in GroupReason if r.value.startswith("agent_")}
 _DETAIL_CHARS = 600
@@ -40,22 +38,15 @@ class RemoteAgent:
 
     def __init__(self, cfg: RemoteAgentConfig) -> None:
         self.cfg = cfg
-        try:
-            token = read_token(cfg.token_file, cfg.token_env)
-        except OSError as exc:
-            raise ValueError(f"task.agent.token_file {cfg.token_file}: {exc.strerror}") from None
+        token = token_of(cfg.token_file, cfg.token_env, "task.agent.token_file")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._turn = itertools.count()
         self._client: httpx.AsyncClient | None = None
 
-    async def run(
-        self,
-        given: dict[str, Any],
-        base_url: str,
-        api_key: str,
-        started: Callable[[int], None] | None = None,
-    ) -> Any:
+    async def run(self, given: dict[str, Any], base_url: str, api_key: str) -> Any:
         """What the runner's agent returned for `given`; `AgentFailure` by reason."""
+        import httpx  # late: a worker without remote agents never needs it
+
         if self._client is None:  # made on the loop the episodes run on
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(None, connect=self.cfg.connect_timeout_s),
@@ -85,6 +76,8 @@ class RemoteAgent:
     ) -> tuple[str, httpx.Response] | None:
         """Once round the runners from the next one's turn: the first that takes the episode,
         and its reply once the episode ended; None when none did (each noted in `refused`)."""
+        import httpx
+
         assert self._client is not None
         urls = self.cfg.urls
         first = next(self._turn)
