@@ -51,7 +51,7 @@ def held_out_reward(
     item must not stop training, and a zero would read as a wrong answer. None when every item
     failed (or there were none): there is no figure to report then."""
     episodes: EpisodeScheduler[int] = EpisodeScheduler(
-        engine, task, tokenizer, params, max_context=max_context, agents=agents
+        engine, task, tokenizer, params, max_context=max_context, kind=agents
     )
     rewards: list[float] = []
     try:

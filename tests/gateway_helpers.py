@@ -114,7 +114,7 @@ def config_scheduler(
     agents = AgentEpisodes(build_agent(cfg), cfg, gateway)
     task = ExactTask(tokenizer)
     sched: EpisodeScheduler[str] = EpisodeScheduler(
-        engine, task, tokenizer, params, agents=agents, **scheduler
+        engine, task, tokenizer, params, kind=agents, **scheduler
     )
     return sched, gateway
 

@@ -300,7 +300,7 @@ def test_a_runner_killed_mid_episode_fails_its_group_and_is_restarted(
         task,
         tokenizer,
         SamplingParams(max_new_tokens=6),
-        agents=AgentEpisodes(build_agent(cfg), cfg, gateway),
+        kind=AgentEpisodes(build_agent(cfg), cfg, gateway),
     )
     deadline = time.monotonic() + 400
     try:

@@ -90,7 +90,7 @@ def gateway(
         _NoTask(),
         tokenizer,
         params,
-        agents=AgentEpisodes(build_agent(cfg), cfg, gw),
+        kind=AgentEpisodes(build_agent(cfg), cfg, gw),
     )
     try:
         sched.start("b", PromptItem("b", json.dumps(MESSAGES), [1], None), 1, "b")

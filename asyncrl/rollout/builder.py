@@ -163,7 +163,7 @@ def build_episodes(
         on_generate=on_generate,
         on_env_error=lambda reason: metrics.environment_errors[reason].inc(),
         on_tool_calls=lambda outcome, n: metrics.tool_calls[outcome].inc(n),
-        agents=build_agents(rt, tokenizer, model_dir),
+        kind=build_agents(rt, tokenizer, model_dir),
     )
 
 

@@ -71,16 +71,18 @@ class EpisodeScheduler(Generic[T]):
         on_generate: Callable[[GenerateCall], None] | None = None,
         on_env_error: Callable[[str], None] | None = None,
         on_tool_calls: Callable[[str, int], None] | None = None,
-        agents: EpisodeKind | None = None,
+        kind: EpisodeKind | None = None,
     ) -> None:
+        """`kind`: the episodes' when not the task's own (an agent's); None: an environment's
+        for an `EpisodicTask`, else one turn."""
         self._task, self._tokenizer = task, tokenizer
         self._sampling, self._max_context = sampling, max_context  # every turn's bounds
         self._batch_wait_s = batch_wait_s
         self._on_env_error = on_env_error
         self._envs: EnvironmentLoop[_Key] = EnvironmentLoop()
         self._turns: TurnBatcher[_Key] = TurnBatcher(engine, on_generate)
-        self._kind = agents
-        if agents is None and isinstance(task, EpisodicTask):
+        self._kind = kind
+        if kind is None and isinstance(task, EpisodicTask):
             self._kind = EnvironmentEpisodes(
                 task.environment, tokenizer, self._envs.close_env, on_tool_calls
             )
