@@ -3,9 +3,10 @@ agents never idles the engine. `start` begins a group: one-turn episodes (a plai
 turns of the generating thread alone (one generate, one score, inline, no event loop), others
 as coroutines of their kind (`EpisodeKind`: `asyncrl.episodes.environment`,
 `asyncrl.agents.episode`) on the environments' loop (`env_loop`), awaiting their turns from the
-batcher (`turns`). `advance` takes back what the loop handed over (turns, scores, ended
-episodes), makes one engine call per sampling over the ready turns (which wait up to
-`batch_wait_s` for episodes away, to share it) and hands back the groups that ended.
+batcher (`turns`; their scores come from a thread of their own). `advance` takes back what the
+loop handed over (turns, ended episodes), makes one engine call per sampling over the ready
+turns (which wait up to `batch_wait_s` for episodes away, to share it) and hands back the
+groups that ended.
 
 The rule, kept by every `advance`:
 
@@ -39,7 +40,7 @@ from asyncrl.rollout.groups import STALE, FailedGroup, FinishedGroup, Group
 from asyncrl.rollout.turns import (
     EpisodeTurns,
     GenerateCall,
-    Score,
+    Scorer,
     Turn,
     TurnBatcher,
     answer,
@@ -80,6 +81,7 @@ class EpisodeScheduler(Generic[T]):
         self._batch_wait_s = batch_wait_s
         self._on_env_error = on_env_error
         self._envs: EnvironmentLoop[_Key] = EnvironmentLoop()
+        self._scorer = Scorer(task)
         self._turns: TurnBatcher[_Key] = TurnBatcher(engine, on_generate)
         self._kind = kind
         if kind is None and isinstance(task, EpisodicTask):
@@ -108,7 +110,9 @@ class EpisodeScheduler(Generic[T]):
                     return
                 self._turns.add(Turn((group, i), item.prompt_ids, self._sampling))
                 continue
-            turns = EpisodeTurns((group, i), self._envs, self._sampling, self._max_context)
+            turns = EpisodeTurns(
+                (group, i), item, self._envs, self._scorer, self._sampling, self._max_context
+            )
             try:
                 episode = self._kind.episode(turns, item, f"{episode_prefix}/{i}")
             except KeyboardInterrupt:  # Ctrl-C arrives so on this thread: not the task's
@@ -166,6 +170,7 @@ class EpisodeScheduler(Generic[T]):
         if self._kind is not None:
             self._kind.close()
         self._envs.close()
+        self._scorer.close()
 
     def _away(self) -> int:
         """Episodes whose turn may come back soon: at their environments, or agents without a
@@ -177,10 +182,6 @@ class EpisodeScheduler(Generic[T]):
             if isinstance(what, Turn):
                 if not group.failed:
                     self._turns.add(what)
-            elif isinstance(what, Score):
-                reward = self._reward(group, what.text)
-                if reward is not None:
-                    answer(self._envs, [(what.future, reward)])
             elif not group.failed:  # an episode ended
                 group.running -= 1
                 self._running -= 1
@@ -214,19 +215,15 @@ class EpisodeScheduler(Generic[T]):
             return
         for (turn, gen), text in zip(done, texts, strict=True):
             group, index = turn.key
-            reward = None if group.failed else self._reward(group, text)
-            if reward is not None:  # (a sibling's score may have failed the group just now)
-                group.samples[index] = [one_turn_sample(len(group.item.prompt_ids), gen, reward)]
-
-    def _reward(self, group: Group[T], text: str) -> float | None:
-        """The task's score of `text` for `group`'s item; None when its code failed (and with
-        it the group)."""
-        try:
-            with phase("env"):
-                return score(self._task, group.item, text)
-        except EpisodeFailed as exc:
-            self._fail_by(group, exc)
-            return None
+            if group.failed:  # a sibling's score failed just now
+                continue
+            try:
+                with phase("env"):
+                    reward = score(self._task, group.item, text)
+            except EpisodeFailed as exc:
+                self._fail_by(group, exc)
+                continue
+            group.samples[index] = [one_turn_sample(len(group.item.prompt_ids), gen, reward)]
 
     def _fail_by(self, group: Group[T], exc: Exception) -> None:
         """Fail `group` by what an episode of it raised."""

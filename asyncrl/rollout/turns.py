@@ -1,7 +1,8 @@
 """The turn batcher: every turn any episode awaits, generated in batches on the generating thread.
 
 An episode on the environments' loop awaits `EpisodeTurns.generate`: its `Turn` goes to the
-generating thread (`EnvironmentLoop.post`) and waits on a future of the loop. The generating
+generating thread (`EnvironmentLoop.post`) and waits on a future of the loop (its score, where
+the task gives it, goes to a thread of its own: `Scorer`). The generating
 thread `add`s the turns that came, and `run` makes one engine call per sampling — the same
 `max_new_tokens` and stop ids (an agent's call may bound its tokens) — over all of them; what
 each call generated goes back to its episodes' futures in one wakeup of the loop (`answer`), as
@@ -18,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -59,15 +61,6 @@ class Turn(Generic[K]):
     params: SamplingParams
     future: asyncio.Future[Generation] | None = None
     """The episode awaiting it on the loop; None: answered on the generating thread."""
-
-
-@dataclass(eq=False)
-class Score(Generic[K]):
-    """The task's score of an episode's last answer, computed on the generating thread."""
-
-    key: K
-    text: str
-    future: asyncio.Future[float]
 
 
 Generated = Generation | EpisodeFailed
@@ -159,9 +152,8 @@ def _resolve(answers: Sequence[tuple[asyncio.Future[T], T | Exception]]) -> None
 
 
 def score(task: Task, item: PromptItem, text: str) -> float:
-    """The task's score of `text` (on the generating thread); its code's failure as
-    `EpisodeFailed`: a reward's by its own reason, anything else (a `sys.exit()` too) as
-    `task_error`."""
+    """The task's score of `text`; its code's failure as `EpisodeFailed`: a reward's by its own
+    reason, anything else (a `sys.exit()` too) as `task_error`."""
     try:
         return task.score(item, text)
     except EpisodeFailed as exc:  # the user's reward, isolated: its own reason, no trace here
@@ -174,19 +166,40 @@ def score(task: Task, item: PromptItem, text: str) -> float:
         raise EpisodeFailed(GroupReason.TASK_ERROR, describe(exc)) from exc
 
 
+class Scorer:
+    """The task's scores of episodes' last answers, one at a time on a thread of their own: the
+    loop never blocks on a reward, and an episode's end never waits for a generate call."""
+
+    def __init__(self, task: Task) -> None:
+        self._task = task
+        self._thread: ThreadPoolExecutor | None = None
+
+    async def __call__(self, item: PromptItem, text: str) -> float:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="score")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, score, self._task, item, text)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+
+
 class EpisodeTurns(Generic[K]):
-    """One episode's `Turns` (`asyncrl.episodes.base`): its turns and score go to the
-    generating thread with its key."""
+    """One episode's `Turns` (`asyncrl.episodes.base`): its turns go to the generating thread
+    with its key, its score to the scorer."""
 
     def __init__(
         self,
         key: K,
+        item: PromptItem,
         loop: EnvironmentLoop[K],
+        scorer: Scorer,
         sampling: SamplingParams,
         max_context: int | None,
     ) -> None:
-        self._key = key
-        self._loop = loop
+        self._key, self._item = key, item
+        self._loop, self._scorer = loop, scorer
         self.sampling = sampling
         self.max_context = max_context
 
@@ -198,6 +211,4 @@ class EpisodeTurns(Generic[K]):
         return await future
 
     async def score(self, text: str) -> float:
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._loop.post(self._key, Score(self._key, text, future))
-        return await future
+        return await self._scorer(self._item, text)
