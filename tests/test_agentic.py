@@ -4,6 +4,7 @@ across a weight swap, rewards), many episodes in flight behind a slow tool, and 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -466,3 +467,88 @@ def test_groups_with_a_token_older_than_the_bound_are_given_up(
     assert [(f.tag, f.reason) for f in failed] == [("old", "stale")]
     assert sorted(g.tag for g in done) == ["new", "unstarted"] and sched.inflight == 0
     assert closed == 6  # every episode's environment, the given-up group's too
+
+
+CLOSED: list[str] = []
+"""The episodes whose `_OneFailsFast` environment was closed."""
+
+
+class _OneFailsFast:
+    """Episode 0's tool fails at once; every other episode's tool takes a minute."""
+
+    def __init__(self, episode_id: str) -> None:
+        self.episode_id = episode_id
+
+    async def reset(self, item: PromptItem) -> None:
+        return None
+
+    async def step(self, response: str) -> StepResult:
+        if self.episode_id.endswith("/0"):
+            raise ConnectionError("tool down")
+        await asyncio.sleep(60)
+        return StepResult(None, done=True, reward=1.0)
+
+    async def close(self) -> None:
+        CLOSED.append(self.episode_id)
+
+
+class _OneFailsFastTask(ArithmeticTask):
+    def environment(self, item: PromptItem, episode_id: str) -> _OneFailsFast:
+        return _OneFailsFast(episode_id)
+
+
+def test_a_failing_episode_cancels_the_rest_of_its_group_at_once() -> None:
+    """One group, one result: the first failure fails the group, and its other episodes, a
+    minute from their end at their tools, are cancelled there and then, their environments
+    closed, while the scheduler is still running (not when it closes)."""
+    tok = build_tokenizer()
+    task = _OneFailsFastTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
+    CLOSED.clear()
+    sched = answering_one(task, tok)
+    sched.start("g", task.train_items(0, 0)[0], 3, "g")
+    failed = run_until_failed(sched, 10)
+    assert [(f.tag, f.reason) for f in failed] == [("g", "env_error")]
+    deadline = time.monotonic() + 10
+    while len(CLOSED) < 3 and time.monotonic() < deadline:
+        sched.advance(0.05)
+    assert sorted(CLOSED) == ["g/0", "g/1", "g/2"]
+    assert sched.inflight == 0
+    sched.close()
+
+
+class _DoneAtOnce:
+    async def reset(self, item: PromptItem) -> None:
+        return None
+
+    async def step(self, response: str) -> StepResult:
+        return StepResult(None, done=True)  # no reward: the task scores the turn
+
+    async def close(self) -> None:
+        pass
+
+
+SCORED_ON: list[str] = []
+"""The threads `_ScoredWhereTask.score` ran on."""
+
+
+class _ScoredWhereTask(ArithmeticTask):
+    def environment(self, item: PromptItem, episode_id: str) -> _DoneAtOnce:
+        return _DoneAtOnce()
+
+    def score(self, item: PromptItem, response_text: str) -> float:
+        SCORED_ON.append(threading.current_thread().name)
+        return super().score(item, response_text)
+
+
+def test_a_multi_turn_episodes_score_runs_on_a_thread_of_its_own() -> None:
+    """Neither the loop (a reward may block it) nor the generating thread (the engine; an
+    episode's end would wait a generate call for it) runs a multi-turn episode's score."""
+    tok = build_tokenizer()
+    task = _ScoredWhereTask(ArithmeticTaskConfig(eval_size=1, train_size=1), tok)
+    SCORED_ON.clear()
+    sched = answering_one(task, tok)
+    sched.start("g", task.train_items(0, 0)[0], 2, "g")
+    (group,) = run_until_done(sched, 1)
+    sched.close()
+    assert len(group.samples) == 2 and len(SCORED_ON) == 2
+    assert all(name.startswith("score") for name in SCORED_ON)
